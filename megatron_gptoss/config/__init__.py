@@ -1,0 +1,41 @@
+"""Typed configuration: one dataclass per concern, presets as functions, YAML files hold overrides."""
+
+from megatron_gptoss.config.errors import ConfigError
+from megatron_gptoss.config.loader import build_config, config_to_dict, load_config
+from megatron_gptoss.config.model import (
+    MODEL_PRESETS,
+    ModelConfig,
+    gpt_oss_20b,
+    gpt_oss_120b,
+    gpt_oss_demo,
+    gpt_oss_tiny,
+)
+from megatron_gptoss.config.train import (
+    EnvConfig,
+    OptimConfig,
+    ParallelConfig,
+    PPOConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "ConfigError",
+    "EnvConfig",
+    "MODEL_PRESETS",
+    "ModelConfig",
+    "OptimConfig",
+    "PPOConfig",
+    "ParallelConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "build_config",
+    "config_to_dict",
+    "gpt_oss_120b",
+    "gpt_oss_20b",
+    "gpt_oss_demo",
+    "gpt_oss_tiny",
+    "load_config",
+]

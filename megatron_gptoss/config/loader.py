@@ -1,0 +1,63 @@
+"""Build a `TrainConfig` from a YAML file of overrides and `section.field=value` command-line pairs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_gptoss.config.errors import ConfigError
+from megatron_gptoss.config.model import MODEL_PRESETS
+from megatron_gptoss.config.train import TrainConfig
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Defaults <- YAML file <- `a.b=value` overrides. The YAML may name `model.preset` (see MODEL_PRESETS)."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: top level must be a mapping of sections")
+    for item in overrides or []:
+        if "=" not in item or "." not in item.split("=", 1)[0]:
+            raise ConfigError(f"override {item!r} must look like section.field=value")
+        key, value = item.split("=", 1)
+        section, name = key.split(".", 1)
+        raw.setdefault(section, {})[name] = yaml.safe_load(value)
+    return build_config(raw)
+
+
+def build_config(raw: dict[str, Any]) -> TrainConfig:
+    sections = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(raw) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config sections {unknown}; known: {sorted(sections)}")
+    model_raw = dict(raw.get("model", {}))
+    preset = model_raw.pop("preset", "gpt_oss_20b")
+    if preset not in MODEL_PRESETS:
+        raise ConfigError(f"model.preset={preset!r} not in {sorted(MODEL_PRESETS)}")
+    _check_fields("model", MODEL_PRESETS[preset]().__class__, model_raw)
+    parts: dict[str, Any] = {"model": MODEL_PRESETS[preset](**model_raw)}
+    for name, f in sections.items():
+        if name == "model":
+            continue
+        cls = f.default_factory  # type: ignore[misc]
+        values = raw.get(name, {}) or {}
+        _check_fields(name, cls, values)
+        parts[name] = cls(**values)
+    cfg = TrainConfig(**parts)
+    cfg.validate()
+    return cfg
+
+
+def _check_fields(section: str, cls: Any, values: dict[str, Any]) -> None:
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"unknown fields in section {section!r}: {unknown}")
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

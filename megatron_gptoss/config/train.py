@@ -1,0 +1,213 @@
+"""Configuration of everything beside the model: layout, optimizer, PPO, rollout, environment, run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_gptoss.config.errors import ConfigError
+from megatron_gptoss.config.model import ModelConfig
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-tis", "geo-mis")
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout (Megatron names). The product tp x pp x dp must equal the world size."""
+
+    # Tensor model parallel size: attention heads and vocabulary are split across these ranks.
+    tensor_model_parallel_size: int = 1
+    # Pipeline model parallel size: layers are split into this many stages.
+    pipeline_model_parallel_size: int = 1
+    # Virtual pipeline stages per rank (interleaved schedule); 1 means plain 1F1B.
+    virtual_pipeline_model_parallel_size: int = 1
+    # Expert model parallel size: experts are split across these ranks (carved out of dp x tp).
+    expert_model_parallel_size: int = 1
+    # Shard norm/residual activations along the sequence over the tensor-parallel ranks.
+    sequence_parallel: bool = False
+    # Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer / ZeRO-1).
+    use_distributed_optimizer: bool = False
+
+    def validate(self) -> None:
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with fp32 master weights."""
+
+    # Peak learning rate.
+    lr: float = 1e-6
+    # Learning rate reached at the end of the decay.
+    min_lr: float = 0.0
+    # Linear warm-up steps.
+    warmup_steps: int = 0
+    # Schedule after warm-up: "constant" or "cosine".
+    lr_schedule: str = "constant"
+    # AdamW betas and epsilon.
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    # Decoupled weight decay.
+    weight_decay: float = 0.0
+    # Clip the global gradient norm to this value (0 disables clipping).
+    clip_grad: float = 1.0
+
+    def validate(self) -> None:
+        if self.lr < 0:
+            raise ConfigError(f"optim.lr must be >= 0, got {self.lr}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ConfigError(f"optim.lr_schedule={self.lr_schedule!r} not in ('constant', 'cosine')")
+
+
+@dataclass
+class PPOConfig:
+    """Policy loss, advantages and rollout correction."""
+
+    # Lower clip: the ratio is clipped below at 1 - clip_ratio_low.
+    clip_ratio_low: float = 0.2
+    # Upper clip (clip-higher): the ratio is clipped above at 1 + clip_ratio_high.
+    clip_ratio_high: float = 0.28
+    # Dual clip constant c (> 1) bounding the loss of negative-advantage tokens; 0 disables it.
+    clip_ratio_c: float = 3.0
+    # Loss aggregation over the mini-batch.
+    loss_agg_mode: str = "token-mean"
+    # Coefficient of the KL penalty to the reference policy (0: no reference model kept).
+    kl_coef: float = 0.0
+    # KL estimator: "k1" (log ratio) or "k3" (Schulman's unbiased, non-negative).
+    kl_estimator: str = "k3"
+    # Entropy bonus coefficient (the loss subtracts coef x entropy).
+    entropy_coef: float = 0.0
+    # GRPO: divide advantages by the group's reward standard deviation.
+    norm_adv_by_std: bool = True
+    # Epsilon added to the group standard deviation.
+    adv_eps: float = 1e-6
+    # Passes over each rollout batch.
+    ppo_epochs: int = 1
+    # Optimizer steps per rollout batch (the batch is split into this many mini-batches).
+    num_mini_batches: int = 1
+    # Micro-batches per mini-batch (gradient accumulation).
+    num_micro_batches: int = 1
+    # Rollout correction: importance weights between learner old log-probs and rollout log-probs.
+    correction_mode: str = "token-tis"
+    # Truncation threshold (TIS) or upper mask threshold (MIS) of the importance weight.
+    correction_threshold: float = 2.0
+    # Lower mask threshold for MIS variants.
+    correction_threshold_low: float = 0.5
+
+    def validate(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ConfigError(f"ppo.loss_agg_mode={self.loss_agg_mode!r} not in {LOSS_AGG_MODES}")
+        if self.correction_mode not in CORRECTION_MODES:
+            raise ConfigError(f"ppo.correction_mode={self.correction_mode!r} not in {CORRECTION_MODES}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"ppo.kl_estimator={self.kl_estimator!r} not in {KL_ESTIMATORS}")
+        if self.clip_ratio_c and self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"ppo.clip_ratio_c={self.clip_ratio_c} must be > 1 (or 0 to disable dual clip)")
+        for name in ("ppo_epochs", "num_mini_batches", "num_micro_batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"ppo.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation by the rollout engine."""
+
+    # Engine: "embedded" (our model and KV cache) or "vllm".
+    engine: str = "embedded"
+    # Sampling temperature (log-probs are those of logits / temperature).
+    temperature: float = 1.0
+    # Nucleus sampling threshold (1.0 disables it).
+    top_p: float = 1.0
+    # Keep only the k most likely tokens (0 disables it).
+    top_k: int = 0
+    # Maximum generated tokens per response.
+    max_new_tokens: int = 16
+    # Responses sampled per prompt (the GRPO group size).
+    n_samples_per_prompt: int = 8
+    # Prompts per rollout batch.
+    prompts_per_step: int = 16
+    # Size of one weight-sync bucket in MiB.
+    bucket_size_mb: int = 512
+    # Parameter dtype inside the engine: "float32" or "bfloat16".
+    dtype: str = "float32"
+
+    def validate(self) -> None:
+        if self.engine not in ("embedded", "vllm"):
+            raise ConfigError(f"rollout.engine={self.engine!r} not in ('embedded', 'vllm')")
+        if self.temperature <= 0:
+            raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1:
+            raise ConfigError("rollout.n_samples_per_prompt and rollout.prompts_per_step must be >= 1")
+
+
+@dataclass
+class EnvConfig:
+    """The verifiable task."""
+
+    # Task name (see megatron_gptoss.envs.TASKS).
+    name: str = "arithmetic"
+    # Largest operand of the arithmetic task.
+    max_operand: int = 9
+    # Operators used by the arithmetic task.
+    operators: str = "+-"
+    # Held-out prompts for evaluation.
+    eval_size: int = 64
+    # Seed of the prompt stream.
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    """The run: length, precision, logging, checkpoints."""
+
+    # RL steps (one rollout batch each).
+    steps: int = 100
+    # Evaluate every this many steps (0: only at start and end).
+    eval_every: int = 10
+    # Parameter dtype of the learner: "float32" or "bfloat16" (fp32 master weights either way).
+    dtype: str = "float32"
+    # Directory of metrics, plots and checkpoints.
+    output_dir: str = "outputs/run"
+    # Save a checkpoint every this many steps (0: only at the end).
+    save_every: int = 0
+    # Seed of model initialisation and sampling.
+    seed: int = 0
+    # Start from an HF GPT-OSS directory instead of a random initialisation.
+    init_from_hf: str = ""
+    # Torch intra-op threads on the CPU (0 leaves torch's default).
+    num_threads: int = 0
+    # Write TensorBoard events beside the JSONL log.
+    tensorboard: bool = True
+    # Show a progress bar.
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; each component receives only its own part."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        for part in (self.parallel, self.optim, self.ppo, self.rollout):
+            part.validate()
+        if self.run.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"run.dtype={self.run.dtype!r} not in ('float32', 'bfloat16')")

@@ -1,0 +1,25 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_gptoss",
+    version="0.1.0",
+    description="Reinforcement learning of GPT-OSS models with a Megatron-style parallel learner",
+    packages=find_packages(include=["megatron_gptoss", "megatron_gptoss.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "safetensors>=0.4",
+        "pyyaml>=6",
+        "tqdm>=4.60",
+        "numpy>=1.24",
+        "matplotlib>=3.7",
+        "tensorboard>=2.14",
+    ],
+    extras_require={
+        "triton": ["triton>=3.2"],
+        "fa4": ["flash-attn-4==4.0.0b36"],
+        "vllm": ["vllm>=0.11"],
+        "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "transformers>=4.55", "triton>=3.2"],
+    },
+    entry_points={"console_scripts": ["megatron-gptoss-train=megatron_gptoss.train:main"]},
+)
