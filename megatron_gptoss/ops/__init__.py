@@ -1,0 +1,19 @@
+"""Kernels with PyTorch references: sink-aware attention (eager, flex, triton, fa4 backends)."""
+
+from megatron_gptoss.ops.sink_attention import (
+    BACKENDS,
+    AttentionInputError,
+    backend_available,
+    eager_sink_attention,
+    flex_sink_attention,
+    sink_attention,
+)
+
+__all__ = [
+    "BACKENDS",
+    "AttentionInputError",
+    "backend_available",
+    "eager_sink_attention",
+    "flex_sink_attention",
+    "sink_attention",
+]

@@ -1,0 +1,241 @@
+"""Causal attention with per-head sinks (GPT-OSS), one entry point over several backends.
+
+Contract (DESIGN "The sink attention contract"):
+    Z_i = sum_{j visible} exp(s_ij) + exp(sink_h),  O_i = sum_j exp(s_ij - LSE_i) v_j,  LSE_i = log Z_i
+with s_ij = scale * q_i . k_j. Query i sees key j when j <= i, j is in the same document (packed
+input) and, with `window=W`, i - W < j. A row with no visible key returns O = 0 and LSE = sink.
+
+Layouts follow flash-attn: padded q [B, T, Hq, D], k/v [B, T, Hkv, D]; packed q [N, Hq, D], k/v
+[N, Hkv, D] with `cu_seqlens` int32 [docs + 1]. LSE is [B, Hq, T] (padded) or [Hq, N] (packed).
+
+Backends:
+    eager   PyTorch, materialises the [T, T] scores; accumulates in fp32 (fp64 for fp64 inputs). Reference.
+    flex    torch flex_attention with the sink folded in through its log-sum-exp.
+    triton  our fused kernel (megatron_gptoss.ops.triton_sink_attention).
+    fa4     flash-attn-4's CuTe kernels with `learnable_sink` (megatron_gptoss.ops.fa4_sink_attention).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+import torch
+
+BACKENDS = ("eager", "flex", "triton", "fa4")
+
+# Backends implemented in their own modules, imported on first use: name -> (module, function).
+_LAZY_BACKENDS = {
+    "triton": ("megatron_gptoss.ops.triton_sink_attention", "triton_sink_attention"),
+    "fa4": ("megatron_gptoss.ops.fa4_sink_attention", "fa4_sink_attention"),
+}
+
+
+class AttentionInputError(ValueError):
+    """Inputs the sink attention cannot take; the message names the offending argument."""
+
+
+def sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    window: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    backend: str | None = None,
+):
+    """Causal sink attention; returns the output in q's layout (and the natural-log LSE when asked)."""
+    check_inputs(q, k, v, sinks, window=window, cu_seqlens=cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    name = resolve_backend(backend, q)
+    fn = _backend_fn(name)
+    return fn(
+        q,
+        k,
+        v,
+        sinks,
+        window=window,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        softmax_scale=scale,
+        return_lse=return_lse,
+    )
+
+
+def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
+    """`None`/"auto": fa4 then triton on CUDA; on the CPU triton under TRITON_INTERPRET=1, else eager."""
+    if backend not in (None, "auto"):
+        if backend not in BACKENDS:
+            raise AttentionInputError(f"unknown attention backend {backend!r}; choose from {BACKENDS}")
+        return backend
+    if q.is_cuda:
+        for name in ("fa4", "triton"):
+            if backend_available(name, q):
+                return name
+        return "flex"
+    if os.environ.get("TRITON_INTERPRET") == "1" and backend_available("triton", q):
+        return "triton"
+    return "eager"
+
+
+def backend_available(name: str, q: torch.Tensor | None = None) -> bool:
+    """Whether a backend can run here (its module imports and reports support for q's device)."""
+    if name in ("eager", "flex"):
+        return True
+    try:
+        module = importlib.import_module(_LAZY_BACKENDS[name][0])
+    except ImportError:
+        return False
+    supported = getattr(module, "is_supported", None)
+    return bool(supported(q)) if supported is not None else True
+
+
+def _backend_fn(name: str) -> Callable:
+    if name == "eager":
+        return eager_sink_attention
+    if name == "flex":
+        return flex_sink_attention
+    module_name, fn_name = _LAZY_BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise AttentionInputError(f"attention backend {name!r} is not available here: {err}") from err
+    return getattr(module, fn_name)
+
+
+def check_inputs(q, k, v, sinks, *, window=None, cu_seqlens=None) -> None:
+    """Raise AttentionInputError naming the argument when the inputs break the layout contract."""
+    packed = cu_seqlens is not None
+    want = 3 if packed else 4
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            layout = "[total_tokens, heads, head_dim] with cu_seqlens" if packed else "[batch, tokens, heads, dim]"
+            raise AttentionInputError(f"{name} has shape {tuple(t.shape)}; expected {layout}")
+    if k.shape != v.shape:
+        raise AttentionInputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if q.shape[:-2] != k.shape[:-2] or q.shape[-1] != k.shape[-1]:
+        raise AttentionInputError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, tokens or head_dim"
+        )
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hq % hkv:
+        raise AttentionInputError(f"q heads ({hq}) not divisible by kv heads ({hkv})")
+    if sinks.shape != (hq,):
+        raise AttentionInputError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},), one per q head")
+    if window is not None and window < 1:
+        raise AttentionInputError(f"window must be >= 1 (query sees itself), got {window}")
+    if packed:
+        assert cu_seqlens is not None
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise AttentionInputError(
+                f"cu_seqlens must be a 1-D int32 tensor [docs + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
+        total = int(cu_seqlens[-1])
+        if int(cu_seqlens[0]) != 0 or total != q.shape[0]:
+            raise AttentionInputError(
+                f"cu_seqlens must start at 0 and end at total_tokens={q.shape[0]}, "
+                f"got {int(cu_seqlens[0])}..{total}"
+            )
+        if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
+            raise AttentionInputError("cu_seqlens must be non-decreasing")
+
+
+# ------------------------------------------------------------------------------------------------
+# Masks
+def document_ids(cu_seqlens: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per packed token: its document index and its position inside the document (int64)."""
+    starts = cu_seqlens[:-1].long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+    pos = torch.arange(total, device=cu_seqlens.device) - starts[doc]
+    return doc, pos
+
+
+def visibility_mask(tokens: int, window: int | None, cu_seqlens: torch.Tensor | None, device) -> torch.Tensor:
+    """Bool [tokens, tokens]: entry (i, j) is True when query i sees key j."""
+    i = torch.arange(tokens, device=device)[:, None]
+    j = torch.arange(tokens, device=device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= j > i - window
+    if cu_seqlens is not None:
+        doc, _ = document_ids(cu_seqlens.to(device), tokens)
+        allowed &= doc[:, None] == doc[None, :]
+    return allowed
+
+
+# ------------------------------------------------------------------------------------------------
+# Eager reference
+def eager_sink_attention(
+    q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
+):
+    """Reference: scores materialised, softmax with the sink column, fp32 (fp64 for fp64 inputs)."""
+    packed = cu_seqlens is not None
+    if packed:
+        q, k, v = q[None], k[None], v[None]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, tokens, hq, _ = q.shape
+    group = hq // k.shape[2]
+    qf = q.to(compute).transpose(1, 2)
+    kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = (qf @ kf.transpose(-1, -2)) * scale
+    allowed = visibility_mask(tokens, window, cu_seqlens, q.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(compute).view(1, hq, 1, 1)
+    row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+    p = torch.exp(scores - row_max)
+    z = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
+    out = ((p / z) @ vf).transpose(1, 2).to(q.dtype)
+    lse = (row_max + torch.log(z)).squeeze(-1)
+    if packed:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_lse else out
+
+
+# ------------------------------------------------------------------------------------------------
+# flex_attention with the sink folded into its log-sum-exp
+def flex_sink_attention(
+    q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
+):
+    """flex_attention gives O' and LSE' without the sink; with LSE = logaddexp(LSE', sink) the sink-aware
+    output is O' * exp(LSE' - LSE). Differentiable wherever flex_attention is (CUDA; CPU forward only)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    packed = cu_seqlens is not None
+    if packed:
+        q, k, v = q[None], k[None], v[None]
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    batch, tokens, hq, _ = q.shape
+    doc = document_ids(cu_seqlens, tokens)[0] if packed else None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        allowed = kv_idx <= q_idx
+        if window is not None:
+            allowed = allowed & (kv_idx > q_idx - window)
+        if doc is not None:
+            allowed = allowed & (doc[q_idx] == doc[kv_idx])
+        return allowed
+
+    block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device)
+    out, lse = flex_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+        return_lse=True,
+    )
+    lse = lse.float()
+    total = torch.logaddexp(lse, sinks.float().view(1, hq, 1))
+    out = (out.float() * torch.exp(lse - total).unsqueeze(-1)).to(q.dtype).transpose(1, 2)
+    if packed:
+        out, total = out[0], total[0]
+    return (out, total) if return_lse else out
