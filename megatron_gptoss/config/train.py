@@ -165,6 +165,10 @@ class EnvConfig:
     eval_size: int = 64
     # Seed of the prompt stream.
     seed: int = 1234
+    # Seed choosing the held-out evaluation problems (apart from `seed`: runs share one eval set).
+    eval_seed: int = 0
+    # Reward partial credit (eos, well-formed number, closeness) below the 1.0 of an exact answer.
+    partial_credit: bool = True
 
 
 @dataclass

@@ -1,0 +1,92 @@
+"""Streams between our parameters and HF-named tensors, built on the one name table (`names`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from megatron_gptoss.checkpoint.names import Match, from_hf, hf_shapes, match_hf, match_ours, to_hf
+from megatron_gptoss.config import ModelConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint tensor is missing, unexpected or of the wrong shape; the message names it."""
+
+
+def iter_hf_tensors(model: nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, tensor) for every parameter of a single-device model, one parameter at a time.
+    Tensors share memory with the parameters where the layout allows it (detached)."""
+    for name, param in model.named_parameters():
+        yield from to_hf(match_ours(name), param.detach(), config)
+
+
+class HFAssembler:
+    """Collects HF tensors (in any order) and emits (our_name, tensor) as soon as every HF part of a
+    rule has arrived (q, k and v for the fused QKV). Shapes are checked against the config."""
+
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, hf_name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        match = match_hf(hf_name)
+        if match is None:
+            raise CheckpointError(f"unexpected tensor {hf_name!r}: not a GPT-OSS parameter")
+        if match.layer is not None and match.layer >= self.config.num_layers:
+            raise CheckpointError(
+                f"unexpected tensor {hf_name!r}: layer {match.layer} but the model has {self.config.num_layers}"
+            )
+        expected = dict(zip(match.hf, hf_shapes(match, self.config)))[hf_name]
+        if tuple(tensor.shape) != tuple(expected):
+            raise CheckpointError(
+                f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+            )
+        parts = self._pending.setdefault(match.ours, {})
+        if hf_name in parts:
+            raise CheckpointError(f"tensor {hf_name!r} given twice")
+        parts[hf_name] = tensor
+        if len(parts) < len(match.hf):
+            return None
+        del self._pending[match.ours]
+        return match.ours, from_hf(match, [parts[n] for n in match.hf], self.config)
+
+    def missing(self) -> list[str]:
+        """HF names of rules started but not completed."""
+        out = []
+        for ours, parts in self._pending.items():
+            out.extend(n for n in match_ours(ours).hf if n not in parts)
+        return sorted(out)
+
+
+def load_hf_tensors(
+    model: nn.Module, config: ModelConfig, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True
+) -> set[str]:
+    """Copy HF-named tensors into `model`'s parameters in place (dtype converted). Returns the names of
+    our parameters written. With `strict`, every parameter must be written exactly once."""
+    params = dict(model.named_parameters())
+    assembler = HFAssembler(config)
+    written: set[str] = set()
+    with torch.no_grad():
+        for hf_name, tensor in tensors:
+            done = assembler.add(hf_name, tensor)
+            if done is None:
+                continue
+            name, value = done
+            if name not in params:
+                raise CheckpointError(f"tensor {hf_name!r} maps to {name!r}, which the model does not have")
+            params[name].copy_(value)
+            written.add(name)
+    if assembler.missing():
+        raise CheckpointError(f"missing tensors {assembler.missing()}")
+    if strict:
+        absent = sorted(set(params) - written)
+        if absent:
+            hf = [n for a in absent for n in match_ours(a).hf]
+            raise CheckpointError(f"missing tensors {hf}")
+    return written
+
+
+def match_of(name: str) -> Match:
+    return match_ours(name)

@@ -1,0 +1,92 @@
+"""Self-attention of GPT-OSS: fused per-KV-group QKV with the input norm, YaRN RoPE, sinks, window."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model.norm import rms_norm
+from megatron_gptoss.model.rope import apply_rotary
+from megatron_gptoss.ops import sink_attention
+from megatron_gptoss.ops.cached_attention import cached_sink_attention
+
+
+class LayerNormLinear(nn.Module):
+    """RMSNorm followed by a linear layer (Megatron's fused `linear_qkv`): holds
+    `layer_norm_weight` [in], `weight` [out, in] and `bias` [out]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, eps: float, dtype=None, device=None):
+        super().__init__()
+        self.eps = eps
+        self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+
+
+class CoreAttention(nn.Module):
+    """Holds the sinks (`softmax_offset`, one per query head, used in fp32) and calls the kernel."""
+
+    def __init__(self, num_heads: int, window: int | None, backend: str, dtype=None, device=None):
+        super().__init__()
+        self.window = window
+        self.backend = backend
+        self.softmax_offset = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device))
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        backend = None if self.backend == "auto" else self.backend
+        return sink_attention(
+            q,
+            k,
+            v,
+            self.softmax_offset.float(),
+            window=self.window,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            backend=backend,
+        )
+
+
+class SelfAttention(nn.Module):
+    """x [B, T, H] -> [B, T, H]. QKV rows are grouped per KV head: [its q heads, k, v] x head_dim."""
+
+    def __init__(self, config: ModelConfig, layer: int, dtype=None, device=None):
+        super().__init__()
+        c = config
+        self.num_heads, self.num_groups, self.head_dim = c.num_attention_heads, c.num_query_groups, c.head_dim
+        self.heads_per_group = self.num_heads // self.num_groups
+        qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        self.linear_qkv = LayerNormLinear(c.hidden_size, qkv_out, c.add_bias_linear, c.norm_epsilon, dtype, device)
+        self.core_attention = CoreAttention(self.num_heads, c.window_of(layer), c.attention_backend, dtype, device)
+        self.linear_proj = nn.Linear(
+            self.num_heads * self.head_dim, c.hidden_size, bias=c.add_bias_linear, dtype=dtype, device=device
+        )
+        self.layer = layer
+
+    def split_qkv(self, qkv: torch.Tensor):
+        """[..., (q + 2kv) d] grouped per KV head -> q [..., Hq, d], k [..., Hkv, d], v [..., Hkv, d]."""
+        lead = qkv.shape[:-1]
+        r, d = self.heads_per_group, self.head_dim
+        grouped = qkv.view(*lead, self.num_groups, r + 2, d)
+        q = grouped[..., :r, :].reshape(*lead, self.num_groups * r, d)
+        return q, grouped[..., r, :], grouped[..., r + 1, :]
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
+        batch, tokens, _ = x.shape
+        q, k, v = self.split_qkv(self.linear_qkv(x))
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k_all, v_all = cache.write(self.layer, k, v, positions)
+            out = cached_sink_attention(
+                q, k_all, v_all, self.core_attention.softmax_offset.float(), positions,
+                window=self.core_attention.window,
+            )
+        elif cu_seqlens is not None:
+            flat = (batch * tokens, -1, self.head_dim)
+            out = self.core_attention(q.reshape(flat), k.reshape(flat), v.reshape(flat), cu_seqlens, max_seqlen)
+        else:
+            out = self.core_attention(q, k, v)
+        return self.linear_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))

@@ -1,0 +1,126 @@
+"""Single-device GPT-OSS in plain PyTorch with Megatron parameter names and fused layouts.
+
+    input_ids [B, T] -> embedding -> N x (attention + MoE, pre-norm residual) -> final norm -> output_layer
+    -> logits [B, T, vocab_size] (the padded vocabulary rows are dropped)
+
+No collectives live here: tensor, expert, pipeline and data parallelism are applied from
+`megatron_gptoss.parallel`. Packed input: several documents per row, `position_ids` restart at each
+document and `cu_seqlens` (int32 over the flattened B x T tokens) keeps attention inside documents.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model.attention import SelfAttention
+from megatron_gptoss.model.moe import MoE
+from megatron_gptoss.model.norm import RMSNorm
+from megatron_gptoss.model.rope import RotaryEmbedding
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype=None, device=None):
+        super().__init__()
+        self.self_attention = SelfAttention(config, layer, dtype, device)
+        self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device)
+        self.mlp = MoE(config, dtype, device)
+
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
+        x = x + self.self_attention(x, cos, sin, cu_seqlens, max_seqlen, cache, positions)
+        return x + self.mlp(self.pre_mlp_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
+        super().__init__()
+        self.layers = nn.ModuleList(TransformerLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab_rows: int, hidden: int, dtype=None, device=None):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(vocab_rows, hidden, dtype=dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.word_embeddings(input_ids)
+
+
+class GPTOSSModel(nn.Module):
+    """GPT-OSS causal LM. Parameters carry Megatron names (DESIGN's table); the vocabulary is padded."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.config = config
+        self.vocab_size = config.vocab_size
+        rows = config.padded_vocab_size()
+        self.embedding = Embedding(rows, config.hidden_size, dtype, device)
+        self.rotary = RotaryEmbedding(config)
+        self.decoder = Decoder(config, dtype, device)
+        self.output_layer = nn.Linear(config.hidden_size, rows, bias=False, dtype=dtype, device=device)
+        self.activation_checkpointing = config.activation_checkpointing
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> GPTOSSModel:
+        """Normal(0, init_std) matrices, sinks and embeddings; zero biases; unit norms; zero padded rows."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype))
+        self.embedding.word_embeddings.weight[self.vocab_size :].zero_()
+        self.output_layer.weight[self.vocab_size :].zero_()
+        return self
+
+    # ----------------------------------------------------------------------------------------------
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """Final-norm hidden states [B, T, H]. With `cache`, `position_ids` give each token's slot."""
+        batch, tokens = input_ids.shape
+        if position_ids is None:
+            if cache is not None or cu_seqlens is not None:
+                raise ValueError("position_ids are required with a KV cache or packed sequences (cu_seqlens)")
+            position_ids = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
+        x = self.embedding(input_ids)
+        cos, sin = self.rotary(position_ids, x.dtype)
+        for layer in self.decoder.layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids)
+        return self.decoder.final_layernorm(x)
+
+    def output_weight(self) -> torch.Tensor:
+        """Unembedding rows of the real vocabulary [vocab_size, H] (a view: padded rows never score)."""
+        return self.output_layer.weight[: self.vocab_size]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab_size]."""
+        hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, cache)
+        return nn.functional.linear(hidden, self.output_weight())
+
+
+def build_model(config: ModelConfig, dtype=torch.float32, device=None, seed: int = 0) -> GPTOSSModel:
+    """A randomly initialised model (deterministic in `seed`)."""
+    generator = torch.Generator().manual_seed(seed)
+    return GPTOSSModel(config, dtype=dtype, device=device).init_weights(generator)

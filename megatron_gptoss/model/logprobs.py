@@ -1,0 +1,86 @@
+"""Per-token log-probs and entropy of given tokens, chunked so that at most one [chunk, vocab] block of
+logits exists at a time, in the forward and in the backward (which recomputes each chunk).
+
+Convention (DESIGN): logprob_t = log_softmax(logits_t / T)[token_t] with T the sampling temperature,
+before any top-k/top-p truncation; entropy_t is that of softmax(logits_t / T). Computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
+    z = (h.float() @ weight.float().t()) * inv_temp
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.exp(z - lse[:, None])
+    logprob = z.gather(1, targets[:, None]).squeeze(1) - lse
+    mean_z = (p * z).sum(-1)
+    return z, p, logprob, lse - mean_z, mean_z
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk):
+        n = hidden.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            _, _, lp, ent, _ = _chunk_stats(hidden[s : s + chunk], weight, targets[s : s + chunk], inv_temp)
+            logprobs[s : s + chunk] = lp
+            entropy[s : s + chunk] = ent
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets = ctx.saved_tensors
+        inv_temp, chunk = ctx.inv_temp, ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        wf = weight.float()
+        for s in range(0, hidden.shape[0], chunk):
+            dz = _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad_entropy)
+            dz.mul_(inv_temp)
+            if grad_hidden is not None:
+                grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
+            grad_weight.addmm_(dz.t(), hidden[s : s + chunk].float())
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None
+
+
+def _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad_entropy):
+    """Gradient w.r.t. the tempered logits z of one chunk: g_lp (onehot - p) - g_ent p (z - E_p[z])."""
+    h, t = hidden[s : s + chunk], targets[s : s + chunk]
+    z, p, _, _, mean_z = _chunk_stats(h, weight, t, inv_temp)
+    g_lp = grad_logprobs[s : s + chunk].float()
+    dz = -p * g_lp[:, None]
+    dz.scatter_add_(1, t[:, None], g_lp[:, None])
+    g_ent = grad_entropy[s : s + chunk].float()
+    dz -= g_ent[:, None] * p * (z - mean_z[:, None])
+    return dz
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+):
+    """hidden [..., H], weight [V, H] (real vocabulary rows), targets [...] int64 ->
+    logprobs [...] fp32 (and entropy [...] fp32 when `with_entropy`). Differentiable in hidden and weight."""
+    lead = targets.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    if h.shape[0] != t.shape[0]:
+        raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
+        raise ValueError(f"targets outside the vocabulary [0, {weight.shape[0]})")
+    logprobs, entropy = _ChunkedLogprobs.apply(h, weight, t, 1.0 / temperature, chunk_size)
+    logprobs = logprobs.view(lead)
+    return (logprobs, entropy.view(lead)) if with_entropy else logprobs

@@ -1,0 +1,107 @@
+"""Mixture of experts of GPT-OSS: top-k router with bias, clamped SwiGLU experts with biases.
+
+Router: logits = x W^T + b in the parameter dtype (fp32 when `moe_router_fp32`); top-k on the logits,
+softmax over the k in fp32. Experts: tokens sorted by expert, fc1 -> [gate; up] -> clamped SwiGLU
+(`(up + 1) * gate * sigmoid(alpha * gate)`) -> fc2, weighted by the router probability and summed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_gptoss.config import ModelConfig
+
+
+class Router(nn.Module):
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
+        super().__init__()
+        self.topk, self.fp32 = config.moe_router_topk, config.moe_router_fp32
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device))
+        bias = torch.zeros(config.num_experts, dtype=dtype, device=device)
+        self.bias = nn.Parameter(bias) if config.add_bias_linear else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> (logits [N, E], probs [N, k] fp32, indices [N, k])."""
+        if self.fp32:
+            bias = None if self.bias is None else self.bias.float()
+            logits = nn.functional.linear(x.float(), self.weight.float(), bias)
+        else:
+            logits = nn.functional.linear(x, self.weight, self.bias)
+        top, indices = torch.topk(logits, self.topk, dim=-1)
+        return logits, torch.softmax(top.float(), dim=-1), indices
+
+
+def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """[M, 2I] as [gate; up] -> [M, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
+    """Rows of x sorted by expert (counts per expert) times weight[e]^T; weight [E, out, in]."""
+    if backend == "grouped_mm":
+        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    pieces = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
+    return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+
+
+class Experts(nn.Module):
+    """`linear_fc1` [E, 2I, H] ([gate; up]) / bias [E, 2I]; `linear_fc2` [E, H, I] / bias [E, H]."""
+
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
+        super().__init__()
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.num_experts, self.limit, self.alpha = e, config.swiglu_limit, config.swiglu_alpha
+        self.backend = config.expert_backend
+        self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device)
+        self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device)
+
+    def _backend(self, x: torch.Tensor) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "grouped_mm" if x.is_cuda and hasattr(torch, "_grouped_mm") else "loop"
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [N, H], probs/indices [N, k] -> [N, H]."""
+        k = indices.shape[1]
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        expert = flat[order]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        backend = self._backend(x)
+        h = grouped_linear(x[token], self.linear_fc1.weight, counts, backend)
+        if self.linear_fc1.bias is not None:
+            h = h + self.linear_fc1.bias[expert]
+        h = swiglu_clamped(h, self.limit, self.alpha)
+        y = grouped_linear(h, self.linear_fc2.weight, counts, backend)
+        if self.linear_fc2.bias is not None:
+            y = y + self.linear_fc2.bias[expert]
+        y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class _ExpertLinear(nn.Module):
+    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features, dtype=dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(experts, out_features, dtype=dtype, device=device)) if bias else None
+        )
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype=None, device=None):
+        super().__init__()
+        self.router = Router(config, dtype, device)
+        self.experts = Experts(config, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        _, probs, indices = self.router(flat)
+        return self.experts(flat, probs, indices).reshape(shape)

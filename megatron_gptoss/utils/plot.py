@@ -1,0 +1,133 @@
+"""Plot a run's metrics.jsonl as a PNG grid of panels: reward, accuracy, mismatch, optimisation.
+
+python -m megatron_gptoss.utils.plot outputs/run/metrics.jsonl [outputs/run/metrics.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from megatron_gptoss.utils.metrics import read_metrics
+
+# (title, y label, metric names, log y-axis when every value is positive)
+PANELS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
+    ("Reward", "mean reward", ("reward/train_mean", "reward/eval_mean"), False),
+    ("Eval accuracy (exact match)", "accuracy", ("eval/accuracy",), False),
+    ("Rollout vs learner KL", "KL estimate", ("mismatch/k1", "mismatch/k3"), False),
+    (
+        "Rollout vs learner |Δ log-prob|",
+        "|Δ log-prob|",
+        ("mismatch/abs_diff_mean", "mismatch/abs_diff_max"),
+        True,
+    ),
+    ("Gradient norm", "global norm", ("train/grad_norm",), True),
+    ("Clip fraction", "fraction of tokens", ("train/clipfrac",), False),
+    ("Entropy", "nats per token", ("train/entropy",), False),
+    ("KL to reference", "KL estimate", ("train/kl_ref",), False),
+    ("Loss", "loss", ("train/loss",), False),
+)
+DEFAULT_KEYS = tuple(key for _, _, keys, _ in PANELS for key in keys)
+SMOOTH_MIN_POINTS = 20  # series at least this long get a smoothed line over the faint raw one
+SMOOTH_WEIGHT = 0.9  # exponential moving average weight (debiased), as TensorBoard's slider
+
+
+def plot_metrics(
+    jsonl_path: str | os.PathLike, png_path: str | os.PathLike, keys: list[str] | None = None
+) -> list[str]:
+    """Write a PNG of the metrics in `jsonl_path` (see MetricsLogger) and return the keys plotted.
+
+    `keys` None plots every name of DEFAULT_KEYS present in the log, grouped into the panels of
+    PANELS; given keys keep those groupings and any other key gets a panel of its own. Keys absent
+    from the log, and non-finite values, are skipped. With nothing to plot the PNG says so.
+    Uses matplotlib's Agg canvas directly (no pyplot state, no display needed).
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    records = read_metrics(jsonl_path)
+    present = {name for record in records for name in record if name != "step"}
+    wanted = list(DEFAULT_KEYS) if keys is None else list(keys)
+    panels = _panels([key for key in wanted if key in present])
+
+    ncols = min(3, max(1, len(panels)))
+    nrows = max(1, math.ceil(len(panels) / ncols))
+    fig = Figure(figsize=(5.2 * ncols, 3.6 * nrows), layout="constrained")
+    FigureCanvasAgg(fig)
+    fig.suptitle(str(jsonl_path), fontsize=10)
+    if not panels:
+        fig.text(0.5, 0.5, "no metrics to plot", ha="center", va="center")
+    plotted: list[str] = []
+    for index, (title, ylabel, panel_keys, log_scale) in enumerate(panels):
+        ax = fig.add_subplot(nrows, ncols, index + 1)
+        all_positive = True
+        for color, key in enumerate(panel_keys):
+            steps, values = _series(records, key)
+            if not steps:
+                continue
+            all_positive = all_positive and min(values) > 0
+            style = dict(color=f"C{color}")
+            if len(steps) >= SMOOTH_MIN_POINTS:
+                ax.plot(steps, values, alpha=0.3, linewidth=0.8, **style)
+                ax.plot(steps, _smooth(values), label=f"{key} (smoothed)", linewidth=1.6, **style)
+            else:
+                ax.plot(steps, values, marker="o", markersize=3, label=key, **style)
+            plotted.append(key)
+        if log_scale and all_positive:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    Path(png_path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png_path, dpi=100)
+    return plotted
+
+
+def _panels(keys: list[str]) -> list[tuple[str, str, tuple[str, ...], bool]]:
+    """The PANELS restricted to `keys`, then one panel for each key outside PANELS."""
+    chosen = set(keys)
+    panels = [
+        (title, ylabel, tuple(k for k in names if k in chosen), log)
+        for title, ylabel, names, log in PANELS
+        if chosen.intersection(names)
+    ]
+    panels += [(key, key, (key,), False) for key in keys if key not in DEFAULT_KEYS]
+    return panels
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records holding a finite number under `key`."""
+    pairs = [
+        (r["step"], float(r[key]))
+        for r in records
+        if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    ]
+    return [s for s, _ in pairs], [v for _, v in pairs]
+
+
+def _smooth(values: list[float], weight: float = SMOOTH_WEIGHT) -> list[float]:
+    """Debiased exponential moving average: out_t = EMA_t / (1 - weight^(t+1))."""
+    out, ema = [], 0.0
+    for t, value in enumerate(values):
+        ema = weight * ema + (1 - weight) * value
+        out.append(ema / (1 - weight ** (t + 1)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("jsonl", help="a metrics.jsonl written by MetricsLogger")
+    parser.add_argument("png", nargs="?", help="output PNG (default: beside the JSONL, metrics.png)")
+    parser.add_argument("--keys", nargs="+", help="metric names to plot (default: DEFAULT_KEYS)")
+    args = parser.parse_args(argv)
+    png = args.png or str(Path(args.jsonl).with_suffix(".png"))
+    plotted = plot_metrics(args.jsonl, png, args.keys)
+    print(f"wrote {png} ({len(plotted)} series)")
+
+
+if __name__ == "__main__":
+    main()
