@@ -11,12 +11,12 @@ import torch
 
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
+    """One chunk: (log_softmax [n, V], softmax [n, V], logprob of target [n], entropy [n]), fp32."""
     z = (h.float() @ weight.float().t()) * inv_temp
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.exp(z - lse[:, None])
-    logprob = z.gather(1, targets[:, None]).squeeze(1) - lse
-    mean_z = (p * z).sum(-1)
-    return z, p, logprob, lse - mean_z, mean_z
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(logp)
+    entropy = -(p * logp).sum(-1)
+    return logp, p, logp.gather(1, targets[:, None]).squeeze(1), entropy
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -26,7 +26,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         for s in range(0, n, chunk):
-            _, _, lp, ent, _ = _chunk_stats(hidden[s : s + chunk], weight, targets[s : s + chunk], inv_temp)
+            _, _, lp, ent = _chunk_stats(hidden[s : s + chunk], weight, targets[s : s + chunk], inv_temp)
             logprobs[s : s + chunk] = lp
             entropy[s : s + chunk] = ent
         ctx.save_for_backward(hidden, weight, targets)
@@ -52,14 +52,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad_entropy):
-    """Gradient w.r.t. the tempered logits z of one chunk: g_lp (onehot - p) - g_ent p (z - E_p[z])."""
+    """Gradient w.r.t. the tempered logits z of one chunk: g_lp (onehot - p) - g_ent p (log p + entropy)
+    (z - E_p[z] equals log p + entropy)."""
     h, t = hidden[s : s + chunk], targets[s : s + chunk]
-    z, p, _, _, mean_z = _chunk_stats(h, weight, t, inv_temp)
+    logp, p, _, entropy = _chunk_stats(h, weight, t, inv_temp)
     g_lp = grad_logprobs[s : s + chunk].float()
     dz = -p * g_lp[:, None]
     dz.scatter_add_(1, t[:, None], g_lp[:, None])
     g_ent = grad_entropy[s : s + chunk].float()
-    dz -= g_ent[:, None] * p * (z - mean_z[:, None])
+    dz -= g_ent[:, None] * p * (logp + entropy[:, None])
     return dz
 
 

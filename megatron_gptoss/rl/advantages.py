@@ -10,9 +10,7 @@ import torch
 from torch import Tensor
 
 
-def grpo_advantages(
-    rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6
-) -> Tensor:
+def grpo_advantages(rewards: Tensor, group_size: int, norm_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Group-relative advantages of a flat batch of sequence rewards.
 
     advantage_i = (r_i - mean_g) / (std_g + eps) with norm_by_std, else r_i - mean_g, where g is
@@ -51,7 +49,7 @@ def grpo_advantages(
         grouped = rewards.detach().to(dtype).view(n // group_size, group_size)
         centered = grouped - grouped.mean(dim=1, keepdim=True)
         if norm_by_std:
-            centered = centered / (grouped.std(dim=1, keepdim=True, correction=1) + eps)
+            centered = centered / (grouped.std(dim=1, keepdim=True, correction=0) + eps)
         return centered.reshape(n)
 
 

@@ -137,7 +137,9 @@ def rollout_correction(
     """
     _check_inputs("rollout_correction", old_logprobs, rollout_logprobs, mask)
     if mode not in CORRECTION_MODES:
-        raise ValueError(f"rollout_correction: unknown correction mode {mode!r}; expected one of {CORRECTION_MODES}")
+        raise ValueError(
+            f"rollout_correction: unknown correction mode {mode!r}; expected one of {CORRECTION_MODES}"
+        )
     if not threshold > 0:
         raise ValueError(f"rollout_correction: threshold must be > 0, got {threshold}")
     if mode.endswith("-mis") and not 0 <= threshold_low < threshold:

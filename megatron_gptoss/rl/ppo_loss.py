@@ -94,7 +94,9 @@ def aggregate(values: Tensor, mask: Tensor, mode: str, denom: LossNormalizer) ->
         over data-parallel ranks, through the gradient all-reduce) gives the mini-batch mean.
     """
     if mode not in LOSS_AGG_MODES:
-        raise ValueError(f"aggregate: unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}")
+        raise ValueError(
+            f"aggregate: unknown loss aggregation mode {mode!r}; expected one of {LOSS_AGG_MODES}"
+        )
     _check_per_token("aggregate", values=values, mask=mask)
     m = mask.bool()
     masked = torch.where(m, values, torch.zeros((), dtype=values.dtype, device=values.device))

@@ -54,8 +54,18 @@ def plot_metrics(
 
     ncols = min(3, max(1, len(panels)))
     nrows = max(1, math.ceil(len(panels) / ncols))
-    fig = Figure(figsize=(5.2 * ncols, 3.6 * nrows), layout="constrained")
+    fig = Figure(figsize=(5.2 * ncols, 3.6 * nrows))
     FigureCanvasAgg(fig)
+    # Fixed margins in inches (a layout engine would draw the figure twice, doubling the cost).
+    width, height = fig.get_size_inches()
+    fig.subplots_adjust(
+        left=0.75 / width,
+        right=1 - 0.2 / width,
+        bottom=0.55 / height,
+        top=1 - 0.6 / height,
+        wspace=0.3,
+        hspace=0.5,
+    )
     fig.suptitle(str(jsonl_path), fontsize=10)
     if not panels:
         fig.text(0.5, 0.5, "no metrics to plot", ha="center", va="center")

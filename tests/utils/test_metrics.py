@@ -85,8 +85,6 @@ def test_plot_writes_png_and_skips_missing_keys(tmp_path):
         for step in range(40):
             metrics = {
                 "reward/train_mean": min(1.0, step / 30),
-                "mismatch/k3": 1e-4 * (1 + step % 3),
-                "mismatch/abs_diff_max": 0.01,
                 "train/grad_norm": float("inf") if step == 5 else 1.0,
             }
             if step % 10 == 0:
@@ -95,18 +93,15 @@ def test_plot_writes_png_and_skips_missing_keys(tmp_path):
     png = tmp_path / "plots" / "metrics.png"
     plotted = plot_metrics(logger.path, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert set(plotted) == {
-        "reward/train_mean",
-        "reward/eval_mean",
-        "mismatch/k3",
-        "mismatch/abs_diff_max",
-        "train/grad_norm",
-    }
+    assert set(plotted) == {"reward/train_mean", "reward/eval_mean", "train/grad_norm"}
     assert set(plotted) <= set(DEFAULT_KEYS)
 
-    plotted = plot_metrics(
-        logger.path, tmp_path / "some.png", keys=["mismatch/k3", "absent", "train/grad_norm"]
-    )
-    assert plotted == ["mismatch/k3", "train/grad_norm"]
+
+def test_plot_chosen_keys_and_nothing_to_plot(tmp_path):
+    with MetricsLogger(tmp_path, tensorboard=False) as logger:
+        for step in range(5):
+            logger.log(step, {"mismatch/k3": 1e-4, "train/grad_norm": 1.0, "custom/thing": step})
+    plotted = plot_metrics(logger.path, tmp_path / "some.png", keys=["custom/thing", "absent", "mismatch/k3"])
+    assert plotted == ["mismatch/k3", "custom/thing"]  # grouped panels first, then keys of their own
     assert plot_metrics(logger.path, tmp_path / "none.png", keys=["absent"]) == []
     assert (tmp_path / "none.png").stat().st_size > 0

@@ -1,0 +1,371 @@
+"""Triton kernels of the sink attention: forward (also the decode path), backward preprocess, dK/dV, dQ.
+
+Launched only from `megatron_gptoss.ops.triton_sink_attention`, which states the public contract.
+
+Indexing shared by every kernel. Program axis 2 is the sequence `b`: a batch row (padded input, base
+offset `b * stride_b`) or a document (packed input, first token `cu_seqlens[b]`, `stride_b` = 0).
+Positions are counted from the sequence start. Keys sit at positions 0 .. k_len - 1; the q_len
+queries sit at the last positions, pos0 = k_len - q_len .. k_len - 1 (training: q_len = k_len, so
+pos0 = 0; decode: the new queries at the end of a KV cache). Query tiles are aligned to multiples of
+BLOCK_M positions and key blocks to multiples of BLOCK_N, independent of pos0, so a query row meets
+the same tile, the same key blocks in the same order and the same masked/unmasked code path in
+training and in decode: its result is bitwise the same.
+
+Scores are handled in base 2 (qk_scale = softmax_scale * log2(e)); the stored LSE is natural-log.
+The running max starts at the sink and the running sum at exp(sink - sink) = 1, so a row with no
+visible key ends with O = 0 and LSE = sink.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN: tl.constexpr, SEQUSED_K: tl.constexpr):
+    """First token row (packed input) and the query / key lengths of sequence b."""
+    if VARLEN:
+        start = tl.load(cu_seqlens + b).to(tl.int64)
+        q_len = tl.load(cu_seqlens + b + 1) - tl.load(cu_seqlens + b)
+    else:
+        start = 0
+        q_len = seqlen
+    k_len = q_len
+    if SEQUSED_K:
+        k_len = tl.load(seqused_k + b)
+    return start, q_len, k_len
+
+
+@triton.jit
+def _key_ranges(start_m, k_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Key blocks a query tile [start_m, start_m + BLOCK_M) visits: [lo, full_lo) masked (window edge),
+    [full_lo, diag_lo) unmasked, [diag_lo, hi) masked (diagonal and sequence end). Out-of-band blocks are
+    outside [lo, hi) and never visited."""
+    hi = tl.minimum(start_m + BLOCK_M, k_len)
+    diag_lo = start_m // BLOCK_N * BLOCK_N
+    if HAS_WINDOW:
+        lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = (tl.maximum(start_m + BLOCK_M - window, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.maximum(full_lo, lo), diag_lo)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, diag_lo, hi
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seq_len, window, HAS_WINDOW: tl.constexpr):
+    """[M, N] mask: query position offs_m sees key position offs_n (causal, window, key in the sequence)."""
+    ok = (offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] < seq_len)
+    if HAS_WINDOW:
+        ok = ok & (offs_n[None, :] > offs_m[:, None] - window)
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward
+@triton.jit
+def _fwd_blocks(
+    acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, k_len, window, qk_scale,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < k_len, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        if MASK:
+            qk = tl.where(_visible(offs_m, offs_n, k_len, window, HAS_WINDOW), qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASK:
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < k_len, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def sink_attn_fwd_kernel(
+    Q, K, V, Sinks, Out, Lse, cu_seqlens, seqused_k,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_lb, stride_lh,
+    seqlen, window, qk_scale, group, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    SEQUSED_K: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tiles, q heads, sequences); tiles are launched last-first (the longest key loops first)."""
+    pid_m = num_m_blocks - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    start, q_len, k_len = _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN, SEQUSED_K)
+    pos0 = k_len - q_len
+    start_m = (pos0 // BLOCK_M + pid_m) * BLOCK_M
+    if start_m >= k_len:
+        return
+    kvh = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = (offs_m >= pos0) & (offs_m < k_len)
+    rows = offs_m - pos0
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (start + rows[:, None]) * stride_qt + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + start * stride_kt
+    v_base = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + start * stride_vt
+
+    sink = tl.load(Sinks + h).to(tl.float32) * LOG2E
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+    l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, diag_lo, hi = _key_ranges(start_m, k_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _fwd_blocks(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, full_lo, k_len,
+            window, qk_scale, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_lo, diag_lo, k_len,
+        window, qk_scale, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_blocks(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, diag_lo, hi, k_len,
+        window, qk_scale, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+
+    out = acc / l_i[:, None]
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h * stride_oh + (start + rows[:, None]) * stride_ot + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, lse, mask=row_ok)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward
+@triton.jit
+def sink_attn_bwd_preprocess_kernel(
+    Out, dOut, Lse, dLse, Sinks, Delta, DsinkPart, cu_seqlens,
+    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
+    stride_dlb, stride_dlh, seqlen, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
+):  # fmt: skip
+    """Delta_i = rowsum(dO_i * O_i) - dLSE_i (stored in LSE's layout) and, per (head, tile), the partial
+    sum of exp(sink - LSE_i) * Delta_i into DsinkPart[h, b * num_m_blocks + tile]; the host sums those
+    partials in a fixed order, so d_sink = -sum is deterministic."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    start, q_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    rows = start + offs_m
+    o = tl.load(
+        Out + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        dlse = tl.load(dLse + b.to(tl.int64) * stride_dlb + h * stride_dlh + rows, mask=row_ok, other=0.0)
+        delta = delta - dlse.to(tl.float32)
+    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows
+    lse = tl.load(Lse + lse_off, mask=row_ok, other=0.0)
+    tl.store(Delta + lse_off, delta, mask=row_ok)
+    sink = tl.load(Sinks + h).to(tl.float32)
+    part = tl.sum(tl.where(row_ok, tl.exp(sink - lse) * delta, 0.0), 0)
+    tl.store(DsinkPart + (h * tl.num_programs(2) + b) * num_m_blocks + pid_m, part)
+
+
+@triton.jit
+def _dkdv_blocks(
+    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
+    seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
+        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
+        if MASK:
+            row_ok = offs_m < seq_len
+            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        else:
+            q = tl.load(q_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_base + offs_m)
+            delta = tl.load(delta_base + offs_m)
+        qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        pt = tl.math.exp2(qkt * qk_scale - (lse * LOG2E)[None, :])
+        if MASK:
+            ok = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] < seq_len)
+            if HAS_WINDOW:
+                ok = ok & (offs_n[:, None] > offs_m[None, :] - window)
+            pt = tl.where(ok, pt, 0.0)
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def sink_attn_bwd_dkdv_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV, cu_seqlens,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
+    stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (key blocks, kv heads, sequences). One program owns dK/dV of BLOCK_N keys of one KV head and
+    loops over the `group` query heads sharing it, so every element is written once (no atomics)."""
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
+    start_n = pid_n * BLOCK_N
+    if start_n >= seq_len:
+        return
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < seq_len
+    k_ptrs = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + (start + offs_n[:, None]) * stride_kt
+    v_ptrs = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + (start + offs_n[:, None]) * stride_vt
+    k = tl.load(k_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+    v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Query blocks that see these keys: [m_lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, m_hi) masked.
+    m_lo = start_n // BLOCK_M * BLOCK_M
+    full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_hi = seq_len // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
+        full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
+    else:
+        m_hi = seq_len
+    full_lo = tl.minimum(full_lo, m_hi)
+    full_hi = tl.maximum(full_hi, full_lo)
+
+    for i in range(0, group):
+        h = kvh * group + i
+        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh + start * stride_qt
+        do_base = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + start * stride_dot
+        lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
+        delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+            m_lo, full_lo, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+            full_lo, full_hi, seq_len, window, qk_scale, BLOCK_M, False, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv = _dkdv_blocks(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+            full_hi, m_hi, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk = dk * sm_scale
+    dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt
+    dv_ptrs = dV + b.to(tl.int64) * stride_dvb + kvh * stride_dvh + (start + offs_n[:, None]) * stride_dvt
+    tl.store(dk_ptrs + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=key_ok)
+    tl.store(dv_ptrs + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=key_ok)
+
+
+@triton.jit
+def _dq_blocks(
+    dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, seq_len, window,
+    qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kt_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None]
+        vt_ptrs = v_base + offs_n[None, :] * stride_vt + offs_d[:, None]
+        if MASK:
+            kt = tl.load(kt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
+            vt = tl.load(vt_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+            vt = tl.load(vt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASK:
+            p = tl.where(_visible(offs_m, offs_n, seq_len, window, HAS_WINDOW), p, 0.0)
+        dp = tl.dot(do, vt, input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def sink_attn_bwd_dq_kernel(
+    Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+    stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group, num_m_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (query tiles, q heads, sequences), tiles last-first; the key loop is the forward's."""
+    pid_m = num_m_blocks - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
+    start_m = pid_m * BLOCK_M
+    if start_m >= seq_len:
+        return
+    kvh = h // group
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (start + offs_m[:, None]) * stride_qt
+    do_ptrs = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + (start + offs_m[:, None]) * stride_dot
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(do_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m
+    lse2 = tl.load(Lse + lse_off, mask=row_ok, other=0.0) * LOG2E
+    delta = tl.load(Delta + lse_off, mask=row_ok, other=0.0)
+    k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + start * stride_kt
+    v_base = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + start * stride_vt
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, full_lo, diag_lo, hi = _key_ranges(start_m, seq_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    if HAS_WINDOW:
+        dq = _dq_blocks(
+            dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, full_lo,
+            seq_len, window, qk_scale, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
+    dq = _dq_blocks(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, full_lo, diag_lo,
+        seq_len, window, qk_scale, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    dq = _dq_blocks(
+        dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, diag_lo, hi,
+        seq_len, window, qk_scale, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    dq = dq * sm_scale
+    dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + (start + offs_m[:, None]) * stride_dqt
+    tl.store(dq_ptrs + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=row_ok[:, None])
