@@ -12,8 +12,8 @@ import torch
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
     """One chunk: (log_softmax [n, V], softmax [n, V], logprob of target [n], entropy [n]), fp32."""
-    z = (h.float() @ weight.float().t()) * inv_temp
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    logp = (h.float() @ weight.float().t()).mul_(inv_temp)
+    logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
     p = torch.exp(logp)
     entropy = -(p * logp).sum(-1)
     return logp, p, logp.gather(1, targets[:, None]).squeeze(1), entropy
