@@ -49,7 +49,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, norm_by_std: bool = True, 
         grouped = rewards.detach().to(dtype).view(n // group_size, group_size)
         centered = grouped - grouped.mean(dim=1, keepdim=True)
         if norm_by_std:
-            centered = centered / (grouped.std(dim=1, keepdim=True, correction=0) + eps)
+            centered = centered / (grouped.std(dim=1, keepdim=True, correction=1) + eps)
         return centered.reshape(n)
 
 

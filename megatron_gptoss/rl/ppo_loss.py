@@ -140,7 +140,7 @@ def ppo_policy_loss(
 
     The log-ratio is clamped to [-max_log_ratio, max_log_ratio] before exp (ratios beyond e^20 get
     no gradient). On-policy (old_logprobs = logprobs.detach()) the log-ratio is exactly 0, r is
-    exactly 1, no branch is clipped, and the gradient equals that of
+    exactly 1, no branch is clipped, and (without is_weights) the gradient equals that of
     aggregate(-A * logprobs, mask, cfg.loss_agg_mode, denom) bit for bit.
 
     Args:

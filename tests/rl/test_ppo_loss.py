@@ -323,6 +323,22 @@ def test_dual_clip_caps_negative_advantages():
     assert uncapped_loss.item() > capped_loss.item() and m["pg/dual_clipfrac"].item() == 0.0
 
 
+def test_log_ratio_bound():
+    """Log-ratios beyond +-20 are clamped: the ratio stays e^20 and that token gets no gradient."""
+    lp = torch.zeros(1, 3, requires_grad=True)
+    old = torch.tensor([[-30.0, -0.1, 0.1]])
+    adv = -torch.ones(1, 3)
+    mask = torch.ones(1, 3)
+    loss, metrics = ppo_policy_loss(
+        lp, old, adv, mask, PPOConfig(clip_ratio_c=0.0), loss_denominators([mask])
+    )
+    loss.backward()
+    expected = (math.exp(20.0) + math.exp(0.1) + math.exp(-0.1)) / 3
+    assert abs(loss.item() - expected) <= 1e-6 * expected
+    assert metrics["pg/ratio_max"].item() == pytest.approx(math.exp(20.0), rel=1e-6)
+    assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() != 0.0
+
+
 def test_is_weights_scale_tokens_and_stay_detached():
     lp, gen = _leaf_logprobs(51)
     adv = torch.randn(B, T, generator=gen)
