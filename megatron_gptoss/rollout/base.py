@@ -1,0 +1,83 @@
+"""The rollout-engine boundary: sampling parameters, generations, and the `RolloutEngine` protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. Log-probs returned are those of log_softmax(logits / temperature), before top-k/top-p."""
+
+    # Softmax temperature (> 0).
+    temperature: float = 1.0
+    # Nucleus threshold; 1.0 disables it.
+    top_p: float = 1.0
+    # Keep the k most likely tokens; 0 disables it.
+    top_k: int = 0
+    # Most tokens generated per prompt.
+    max_new_tokens: int = 16
+    # Generation of a row ends after it samples one of these (the stop token is kept in the response).
+    stop_token_ids: list[int] = field(default_factory=list)
+    # Seed of the sampler (None: the engine's running generator).
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError(f"top_k must be >= 0 and max_new_tokens >= 1, got {self.top_k}, {self.max_new_tokens}")
+
+
+@dataclass
+class Generation:
+    """One sampled response: its tokens, their log-probs (fp32 values as floats) and why it ended."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    # "stop" (a stop token was sampled) or "length" (max_new_tokens reached).
+    finish_reason: str
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from an inference engine (embedded or vLLM)."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]: ...
+
+    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Receive new weights as (HF name, full tensor); the engine copies them into its own memory."""
+        ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def sample_from_logits(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] fp32 -> (tokens [B], log-probs [B]). The log-prob is that of the tempered, untruncated
+    distribution; top-k then top-p only restrict what can be sampled."""
+    logp = torch.log_softmax(logits.float() * (1.0 / params.temperature), dim=-1)
+    filtered = logp.clone()
+    if params.top_k and params.top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = torch.softmax(sorted_lp, dim=-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly more likely tokens
+        drop = before >= params.top_p
+        filtered = filtered.scatter(-1, order, sorted_lp.masked_fill(drop, float("-inf")))
+    tokens = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
