@@ -114,7 +114,9 @@ def check_inputs(q, k, v, sinks, *, window=None, cu_seqlens=None) -> None:
     want = 3 if packed else 4
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != want:
-            layout = "[total_tokens, heads, head_dim] with cu_seqlens" if packed else "[batch, tokens, heads, dim]"
+            layout = (
+                "[total_tokens, heads, head_dim] with cu_seqlens" if packed else "[batch, tokens, heads, dim]"
+            )
             raise AttentionInputError(f"{name} has shape {tuple(t.shape)}; expected {layout}")
     if k.shape != v.shape:
         raise AttentionInputError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
@@ -133,7 +135,8 @@ def check_inputs(q, k, v, sinks, *, window=None, cu_seqlens=None) -> None:
         assert cu_seqlens is not None
         if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise AttentionInputError(
-                f"cu_seqlens must be a 1-D int32 tensor [docs + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+                "cu_seqlens must be a 1-D int32 tensor [docs + 1], "
+                f"got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
             )
         total = int(cu_seqlens[-1])
         if int(cu_seqlens[0]) != 0 or total != q.shape[0]:

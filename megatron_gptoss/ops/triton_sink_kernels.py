@@ -41,7 +41,9 @@ def _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN: tl.constexpr, SEQUSED_K:
 
 
 @triton.jit
-def _key_ranges(start_m, k_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+def _key_ranges(
+    start_m, k_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
     """Key blocks a query tile [start_m, start_m + BLOCK_M) visits: [lo, full_lo) masked (window edge),
     [full_lo, diag_lo) unmasked, [diag_lo, hi) masked (diagonal and sequence end). Out-of-band blocks are
     outside [lo, hi) and never visited."""
@@ -121,8 +123,8 @@ def sink_attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = (offs_m >= pos0) & (offs_m < k_len)
     rows = offs_m - pos0
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (start + rows[:, None]) * stride_qt + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (start + rows[:, None]) * stride_qt
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + start * stride_kt
     v_base = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + start * stride_vt
 
@@ -146,8 +148,8 @@ def sink_attn_fwd_kernel(
     )  # fmt: skip
 
     out = acc / l_i[:, None]
-    o_ptrs = Out + b.to(tl.int64) * stride_ob + h * stride_oh + (start + rows[:, None]) * stride_ot + offs_d[None, :]
-    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h * stride_oh + (start + rows[:, None]) * stride_ot
+    tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     lse = (m_i + tl.math.log2(l_i)) * LN2
     tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, lse, mask=row_ok)
 
@@ -233,8 +235,8 @@ def _dkdv_blocks(
 def sink_attn_bwd_dkdv_kernel(
     Q, K, V, dOut, Lse, Delta, dK, dV, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh, stride_dvb, stride_dvt, stride_dvh,
-    stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
+    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
+    stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -257,7 +259,7 @@ def sink_attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Query blocks that see these keys: [m_lo, full_lo) masked, [full_lo, full_hi) unmasked, [full_hi, m_hi) masked.
+    # Query blocks seeing these keys: [m_lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, m_hi) masked.
     m_lo = start_n // BLOCK_M * BLOCK_M
     full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     full_hi = seq_len // BLOCK_M * BLOCK_M
@@ -298,7 +300,8 @@ def sink_attn_bwd_dkdv_kernel(
 @triton.jit
 def _dq_blocks(
     dq, q, do, lse2, delta, k_base, v_base, stride_kt, stride_vt, offs_m, offs_d, lo, hi, seq_len, window,
-    qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    qk_scale, BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)

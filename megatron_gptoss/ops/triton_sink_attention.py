@@ -1,0 +1,299 @@
+"""Our Triton sink attention: training forward + backward (`triton_sink_attention`) and the decode/append
+path of the embedded rollout engine (`triton_sink_decode`).
+
+Contract: `megatron_gptoss.ops.sink_attention` (causal, per-head sinks, optional window W: query i sees
+keys j with i - W < j <= i; GQA of any ratio; padded [B, T, H, D] or packed [N, H, D] + cu_seqlens).
+head_dim 16, 32, 64 or 128; fp32, bf16 or fp16 inputs, fp32 softmax and accumulation (fp32 dots in
+IEEE precision, never TF32). Sinks are read as stored and upcast to fp32; their gradient is returned
+in their dtype.
+
+Determinism and batch invariance:
+- the backward writes every dK/dV element from one program (the query heads of a KV group are looped
+  inside) and reduces d_sink from per-tile partials in a fixed order: gradients are bitwise identical
+  across runs;
+- the tiling depends only on (device, head_dim, dtype, window or not) through `default_config`, and a
+  row's key loop only on its position, so a row computes the same bits whether it comes in a padded
+  batch, a packed batch or a decode step (`triton_sink_decode`).
+
+On the CPU the kernels run under TRITON_INTERPRET=1 (set before triton is imported).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from megatron_gptoss.ops import triton_sink_kernels as kernels
+from megatron_gptoss.ops.sink_attention import AttentionInputError
+
+HEAD_DIMS = (16, 32, 64, 128)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile shapes and launch parameters. The forward's (block_m, block_n, fwd_warps) fix the tiling and
+    reduction order of a row; the decode path must use the same config as the training forward."""
+
+    block_m: int  # forward / decode query tile (rows)
+    block_n: int  # forward / decode key block
+    fwd_warps: int
+    fwd_stages: int
+    dkdv_block_m: int  # dK/dV: query block looped inside
+    dkdv_block_n: int  # dK/dV: key block owned by a program
+    dkdv_warps: int
+    dkdv_stages: int
+    dq_block_m: int  # dQ: query tile owned by a program
+    dq_block_n: int  # dQ: key block looped inside
+    dq_warps: int
+    dq_stages: int
+
+
+def default_config(head_dim: int, dtype: torch.dtype, windowed: bool, device: torch.device) -> KernelConfig:
+    """The config used when none is given: a function of these four arguments only (batch invariance)."""
+    if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and multi-block
+        return KernelConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
+    if dtype == torch.float32:  # tests only: IEEE fp32 dots, modest tiles
+        return KernelConfig(32, 32, 4, 2, 32, 32, 4, 2, 32, 32, 4, 2)
+    if windowed:
+        return KernelConfig(64, 64, 4, 3, 64, 64, 4, 3, 64, 64, 4, 3)
+    if head_dim <= 64:
+        return KernelConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 3)
+    return KernelConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2)
+
+
+def is_supported(q: torch.Tensor) -> bool:
+    """CUDA tensors (any GPU Triton compiles for), or CPU tensors under TRITON_INTERPRET=1; head_dim and
+    dtype in the supported sets."""
+    on_device = q.is_cuda or (q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+    return on_device and q.shape[-1] in HEAD_DIMS and q.dtype in DTYPES
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float | None) -> None:
+    if q.shape[-1] not in HEAD_DIMS:
+        raise AttentionInputError(f"triton backend: head_dim {q.shape[-1]} not in {HEAD_DIMS}")
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise AttentionInputError(
+            f"triton backend: q, k, v must share one dtype of {DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if not (q.device == k.device == v.device):
+        raise AttentionInputError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if not is_supported(q):
+        raise AttentionInputError(
+            f"triton backend cannot run on {q.device} here (CPU needs TRITON_INTERPRET=1)"
+        )
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise AttentionInputError(f"softmax_scale must be > 0, got {softmax_scale}")
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _seq_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, token, head) strides; a packed [N, H, D] tensor has batch stride 0."""
+    if t.dim() == 3:
+        return 0, t.stride(0), t.stride(1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
+    """(batch, head) strides of an LSE [B, H, T] or [H, N]; the token stride must be 1."""
+    return (0, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+
+
+def _dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 dots in IEEE precision (no TF32); half-precision dots use Triton's default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+# ------------------------------------------------------------------------------------------------
+# Launchers
+def _forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg, seqused_k=None):
+    """out in q's layout, lse [B, Hq, Tq] or [Hq, N] fp32. With seqused_k (decode), q is [B, Tq, Hq, D]
+    and k/v [B, L, Hkv, D] with seqused_k[b] <= L valid keys, queries at the last Tq positions."""
+    packed = cu_seqlens is not None
+    hq, d = q.shape[-2], q.shape[-1]
+    group = hq // k.shape[-2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if packed:
+        batch, seqlen = cu_seqlens.numel() - 1, max_seqlen
+        lse = torch.empty((hq, q.shape[0]), dtype=torch.float32, device=q.device)
+    else:
+        batch, seqlen = q.shape[0], q.shape[1]
+        lse = torch.empty((batch, hq, seqlen), dtype=torch.float32, device=q.device)
+    if seqused_k is None:
+        num_m_blocks = triton.cdiv(seqlen, cfg.block_m)
+    else:  # the new rows may straddle one more tile boundary than their count suggests
+        num_m_blocks = triton.cdiv(seqlen, cfg.block_m) + 1
+    grid = (num_m_blocks, hq, batch)
+    kernels.sink_attn_fwd_kernel[grid](
+        q, k, v, sinks, out, lse, cu_seqlens, seqused_k,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(out), *_lse_strides(lse),
+        seqlen, window or 0, scale * math.log2(math.e), group, num_m_blocks,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, VARLEN=packed,
+        SEQUSED_K=seqused_k is not None, HAS_WINDOW=window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
+    packed = cu_seqlens is not None
+    hq, d = q.shape[-2], q.shape[-1]
+    group = hq // k.shape[-2]
+    batch = cu_seqlens.numel() - 1 if packed else q.shape[0]
+    seqlen = max_seqlen if packed else q.shape[1]
+    dout = _last_dim_contiguous(dout)
+    if dlse is not None and dlse.stride(-1) != 1:
+        dlse = dlse.contiguous()
+    precision = _dot_precision(q.dtype)
+    common = dict(HEAD_DIM=d, VARLEN=packed)
+
+    delta = torch.empty_like(lse)
+    pre_blocks = triton.cdiv(seqlen, 64)
+    dsink_part = torch.empty((hq, batch, pre_blocks), dtype=torch.float32, device=q.device)
+    kernels.sink_attn_bwd_preprocess_kernel[(pre_blocks, hq, batch)](
+        out, dout, lse, dlse, sinks, delta, dsink_part, cu_seqlens,
+        *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse),
+        *(_lse_strides(dlse) if dlse is not None else (0, 0)), seqlen, pre_blocks,
+        BLOCK_M=64, HAS_DLSE=dlse is not None, **common,
+    )  # fmt: skip
+    dsinks = (-dsink_part.sum(dim=(1, 2))).to(sinks.dtype)
+
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    qk_scale = scale * math.log2(math.e)
+    kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg.dkdv_block_n), k.shape[-2], batch)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
+        *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, qk_scale, scale, group,
+        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, HAS_WINDOW=window is not None,
+        DOT_PRECISION=precision, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common,
+    )  # fmt: skip
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_m_blocks = triton.cdiv(seqlen, cfg.dq_block_m)
+    kernels.sink_attn_bwd_dq_kernel[(num_m_blocks, hq, batch)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dq),
+        *_lse_strides(lse), seqlen, window or 0, qk_scale, scale, group, num_m_blocks,
+        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=window is not None,
+        DOT_PRECISION=precision, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common,
+    )  # fmt: skip
+    return dq, dk, dv, dsinks
+
+
+class SinkAttentionFunction(torch.autograd.Function):
+    """(q, k, v, sinks) -> (out, lse); differentiable in all four, the loss may use both outputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg):
+        q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+        out, lse = _forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, cu_seqlens)
+        ctx.args = (max_seqlen, window, scale, cfg)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, sinks, out, lse, cu_seqlens = ctx.saved_tensors
+        max_seqlen, window, scale, cfg = ctx.args
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv, dsinks = _backward(
+            q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg
+        )
+        return dq, dk, dv, dsinks, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# Public API
+def triton_sink_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    window: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    config: KernelConfig | None = None,
+):
+    """Causal sink attention, differentiable in q, k, v and sinks.
+
+    q [B, T, Hq, D], k/v [B, T, Hkv, D]; or packed q [N, Hq, D], k/v [N, Hkv, D] with cu_seqlens int32
+    [docs + 1] on q's device (max_seqlen: the longest document, read from cu_seqlens when None).
+    sinks [Hq]. Returns out in q's layout and dtype, and with return_lse the fp32 natural-log LSE
+    [B, Hq, T] or [Hq, N] (sink included). `config` overrides `default_config` (tuning only: decode rows
+    equal training rows only under the same config)."""
+    _check(q, k, v, softmax_scale)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    if cu_seqlens is not None:
+        if cu_seqlens.device != q.device:
+            raise AttentionInputError(f"cu_seqlens on {cu_seqlens.device}, q on {q.device}")
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
+        max_seqlen = max(int(longest), 1)
+    cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device)
+    out, lse = SinkAttentionFunction.apply(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg)
+    return (out, lse) if return_lse else out
+
+
+def triton_sink_decode(
+    q_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sinks: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    config: KernelConfig | None = None,
+):
+    """Attention of a few new queries per sequence against a KV cache (decode / append), no gradient.
+
+    q_new [B, n_new, Hq, D]; k_cache, v_cache [B, L, Hkv, D] already holding the new tokens' keys and
+    values; cache_seqlens int32 [B]: valid cache entries per sequence, new tokens included
+    (n_new <= cache_seqlens[b] <= L; not checked on the device, to keep decode free of host syncs).
+    Query r of sequence b sits at position cache_seqlens[b] - n_new + r and sees cache entries j with
+    j <= position (and position - window < j). Returns out [B, n_new, Hq, D] (and LSE [B, Hq, n_new]).
+
+    Bitwise contract: each output row (and LSE) equals the row at the same position of
+    `triton_sink_attention` run on the whole sequence (padded or packed), on the same device with the
+    same dtype, head_dim, window, scale and config."""
+    if q_new.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise AttentionInputError(
+            f"decode expects q_new [B, n_new, Hq, D] and k/v cache [B, L, Hkv, D], got "
+            f"{tuple(q_new.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    batch, n_new, hq, d = q_new.shape
+    if k_cache.shape[0] != batch or k_cache.shape[-1] != d or hq % k_cache.shape[2]:
+        raise AttentionInputError(
+            f"q_new {tuple(q_new.shape)} and cache {tuple(k_cache.shape)} disagree on batch, head_dim or GQA"
+        )
+    if n_new > k_cache.shape[1]:
+        raise AttentionInputError(f"{n_new} new queries do not fit a cache of {k_cache.shape[1]} entries")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+        raise AttentionInputError(
+            f"cache_seqlens must be int32 [{batch}], got {cache_seqlens.dtype} {tuple(cache_seqlens.shape)}"
+        )
+    if sinks.shape != (hq,):
+        raise AttentionInputError(f"sinks has shape {tuple(sinks.shape)}; expected ({hq},)")
+    if window is not None and window < 1:
+        raise AttentionInputError(f"window must be >= 1 (query sees itself), got {window}")
+    _check(q_new, k_cache, v_cache, softmax_scale)
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    cfg = config or default_config(d, q_new.dtype, window is not None, q_new.device)
+    q_new, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q_new, k_cache, v_cache))
+    with torch.no_grad():
+        out, lse = _forward(
+            q_new, k_cache, v_cache, sinks, None, None, window, scale, cfg, seqused_k=cache_seqlens
+        )
+    return (out, lse) if return_lse else out
