@@ -1,0 +1,102 @@
+"""Rollout batches: prompt + response token rows, their loss mask and per-token RL tensors, and the
+packed forward that computes per-token log-probs without padding.
+
+Row b holds sequence s = prompt + response as `input_ids = s[:-1]`, `targets = s[1:]`, right-padded.
+`loss_mask[b, t]` is 1 when `targets[b, t]` was written by the policy (response tokens; tool and
+environment tokens carry 0). For the model the valid tokens of all rows are packed into one row with
+per-document positions and `cu_seqlens`, so padding costs no compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+from megatron_gptoss.model import token_logprobs
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.Tensor  # [B, T] int64
+    targets: torch.Tensor  # [B, T] int64
+    valid: torch.Tensor  # [B, T] bool: real (unpadded) positions
+    loss_mask: torch.Tensor  # [B, T] float32: targets written by the policy
+    rollout_logprobs: torch.Tensor  # [B, T] float32, the engine's log-probs of the targets (0 elsewhere)
+    rewards: torch.Tensor  # [B] float32
+    advantages: torch.Tensor | None = None  # [B] float32
+    old_logprobs: torch.Tensor | None = None  # [B, T] learner log-probs before the update
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
+    is_weights: torch.Tensor | None = None  # [B, T] rollout-correction weights
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor | slice) -> RolloutBatch:
+        """Rows `index` of every tensor field (None stays None)."""
+        values = {
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)
+        }
+        return RolloutBatch(**values)
+
+    def with_(self, **changes) -> RolloutBatch:
+        return replace(self, **changes)
+
+
+def build_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    rollout_logprobs: list[list[float]],
+    rewards: list[float],
+    response_masks: list[list[int]] | None = None,
+) -> RolloutBatch:
+    """Rows from token lists. `response_masks[b][i]` = 0 marks response token i as written by a tool or
+    the environment (excluded from the loss and the correction statistics); default all 1."""
+    if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards)):
+        raise ValueError("prompts, responses, rollout_logprobs and rewards must have one entry per row")
+    rows = len(prompts)
+    width = max(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    input_ids = torch.zeros(rows, width, dtype=torch.long)
+    targets = torch.zeros(rows, width, dtype=torch.long)
+    valid = torch.zeros(rows, width, dtype=torch.bool)
+    loss_mask = torch.zeros(rows, width)
+    rollout = torch.zeros(rows, width)
+    for b, (prompt, response, lps) in enumerate(zip(prompts, responses, rollout_logprobs)):
+        if len(lps) != len(response):
+            raise ValueError(f"row {b}: {len(response)} response tokens but {len(lps)} log-probs")
+        seq = list(prompt) + list(response)
+        n = len(seq) - 1
+        input_ids[b, :n] = torch.tensor(seq[:-1])
+        targets[b, :n] = torch.tensor(seq[1:])
+        valid[b, :n] = True
+        start = len(prompt) - 1
+        mask = response_masks[b] if response_masks is not None else [1] * len(response)
+        loss_mask[b, start : start + len(response)] = torch.tensor(mask, dtype=torch.float32)
+        rollout[b, start : start + len(response)] = torch.tensor(lps, dtype=torch.float32)
+    return RolloutBatch(input_ids, targets, valid, loss_mask, rollout, torch.tensor(rewards, dtype=torch.float32))
+
+
+def packed_logprobs(
+    model, batch: RolloutBatch, temperature: float, chunk_size: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropy [B, T] (0 at padding) from one packed forward of the valid tokens."""
+    lengths = batch.valid.sum(1)
+    device = next(model.parameters()).device
+    flat_ids = batch.input_ids[batch.valid].to(device)
+    positions = torch.cat([torch.arange(int(n)) for n in lengths]).to(device)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    hidden = model.hidden_states(
+        flat_ids[None], position_ids=positions[None], cu_seqlens=cu_seqlens.to(device), max_seqlen=int(lengths.max())
+    )[0]
+    lp, ent = token_logprobs(
+        hidden,
+        model.output_weight(),
+        batch.targets[batch.valid].to(device),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=True,
+    )
+    valid = batch.valid.to(device)
+    zeros = torch.zeros(valid.shape, dtype=lp.dtype, device=device)
+    return zeros.masked_scatter(valid, lp), zeros.masked_scatter(valid, ent)

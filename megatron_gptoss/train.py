@@ -1,0 +1,148 @@
+"""The RL loop: generate -> score -> log-probs -> advantages -> update -> sync weights -> evaluate.
+
+    python -m megatron_gptoss.train --config configs/demo_cpu.yaml [section.field=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_gptoss.checkpoint.convert import iter_hf_tensors
+from megatron_gptoss.config import ConfigError, TrainConfig, config_to_dict, load_config
+from megatron_gptoss.envs import make_task
+from megatron_gptoss.model import build_model
+from megatron_gptoss.rl import learner
+from megatron_gptoss.rl.batch import build_batch
+from megatron_gptoss.rl.optim import MasterWeightAdamW
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.utils.metrics import MetricsLogger
+from megatron_gptoss.utils.plot import plot_metrics
+
+log = logging.getLogger("megatron_gptoss.train")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def run(cfg: TrainConfig) -> dict[str, float]:
+    """Train; returns the last evaluation's metrics. Everything lands in cfg.run.output_dir."""
+    out_dir = Path(cfg.run.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(config_to_dict(cfg), indent=2))
+    torch.manual_seed(cfg.run.seed)
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+
+    task, tokenizer = make_task(cfg.env)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}")
+    policy = load_policy(cfg)
+    reference = copy.deepcopy(policy).requires_grad_(False) if cfg.ppo.kl_coef else None
+    engine = make_engine(cfg)
+    engine.update_weights(iter_hf_tensors(policy, cfg.model))
+    optimizer = MasterWeightAdamW(list(policy.parameters()), cfg.optim, cfg.run.steps)
+    sampling = SamplingParams(
+        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
+    )
+    prompt_rng = random.Random(cfg.env.seed)
+    shuffle = torch.Generator().manual_seed(cfg.run.seed)
+    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard)
+    evaluation = evaluate(engine, task, sampling)
+    logger.log(0, evaluation)
+    bar = tqdm(range(1, cfg.run.steps + 1), disable=not cfg.run.progress, desc="rl", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        prompts = task.sample_prompts(cfg.rollout.prompts_per_step, prompt_rng)
+        group = cfg.rollout.n_samples_per_prompt
+        prompt_ids = [list(p.token_ids) for p in prompts for _ in range(group)]
+        generations = engine.generate(prompt_ids, sampling)  # generate
+        rewards = [task.reward(p, g.token_ids) for p, g in zip(_repeat(prompts, group), generations)]  # score
+        batch = build_batch(prompt_ids, [g.token_ids for g in generations], [g.logprobs for g in generations], rewards)
+        t_gen = time.perf_counter()
+        policy.train()
+        batch, metrics = learner.prepare(  # old log-probs, advantages, rollout correction
+            policy, batch, cfg.ppo, cfg.rollout.temperature, group, reference
+        )
+        metrics.update(learner.update(policy, optimizer, batch, cfg.ppo, cfg.rollout.temperature, shuffle))
+        policy.eval()
+        engine.update_weights(iter_hf_tensors(policy, cfg.model))  # sync weights
+        t_end = time.perf_counter()
+        metrics.update({
+            "reward/train_mean": float(batch.rewards.mean()),
+            "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+            "time/generate_s": t_gen - t0,
+            "time/train_and_sync_s": t_end - t_gen,
+        })
+        if cfg.run.eval_every and step % cfg.run.eval_every == 0 or step == cfg.run.steps:
+            evaluation = evaluate(engine, task, sampling)  # evaluate
+            metrics.update(evaluation)
+        logger.log(step, metrics)
+        bar.set_postfix(reward=f"{metrics['reward/train_mean']:.3f}", acc=f"{evaluation['eval/accuracy']:.2f}")
+        if cfg.run.save_every and step % cfg.run.save_every == 0:
+            save_checkpoint(policy, out_dir / "checkpoints" / f"step_{step:06d}")
+    logger.close()
+    save_checkpoint(policy, out_dir / "checkpoints" / "final")
+    plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
+    return evaluation
+
+
+def _repeat(items, n):
+    return [item for item in items for _ in range(n)]
+
+
+def load_policy(cfg: TrainConfig):
+    dtype = DTYPES[cfg.run.dtype]
+    if cfg.run.init_from_hf:
+        from megatron_gptoss.checkpoint.hf import load_hf
+
+        return load_hf(cfg.run.init_from_hf, dtype=dtype)
+    return build_model(cfg.model, dtype=dtype, seed=cfg.run.seed)
+
+
+def make_engine(cfg: TrainConfig):
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine='vllm' needs the vllm extra and its engine module, not built yet")
+    return EmbeddedEngine(cfg.model, dtype=DTYPES[cfg.rollout.dtype], seed=cfg.run.seed + 1)
+
+
+@torch.no_grad()
+def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
+    """Greedy-free evaluation at the sampling temperature on the held-out prompts (fixed seed)."""
+    prompts = task.eval_prompts()
+    params = SamplingParams(**{**sampling.__dict__, "seed": 0})
+    generations = engine.generate([list(p.token_ids) for p in prompts], params)
+    scores = [task.score(p, g.token_ids) for p, g in zip(prompts, generations)]
+    return {
+        "eval/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
+        "reward/eval_mean": sum(float(s["reward"]) for s in scores) / len(scores),
+    }
+
+
+def save_checkpoint(policy, path: Path) -> None:
+    from megatron_gptoss.checkpoint.hf import save_hf
+
+    save_hf(policy, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=str, default=None, help="YAML file of overrides")
+    parser.add_argument("overrides", nargs="*", help="section.field=value pairs applied after the file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args.config, args.overrides)
+    result = run(cfg)
+    log.info("final evaluation: %s", json.dumps(result))
+    print(json.dumps({"final": result, "output_dir": cfg.run.output_dir}))
+
+
+if __name__ == "__main__":
+    main()
