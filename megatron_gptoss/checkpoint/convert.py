@@ -36,7 +36,8 @@ class HFAssembler:
             raise CheckpointError(f"unexpected tensor {hf_name!r}: not a GPT-OSS parameter")
         if match.layer is not None and match.layer >= self.config.num_layers:
             raise CheckpointError(
-                f"unexpected tensor {hf_name!r}: layer {match.layer} but the model has {self.config.num_layers}"
+                f"unexpected tensor {hf_name!r}: layer {match.layer} "
+                f"but the model has {self.config.num_layers} layers"
             )
         expected = dict(zip(match.hf, hf_shapes(match, self.config)))[hf_name]
         if tuple(tensor.shape) != tuple(expected):
@@ -54,7 +55,7 @@ class HFAssembler:
 
     def missing(self) -> list[str]:
         """HF names of rules started but not completed."""
-        out = []
+        out: list[str] = []
         for ours, parts in self._pending.items():
             out.extend(n for n in match_ours(ours).hf if n not in parts)
         return sorted(out)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +25,7 @@ from torch import nn
 
 from megatron_gptoss.checkpoint.convert import CheckpointError, iter_hf_tensors, load_hf_tensors
 from megatron_gptoss.checkpoint.mxfp4 import packed_shapes, unpack_expert_weight
-from megatron_gptoss.checkpoint.names import hf_shapes, match_hf
+from megatron_gptoss.checkpoint.names import Match, hf_shapes, match_hf
 from megatron_gptoss.config import ConfigError, ModelConfig
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 
@@ -99,11 +98,13 @@ def iter_checkpoint(
     for file, names in files.items():
         with _open(path, file) as handle:
             for name in names:
-                base = _packed_base(name, config)
-                if base is None:
+                packed = _packed_match(name)
+                if packed is None:
                     yield name, _get(handle, file, name)
-                elif name.endswith(BLOCKS):
-                    yield base, _read_packed(path, handle, file, base, weight_map, config, dtype)
+                    continue
+                base, match = packed
+                if name.endswith(BLOCKS):
+                    yield base, _read_packed(path, handle, file, match, base, weight_map, config, dtype)
                 elif base + BLOCKS not in weight_map:
                     raise CheckpointError(
                         f"missing tensor {base + BLOCKS!r}: the checkpoint has {name!r} only"
@@ -150,27 +151,35 @@ def _get(handle, file: str, name: str) -> torch.Tensor:
         raise CheckpointError(f"cannot read tensor {name!r} from {file!r}: {err}") from err
 
 
-def _packed_base(name: str, config: ModelConfig) -> str | None:
-    """`<name>` when `name` is the blocks or scales of an MXFP4 expert weight, else None."""
+def _packed_match(name: str) -> tuple[str, Match] | None:
+    """(`<name>`, its rule) when `name` is the blocks or scales of an MXFP4 expert weight, else None."""
     for suffix in (BLOCKS, SCALES):
         if name.endswith(suffix):
-            match = match_hf(name[: -len(suffix)])
+            base = name[: -len(suffix)]
+            match = match_hf(base)
             if match is not None and match.rule.kind in ("fc1", "fc2"):
-                return name[: -len(suffix)]
+                return base, match
     return None
 
 
 def _read_packed(
-    path: Path, handle, file: str, base: str, weight_map: dict[str, str], config: ModelConfig, dtype
+    path: Path,
+    handle,
+    file: str,
+    match: Match,
+    base: str,
+    weight_map: dict[str, str],
+    config: ModelConfig,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """Read, check and dequantize the MXFP4 pair of the HF expert weight `base`."""
     blocks_name, scales_name = base + BLOCKS, base + SCALES
     if scales_name not in weight_map:
         raise CheckpointError(f"missing tensor {scales_name!r} (the scales of {blocks_name!r})")
-    match = match_hf(base)
     if match.layer is not None and match.layer >= config.num_layers:
         raise CheckpointError(
-            f"unexpected tensor {blocks_name!r}: layer {match.layer} but the model has {config.num_layers}"
+            f"unexpected tensor {blocks_name!r}: layer {match.layer} "
+            f"but the model has {config.num_layers} layers"
         )
     hf_shape = dict(zip(match.hf, hf_shapes(match, config)))[base]
     shapes = packed_shapes(hf_shape)
@@ -213,7 +222,8 @@ def save_hf(
     path = Path(path)
     _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.partial-", dir=path.parent))
+    staging = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
     try:
         writer = _ShardWriter(staging, max_shard_bytes)
         for name, tensor in iter_hf_tensors(model, model.config):

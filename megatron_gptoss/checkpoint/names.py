@@ -37,7 +37,9 @@ _OURS = "decoder.layers.{L}"
 
 RULES: tuple[Rule, ...] = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-    Rule(f"{_OURS}.self_attention.linear_qkv.layer_norm_weight", ("model.layers.{L}.input_layernorm.weight",)),
+    Rule(
+        f"{_OURS}.self_attention.linear_qkv.layer_norm_weight", ("model.layers.{L}.input_layernorm.weight",)
+    ),
     Rule(
         f"{_OURS}.self_attention.linear_qkv.weight",
         (f"{_ATTN}.q_proj.weight", f"{_ATTN}.k_proj.weight", f"{_ATTN}.v_proj.weight"),
@@ -108,7 +110,7 @@ def match_hf(name: str) -> Match | None:
 
 def hf_names(config: ModelConfig) -> list[str]:
     """Every HF tensor name of a model with `config`, in table order, layers ascending."""
-    names = []
+    names: list[str] = []
     for ours in our_names(config):
         names.extend(match_ours(ours).hf)
     return names
@@ -116,7 +118,7 @@ def hf_names(config: ModelConfig) -> list[str]:
 
 def our_names(config: ModelConfig) -> list[str]:
     """Every parameter name of our model with `config` (biases included when the config has them)."""
-    names = []
+    names: list[str] = []
     for rule in RULES:
         if rule.ours.endswith(".bias") and not config.add_bias_linear:
             continue
