@@ -10,7 +10,24 @@ import yaml
 
 from megatron_gptoss.config.errors import ConfigError
 from megatron_gptoss.config.model import MODEL_PRESETS
-from megatron_gptoss.config.train import TrainConfig
+from megatron_gptoss.config.train import (
+    EnvConfig,
+    OptimConfig,
+    ParallelConfig,
+    PPOConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+)
+
+SECTION_TYPES = {
+    "parallel": ParallelConfig,
+    "optim": OptimConfig,
+    "ppo": PPOConfig,
+    "rollout": RolloutConfig,
+    "env": EnvConfig,
+    "run": RunConfig,
+}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
@@ -43,7 +60,7 @@ def build_config(raw: dict[str, Any]) -> TrainConfig:
     for name, f in sections.items():
         if name == "model":
             continue
-        cls = f.default_factory  # type: ignore[misc]
+        cls = SECTION_TYPES[name]
         values = raw.get(name, {}) or {}
         _check_fields(name, cls, values)
         parts[name] = cls(**values)

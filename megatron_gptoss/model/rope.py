@@ -36,6 +36,8 @@ def yarn_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin [..., head_dim / 2] for integer positions, computed in fp32 and cast to the activation dtype."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         inv_freq, self.concentration = yarn_inv_freq(config)

@@ -37,7 +37,7 @@ class RolloutBatch:
         values = {
             f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)
         }
-        return RolloutBatch(**values)
+        return RolloutBatch(**values)  # type: ignore[arg-type]
 
     def with_(self, **changes) -> RolloutBatch:
         return replace(self, **changes)

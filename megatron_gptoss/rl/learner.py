@@ -52,8 +52,10 @@ def accumulate_gradients(
     totals: dict[str, float] = {}
     tokens = 0.0
     for micro in micro_batches:
+        if micro.advantages is None or (micro.old_logprobs is None and not on_policy):
+            raise ValueError("accumulate_gradients needs a batch from prepare() (advantages, old log-probs)")
         logprobs, entropy = packed_logprobs(policy, micro, temperature)
-        old = logprobs.detach() if on_policy else micro.old_logprobs
+        old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
         advantages = micro.advantages[:, None].expand_as(logprobs)
         loss, metrics = compute_total_loss(
             logprobs, old, advantages, micro.loss_mask, cfg, denom,

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The README's second command: install, lint, type-check and run every test (CPU; GPU tests skip).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/install.sh dev
+python3 -m ruff check megatron_gptoss tests tools
+python3 -m ruff format --check megatron_gptoss tests tools
+python3 -m mypy megatron_gptoss
+python3 -m pytest -q -ra --durations=15 "$@"
