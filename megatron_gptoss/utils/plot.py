@@ -12,26 +12,39 @@ from pathlib import Path
 
 from megatron_gptoss.utils.metrics import read_metrics
 
-# (title, y label, metric names, log y-axis when every value is positive)
+# (title, y label, metric names, log y-axis when every value is positive). A panel lists every
+# name its quantity is logged under (the rl package's names beside the generic ones).
 PANELS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
     ("Reward", "mean reward", ("reward/train_mean", "reward/eval_mean"), False),
     ("Eval accuracy (exact match)", "accuracy", ("eval/accuracy",), False),
-    ("Rollout vs learner KL", "KL estimate", ("mismatch/k1", "mismatch/k3"), False),
+    (
+        "Rollout vs learner KL",
+        "KL estimate",
+        ("mismatch/k1", "mismatch/k3", "mismatch/kl_k1", "mismatch/kl_k3"),
+        False,
+    ),
     (
         "Rollout vs learner |Δ log-prob|",
         "|Δ log-prob|",
         ("mismatch/abs_diff_mean", "mismatch/abs_diff_max"),
         True,
     ),
+    (
+        "Rollout correction weights",
+        "importance weight",
+        ("correction/weight_mean", "correction/weight_max"),
+        False,
+    ),
     ("Gradient norm", "global norm", ("train/grad_norm",), True),
-    ("Clip fraction", "fraction of tokens", ("train/clipfrac",), False),
-    ("Entropy", "nats per token", ("train/entropy",), False),
-    ("KL to reference", "KL estimate", ("train/kl_ref",), False),
-    ("Loss", "loss", ("train/loss",), False),
+    ("Clip fraction", "fraction of tokens", ("train/clipfrac", "pg/clipfrac", "pg/dual_clipfrac"), False),
+    ("Entropy", "nats per token", ("train/entropy", "loss/entropy"), False),
+    ("KL to reference", "KL estimate", ("train/kl_ref", "loss/kl"), False),
+    ("Loss", "loss", ("train/loss", "pg/loss", "loss/total"), False),
+    ("Response length", "tokens", ("response/length_mean",), False),
 )
 DEFAULT_KEYS = tuple(key for _, _, keys, _ in PANELS for key in keys)
 SMOOTH_MIN_POINTS = 20  # series at least this long get a smoothed line over the faint raw one
-SMOOTH_WEIGHT = 0.9  # exponential moving average weight (debiased), as TensorBoard's slider
+SMOOTH_FRACTION = 0.04  # the smoothing window spans this fraction of the series (at least 3 points)
 
 
 def plot_metrics(
@@ -59,11 +72,11 @@ def plot_metrics(
     # Fixed margins in inches (a layout engine would draw the figure twice, doubling the cost).
     width, height = fig.get_size_inches()
     fig.subplots_adjust(
-        left=0.75 / width,
+        left=1.0 / width,
         right=1 - 0.2 / width,
         bottom=0.55 / height,
-        top=1 - 0.6 / height,
-        wspace=0.3,
+        top=1 - 0.75 / height,
+        wspace=0.38,
         hspace=0.5,
     )
     fig.suptitle(str(jsonl_path), fontsize=10)
@@ -91,7 +104,10 @@ def plot_metrics(
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=100)
     return plotted
@@ -119,12 +135,17 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     return [s for s, _ in pairs], [v for _, v in pairs]
 
 
-def _smooth(values: list[float], weight: float = SMOOTH_WEIGHT) -> list[float]:
-    """Debiased exponential moving average: out_t = EMA_t / (1 - weight^(t+1))."""
-    out, ema = [], 0.0
-    for t, value in enumerate(values):
-        ema = weight * ema + (1 - weight) * value
-        out.append(ema / (1 - weight ** (t + 1)))
+def _smooth(values: list[float]) -> list[float]:
+    """Centred moving average (no lag) over an odd window of about SMOOTH_FRACTION of the series;
+    the window shrinks at the ends."""
+    half = max(1, round(len(values) * SMOOTH_FRACTION / 2))
+    prefix = [0.0]
+    for value in values:
+        prefix.append(prefix[-1] + value)
+    out = []
+    for i in range(len(values)):
+        lo, hi = max(0, i - half), min(len(values), i + half + 1)
+        out.append((prefix[hi] - prefix[lo]) / (hi - lo))
     return out
 
 

@@ -9,6 +9,8 @@ import torch
 from megatron_gptoss.utils.metrics import MetricsLogger, flatten_metrics, read_metrics
 from megatron_gptoss.utils.plot import DEFAULT_KEYS, plot_metrics
 
+pytest.importorskip("matplotlib.backends.backend_agg")
+
 
 def _log_steps(out, steps, **kwargs):
     with MetricsLogger(out, tensorboard=False, **kwargs) as logger:
@@ -86,6 +88,7 @@ def test_plot_writes_png_and_skips_missing_keys(tmp_path):
             metrics = {
                 "reward/train_mean": min(1.0, step / 30),
                 "train/grad_norm": float("inf") if step == 5 else 1.0,
+                "mismatch/kl_k3": 1e-4,  # the rl package's name for the rollout/learner k3
             }
             if step % 10 == 0:
                 metrics["reward/eval_mean"] = step / 40
@@ -93,15 +96,17 @@ def test_plot_writes_png_and_skips_missing_keys(tmp_path):
     png = tmp_path / "plots" / "metrics.png"
     plotted = plot_metrics(logger.path, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert set(plotted) == {"reward/train_mean", "reward/eval_mean", "train/grad_norm"}
+    assert set(plotted) == {"reward/train_mean", "reward/eval_mean", "train/grad_norm", "mismatch/kl_k3"}
     assert set(plotted) <= set(DEFAULT_KEYS)
 
 
 def test_plot_chosen_keys_and_nothing_to_plot(tmp_path):
     with MetricsLogger(tmp_path, tensorboard=False) as logger:
         for step in range(5):
-            logger.log(step, {"mismatch/k3": 1e-4, "train/grad_norm": 1.0, "custom/thing": step})
-    plotted = plot_metrics(logger.path, tmp_path / "some.png", keys=["custom/thing", "absent", "mismatch/k3"])
+            logger.log(step, {"mismatch/k3": 1e-4, "train/loss": float("nan"), "custom/thing": step})
+    plotted = plot_metrics(
+        logger.path, tmp_path / "some.png", keys=["custom/thing", "absent", "train/loss", "mismatch/k3"]
+    )
     assert plotted == ["mismatch/k3", "custom/thing"]  # grouped panels first, then keys of their own
     assert plot_metrics(logger.path, tmp_path / "none.png", keys=["absent"]) == []
     assert (tmp_path / "none.png").stat().st_size > 0
