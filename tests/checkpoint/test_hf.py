@@ -160,6 +160,63 @@ def test_save_refuses_to_replace_other_directories(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+def _rss() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _measure(action):
+    """(result, peak RSS growth, RSS growth kept) of `action()`; Linux resets the peak via clear_refs."""
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss()["VmRSS"]
+    result = action()
+    after = _rss()
+    return result, after["VmHWM"] - before, after["VmRSS"] - before
+
+
+@pytest.fixture
+def mmap_allocations():
+    """Allocations of 64 KiB and more get their own mappings, so freed tensors leave the resident set
+    at once and the peak measures live memory rather than the allocator's free lists."""
+    ctypes = pytest.importorskip("ctypes")
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except OSError:
+        pytest.skip("needs glibc")
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc peak-RSS reset")
+    m_mmap_threshold = -3
+    mallopt(m_mmap_threshold, 1 << 16)
+    yield
+    mallopt(m_mmap_threshold, 128 << 10)
+
+
+def test_streaming_holds_one_copy_of_the_model(tmp_path, mmap_allocations):
+    """Measured: load_hf grows the process by the model plus a few tensors in flight (a collected state
+    dict would add another model); save_hf by one shard plus a few tensors."""
+    save_hf(tiny_model(), tmp_path / "warm")
+    load_hf(tmp_path / "warm")  # first use initialises lazily imported modules
+    config = gpt_oss_tiny(vocab_size=4000, hidden_size=256, intermediate_size=256, num_layers=8, head_dim=32)
+    model = build_model(config, seed=0)
+    largest = max(t.numel() * 4 for _, t in iter_hf_tensors(model, config))
+    save_hf(model, tmp_path / "src", max_shard_bytes=4 << 20, dtype=torch.float32)
+    del model
+    model_bytes = 4 * config.param_counts()["total"]  # float32, no vocabulary padding (4000 = 125 x 32)
+    mib, shard = 1 << 20, 4 << 20
+    assert shard + 3 * largest + 8 * mib < model_bytes  # a second copy of the model breaks both bounds
+
+    loaded, peak, kept = _measure(lambda: load_hf(tmp_path / "src", **OURS))
+    assert model_bytes - mib <= kept <= model_bytes + 4 * mib, (kept, model_bytes)
+    assert peak <= model_bytes + 3 * largest + 8 * mib, (peak, model_bytes, largest)
+
+    _, peak, _ = _measure(lambda: save_hf(loaded, tmp_path / "dst", max_shard_bytes=shard))
+    assert peak <= shard + 3 * largest + 8 * mib, (peak, shard, largest)
+
+
 # ------------------------------------------------------------------------------------------------
 # Corrupted directories
 def edit_shard(path, change):
