@@ -61,8 +61,8 @@ def load_hf(
     initialisation), then every parameter is written exactly once from the checkpoint. Tensors are
     read one at a time (safetensors memory-maps the shards). Peak host memory: the model itself (when
     `device` is the CPU) plus the tensors in flight: one HF tensor and its re-laid-out copy, the q/k/v
-    parts of one fused QKV until all three have arrived, and for MXFP4 one blocks/scales pair and its
-    dequantized weight.
+    parts of a fused QKV until all three have arrived (one layer's when shards follow layer order), and
+    for MXFP4 one blocks/scales pair and its dequantized weight. tests/checkpoint/test_hf.py measures it.
 
     Raises CheckpointError naming the tensor for a missing tensor, an unexpected tensor or a wrong shape
     (both shapes given), and naming the file for a missing config.json, index or shard, or an
