@@ -17,6 +17,7 @@ Backends:
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from collections.abc import Callable
@@ -204,6 +205,14 @@ def eager_sink_attention(
 
 # ------------------------------------------------------------------------------------------------
 # flex_attention with the sink folded into its log-sum-exp
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention runs fused only when compiled; uncompiled it materialises the scores."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
 def flex_sink_attention(
     q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
 ):
@@ -211,6 +220,7 @@ def flex_sink_attention(
     output is O' * exp(LSE' - LSE). Differentiable wherever flex_attention is (CUDA; CPU forward only)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
     packed = cu_seqlens is not None
     if packed:
         q, k, v = q[None], k[None], v[None]
@@ -227,7 +237,7 @@ def flex_sink_attention(
         return allowed
 
     block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device)
-    out, lse = flex_attention(
+    out, lse = attend(
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),

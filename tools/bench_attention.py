@@ -1,0 +1,284 @@
+"""Sink attention backends at GPT-OSS shapes: 64 query heads, 8 KV heads, head_dim 64, bf16, one GPU.
+
+    python tools/bench_attention.py                       # every case and backend that runs here
+    python tools/bench_attention.py --backends triton,sdpa --cases causal-4k,window128-16k
+    python tools/bench_attention.py --sweep               # Triton tile configs at 16k (tuning)
+
+Times are medians of `triton.testing.do_bench` (L2 flushed between repeats): forward with autograd
+recording, backward from the kept graph for a given dO (loss on the output only). FLOPs count the
+visible (query, key) pairs exactly: forward 4 * head_dim * q_heads * pairs, backward 2.5x that.
+Backends: triton (ours), fa4 (flash-attn-4 + learnable_sink, when installed), flex (compiled
+flex_attention, block mask built once outside the timing, LSE sink correction as the flex backend),
+sdpa (scaled_dot_product_attention WITHOUT sinks, KV heads expanded beforehand; causal padded cases
+only: a reference point), eager (our reference; 4k only, it materialises the scores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import triton
+
+from megatron_gptoss.ops import backend_available, eager_sink_attention, sink_attention
+
+HQ, HKV, D = 64, 8, 64
+CASES = {  # name: (batch, tokens per sequence, window, packed lengths)
+    "causal-4k": (1, 4096, None, None),
+    "causal-8k": (1, 8192, None, None),
+    "causal-16k": (1, 16384, None, None),
+    "window128-4k": (1, 4096, 128, None),
+    "window128-8k": (1, 8192, 128, None),
+    "window128-16k": (1, 16384, 128, None),
+    "packed16-16k": (None, None, None, "random16"),
+    "padded16x1k": (16, 1024, None, None),
+}
+
+
+def packed_lengths(total=16384, docs=16, seed=0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    cuts = torch.randperm(total - 1, generator=g)[: docs - 1] + 1
+    bounds = [0] + sorted(cuts.tolist()) + [total]
+    return [b - a for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def visible_pairs(case) -> int:
+    batch, tokens, window, lengths = case
+    seqs = lengths if lengths is not None else [tokens] * batch
+    total = 0
+    for n in seqs:
+        if window is None:
+            total += n * (n + 1) // 2
+        else:
+            w = min(window, n)
+            total += w * (w + 1) // 2 + (n - w) * w
+    return total
+
+
+def make_case(name):
+    batch, tokens, window, lengths = CASES[name]
+    if lengths == "random16":
+        lengths = packed_lengths()
+    lead = (sum(lengths),) if lengths else (batch, tokens)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (
+        torch.randn(*lead, h, D, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+        for h in (HQ, HKV, HKV)
+    )
+    sinks = torch.randn(HQ, generator=g, device="cuda").requires_grad_()
+    kw = dict(window=window)
+    if lengths:
+        kw["cu_seqlens"] = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device="cuda").int()
+        kw["max_seqlen"] = max(lengths)
+    return (q, k, v, sinks), kw, visible_pairs((batch, tokens, window, lengths))
+
+
+def flex_fn(inputs, kw):
+    """Compiled flex_attention + LSE sink correction, the block mask built here, outside the timing."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from megatron_gptoss.ops.sink_attention import document_ids
+
+    q, k, v, sinks = inputs
+    window, cu = kw["window"], kw.get("cu_seqlens")
+    packed = cu is not None
+    tokens = q.shape[0] if packed else q.shape[1]
+    doc = document_ids(cu, tokens)[0] if packed else None
+
+    def mask_mod(b, h, qi, ki):
+        ok = ki <= qi
+        if window is not None:
+            ok = ok & (ki > qi - window)
+        if doc is not None:
+            ok = ok & (doc[qi] == doc[ki])
+        return ok
+
+    batch = None if packed else q.shape[0]
+    mask = create_block_mask(mask_mod, batch if batch and batch > 1 else None, None, tokens, tokens)
+    attend = torch.compile(flex_attention, dynamic=False)
+
+    def fn(q, k, v, sinks):
+        qb, kb, vb = (t[None] if packed else t for t in (q, k, v))
+        out, lse = attend(
+            qb.transpose(1, 2), kb.transpose(1, 2), vb.transpose(1, 2), block_mask=mask, enable_gqa=True,
+            return_lse=True,
+        )  # fmt: skip
+        total = torch.logaddexp(lse.float(), sinks.float().view(1, -1, 1))
+        out = (out.float() * torch.exp(lse.float() - total).unsqueeze(-1)).to(q.dtype).transpose(1, 2)
+        return out[0] if packed else out
+
+    return fn
+
+
+def sdpa_fn():
+    def fn(q, k, v, sinks):
+        group = q.shape[2] // k.shape[2]
+        k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return out.transpose(1, 2)
+
+    return fn
+
+
+def backend_fn(name, inputs, kw, config=None):
+    if name == "flex":
+        return flex_fn(inputs, kw)
+    if name == "sdpa":
+        return sdpa_fn()
+    if name == "eager":
+        return lambda q, k, v, s: eager_sink_attention(q, k, v, s, **kw)
+    if name == "triton" and config is not None:
+        from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention
+
+        return lambda q, k, v, s: triton_sink_attention(q, k, v, s, config=config, **kw)
+    return lambda q, k, v, s: sink_attention(q, k, v, s, backend=name, **kw)
+
+
+def applicable(name, case_name, q) -> bool:
+    batch, tokens, window, lengths = CASES[case_name]
+    if name == "sdpa":
+        return window is None and lengths is None
+    if name == "eager":
+        return lengths is None and batch * tokens <= 4096
+    if name == "fa4":
+        return backend_available("fa4", q)
+    return True
+
+
+def time_backend(fn, inputs, what=("fwd", "bwd")):
+    q, k, v, sinks = inputs
+    leaves = [q, k, v] + ([sinks] if sinks.requires_grad else [])
+    res = {}
+    if "fwd" in what:
+        res["fwd"] = triton.testing.do_bench(
+            lambda: fn(q, k, v, sinks), warmup=25, rep=100, return_mode="median"
+        )
+    if "bwd" in what:
+        out = fn(q, k, v, sinks)
+        dout = torch.randn_like(out)
+        params = [t for t in leaves if t.requires_grad]
+
+        def bwd():
+            return torch.autograd.grad(out, params, dout, retain_graph=True)
+
+        res["bwd"] = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
+        del out
+    return res
+
+
+def run_table(backends, cases):
+    rows = []
+    for case_name in cases:
+        inputs, kw, pairs = make_case(case_name)
+        flops_fwd = 4 * D * HQ * pairs
+        for name in backends:
+            if not applicable(name, case_name, inputs[0]):
+                continue
+            try:
+                t = time_backend(backend_fn(name, inputs, kw), inputs)
+            except Exception as err:  # one backend failing (OOM, missing feature) must not stop the table
+                print(f"{case_name} {name}: {type(err).__name__}: {str(err)[:200]}", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            total = t["fwd"] + t["bwd"]
+            row = dict(case=case_name, backend=name, fwd_ms=t["fwd"], bwd_ms=t["bwd"], total_ms=total)
+            row["fwd_tflops"] = flops_fwd / t["fwd"] / 1e9
+            row["bwd_tflops"] = 2.5 * flops_fwd / t["bwd"] / 1e9
+            row["total_tflops"] = 3.5 * flops_fwd / total / 1e9
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del inputs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def print_table(rows):
+    by = {(r["case"], r["backend"]): r for r in rows}
+    print(
+        "\n| case | backend | fwd ms | bwd ms | total ms | fwd TF/s | bwd TF/s | total TF/s "
+        "| triton total / this |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ours = by.get((r["case"], "triton"))
+        ratio = f"{ours['total_ms'] / r['total_ms']:.2f}" if ours else "—"
+        print(
+            f"| {r['case']} | {r['backend']} | {r['fwd_ms']:.3f} | {r['bwd_ms']:.3f} | {r['total_ms']:.3f} "
+            f"| {r['fwd_tflops']:.0f} | {r['bwd_tflops']:.0f} | {r['total_tflops']:.0f} | {ratio} |"
+        )
+
+
+def sweep(cases=("causal-16k", "window128-16k")):
+    """Time Triton tile configs one kernel at a time (the others at their defaults)."""
+    from dataclasses import replace
+
+    from megatron_gptoss.ops.triton_sink_attention import default_config
+
+    fwd = [
+        (128, 64, 4, 3),
+        (128, 128, 8, 3),
+        (128, 64, 8, 3),
+        (64, 64, 4, 3),
+        (128, 32, 4, 4),
+        (64, 128, 4, 3),
+    ]
+    dkdv = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 4)]
+    dq = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)]
+    for case_name in cases:
+        inputs, kw, pairs = make_case(case_name)
+        base = default_config(D, torch.bfloat16, kw["window"] is not None, inputs[0].device)
+        print(f"\n{case_name} default {base}", flush=True)
+        trials = [
+            ("fwd", c, replace(base, block_m=c[0], block_n=c[1], fwd_warps=c[2], fwd_stages=c[3]))
+            for c in fwd
+        ]
+        trials += [
+            (
+                "dkdv",
+                c,
+                replace(base, dkdv_block_m=c[0], dkdv_block_n=c[1], dkdv_warps=c[2], dkdv_stages=c[3]),
+            )
+            for c in dkdv
+        ]
+        trials += [
+            ("dq", c, replace(base, dq_block_m=c[0], dq_block_n=c[1], dq_warps=c[2], dq_stages=c[3]))
+            for c in dq
+        ]
+        for part, c, cfg in trials:
+            try:
+                t = time_backend(
+                    backend_fn("triton", inputs, kw, cfg), inputs, ("fwd",) if part == "fwd" else ("bwd",)
+                )
+            except Exception as err:
+                print(f"  {part} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
+                continue
+            ms = t.get("fwd", t.get("bwd"))
+            print(f"  {part} {c}: {ms:.3f} ms", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backends", default="triton,fa4,flex,sdpa,eager")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
+    parser.add_argument("--json", default=None, help="also write the rows here")
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.sweep:
+        sweep()
+        return
+    rows = run_table(args.backends.split(","), args.cases.split(","))
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
