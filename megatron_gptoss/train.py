@@ -1,6 +1,6 @@
 """The RL loop: generate -> score -> log-probs -> advantages -> update -> sync weights -> evaluate.
 
-    python -m megatron_gptoss.train --config configs/demo_cpu.yaml [section.field=value ...]
+python -m megatron_gptoss.train --config configs/demo_cpu.yaml [section.field=value ...]
 """
 
 from __future__ import annotations
@@ -49,8 +49,11 @@ def run(cfg: TrainConfig) -> dict[str, float]:
     engine.update_weights(iter_hf_tensors(policy, cfg.model))
     optimizer = MasterWeightAdamW(list(policy.parameters()), cfg.optim, cfg.run.steps)
     sampling = SamplingParams(
-        temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id],
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=[tokenizer.eos_token_id],
     )
     prompt_rng = random.Random(cfg.env.seed)
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
@@ -65,7 +68,9 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         prompt_ids = [list(p.token_ids) for p in prompts for _ in range(group)]
         generations = engine.generate(prompt_ids, sampling)  # generate
         rewards = [task.reward(p, g.token_ids) for p, g in zip(_repeat(prompts, group), generations)]  # score
-        batch = build_batch(prompt_ids, [g.token_ids for g in generations], [g.logprobs for g in generations], rewards)
+        batch = build_batch(
+            prompt_ids, [g.token_ids for g in generations], [g.logprobs for g in generations], rewards
+        )
         t_gen = time.perf_counter()
         policy.train()
         batch, metrics = learner.prepare(  # old log-probs, advantages, rollout correction
@@ -75,17 +80,21 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         policy.eval()
         engine.update_weights(iter_hf_tensors(policy, cfg.model))  # sync weights
         t_end = time.perf_counter()
-        metrics.update({
-            "reward/train_mean": float(batch.rewards.mean()),
-            "response/length_mean": float(batch.loss_mask.sum(1).mean()),
-            "time/generate_s": t_gen - t0,
-            "time/train_and_sync_s": t_end - t_gen,
-        })
+        metrics.update(
+            {
+                "reward/train_mean": float(batch.rewards.mean()),
+                "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+                "time/generate_s": t_gen - t0,
+                "time/train_and_sync_s": t_end - t_gen,
+            }
+        )
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 or step == cfg.run.steps:
             evaluation = evaluate(engine, task, sampling)  # evaluate
             metrics.update(evaluation)
         logger.log(step, metrics)
-        bar.set_postfix(reward=f"{metrics['reward/train_mean']:.3f}", acc=f"{evaluation['eval/accuracy']:.2f}")
+        bar.set_postfix(
+            reward=f"{metrics['reward/train_mean']:.3f}", acc=f"{evaluation['eval/accuracy']:.2f}"
+        )
         if cfg.run.save_every and step % cfg.run.save_every == 0:
             save_checkpoint(policy, out_dir / "checkpoints" / f"step_{step:06d}")
     logger.close()
@@ -133,7 +142,9 @@ def save_checkpoint(policy, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", type=str, default=None, help="YAML file of overrides")
     parser.add_argument("overrides", nargs="*", help="section.field=value pairs applied after the file")
     args = parser.parse_args(argv)

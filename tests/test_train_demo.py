@@ -14,8 +14,13 @@ MARGIN = 0.15
 def test_short_demo_learns(tmp_path):
     cfg = load_config(
         "configs/demo_cpu.yaml",
-        [f"run.output_dir={tmp_path}", "run.steps=25", "run.eval_every=0", "run.progress=false",
-         "run.tensorboard=false"],
+        [
+            f"run.output_dir={tmp_path}",
+            "run.steps=25",
+            "run.eval_every=0",
+            "run.progress=false",
+            "run.tensorboard=false",
+        ],
     )
     final = run(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
@@ -26,4 +31,6 @@ def test_short_demo_learns(tmp_path):
     steps = [r for r in records if r["step"] > 0]
     assert len(steps) == 25 and all(r["mismatch/abs_diff_max"] < 1e-4 for r in steps)
     assert (tmp_path / "metrics.png").stat().st_size > 0
-    assert json.loads((tmp_path / "checkpoints" / "final" / "config.json").read_text())["num_hidden_layers"] == 4
+    assert (
+        json.loads((tmp_path / "checkpoints" / "final" / "config.json").read_text())["num_hidden_layers"] == 4
+    )

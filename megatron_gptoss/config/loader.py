@@ -31,7 +31,7 @@ SECTION_TYPES = {
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    """Defaults <- YAML file <- `a.b=value` overrides. The YAML may name `model.preset` (see MODEL_PRESETS)."""
+    """Defaults <- YAML file <- `a.b=value` overrides; the YAML may name `model.preset` (MODEL_PRESETS)."""
     raw: dict[str, Any] = {}
     if path is not None:
         raw = yaml.safe_load(Path(path).read_text()) or {}
@@ -57,7 +57,7 @@ def build_config(raw: dict[str, Any]) -> TrainConfig:
         raise ConfigError(f"model.preset={preset!r} not in {sorted(MODEL_PRESETS)}")
     _check_fields("model", MODEL_PRESETS[preset]().__class__, model_raw)
     parts: dict[str, Any] = {"model": MODEL_PRESETS[preset](**model_raw)}
-    for name, f in sections.items():
+    for name in sections:
         if name == "model":
             continue
         cls = SECTION_TYPES[name]

@@ -111,13 +111,15 @@ class ModelConfig:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for rotary embeddings")
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(
-                f"model.layer_types has {len(self.layer_types)} entries but model.num_layers={self.num_layers}"
+                f"model.layer_types has {len(self.layer_types)} entries, model.num_layers={self.num_layers}"
             )
         bad = sorted({t for t in self.layer_types if t not in ("sliding", "full")})
         if bad:
             raise ConfigError(f"model.layer_types has unknown kinds {bad}; use 'sliding' or 'full'")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"model.attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}")
+            raise ConfigError(
+                f"model.attention_backend={self.attention_backend!r} not in {ATTENTION_BACKENDS}"
+            )
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ConfigError(f"model.expert_backend={self.expert_backend!r} not in {EXPERT_BACKENDS}")
         if self.yarn_factor < 1.0:

@@ -59,8 +59,12 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_groups, self.head_dim = c.num_attention_heads, c.num_query_groups, c.head_dim
         self.heads_per_group = self.num_heads // self.num_groups
         qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
-        self.linear_qkv = LayerNormLinear(c.hidden_size, qkv_out, c.add_bias_linear, c.norm_epsilon, dtype, device)
-        self.core_attention = CoreAttention(self.num_heads, c.window_of(layer), c.attention_backend, dtype, device)
+        self.linear_qkv = LayerNormLinear(
+            c.hidden_size, qkv_out, c.add_bias_linear, c.norm_epsilon, dtype, device
+        )
+        self.core_attention = CoreAttention(
+            self.num_heads, c.window_of(layer), c.attention_backend, dtype, device
+        )
         self.linear_proj = nn.Linear(
             self.num_heads * self.head_dim, c.hidden_size, bias=c.add_bias_linear, dtype=dtype, device=device
         )
@@ -81,12 +85,18 @@ class SelfAttention(nn.Module):
         if cache is not None:
             k_all, v_all = cache.write(self.layer, k, v, positions)
             out = cached_sink_attention(
-                q, k_all, v_all, self.core_attention.softmax_offset.float(), positions,
+                q,
+                k_all,
+                v_all,
+                self.core_attention.softmax_offset.float(),
+                positions,
                 window=self.core_attention.window,
             )
         elif cu_seqlens is not None:
             flat = (batch * tokens, -1, self.head_dim)
-            out = self.core_attention(q.reshape(flat), k.reshape(flat), v.reshape(flat), cu_seqlens, max_seqlen)
+            out = self.core_attention(
+                q.reshape(flat), k.reshape(flat), v.reshape(flat), cu_seqlens, max_seqlen
+            )
         else:
             out = self.core_attention(q, k, v)
         return self.linear_proj(out.reshape(batch, tokens, self.num_heads * self.head_dim))

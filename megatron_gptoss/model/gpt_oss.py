@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.attention import SelfAttention
+from megatron_gptoss.model.logprobs import token_logprobs
 from megatron_gptoss.model.moe import MoE
 from megatron_gptoss.model.norm import RMSNorm
 from megatron_gptoss.model.rope import RotaryEmbedding
@@ -36,7 +37,10 @@ class TransformerLayer(nn.Module):
 class Decoder(nn.Module):
     def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, i, dtype, device) for i in range(config.num_layers))
+        # Keyed by the global layer index, so a pipeline stage that keeps a subset keeps the names.
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerLayer(config, i, dtype, device) for i in range(config.num_layers)}
+        )
         self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device)
 
 
@@ -47,6 +51,34 @@ class Embedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.word_embeddings(input_ids)
+
+
+class OutputLayer(nn.Module):
+    """The unembedding `weight` [padded_vocab, H]; rows past `vocab_size` are padding and never score.
+    Tensor parallelism swaps in a vocab-parallel module with the same interface."""
+
+    def __init__(self, hidden: int, rows: int, vocab_size: int, dtype=None, device=None):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype, device=device))
+
+    def real_weight(self) -> torch.Tensor:
+        return self.weight[: self.vocab_size]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., vocab_size]."""
+        return nn.functional.linear(hidden, self.real_weight())
+
+    def logprobs(self, hidden, targets, temperature: float = 1.0, chunk_size: int = 1024):
+        """(log-prob [...], entropy [...]) fp32 of `targets` under softmax(logits / temperature), chunked."""
+        return token_logprobs(
+            hidden,
+            self.real_weight(),
+            targets,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=True,
+        )
 
 
 class GPTOSSModel(nn.Module):
@@ -60,7 +92,7 @@ class GPTOSSModel(nn.Module):
         self.embedding = Embedding(rows, config.hidden_size, dtype, device)
         self.rotary = RotaryEmbedding(config)
         self.decoder = Decoder(config, dtype, device)
-        self.output_layer = nn.Linear(config.hidden_size, rows, bias=False, dtype=dtype, device=device)
+        self.output_layer = OutputLayer(config.hidden_size, rows, config.vocab_size, dtype, device)
         self.activation_checkpointing = config.activation_checkpointing
 
     # ----------------------------------------------------------------------------------------------
@@ -96,16 +128,22 @@ class GPTOSSModel(nn.Module):
             position_ids = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
         x = self.embedding(input_ids)
         cos, sin = self.rotary(position_ids, x.dtype)
-        for layer in self.decoder.layers:
+        for layer in self.decoder.layers.values():
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids, use_reentrant=False)
+                x = checkpoint(
+                    layer, x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids, use_reentrant=False
+                )
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids)
         return self.decoder.final_layernorm(x)
 
     def output_weight(self) -> torch.Tensor:
         """Unembedding rows of the real vocabulary [vocab_size, H] (a view: padded rows never score)."""
-        return self.output_layer.weight[: self.vocab_size]
+        return self.output_layer.real_weight()
+
+    def token_logprobs(self, hidden, targets, temperature: float = 1.0, chunk_size: int = 1024):
+        """Per-token (log-prob, entropy) of `targets` from final hidden states (`OutputLayer.logprobs`)."""
+        return self.output_layer.logprobs(hidden, targets, temperature, chunk_size)
 
     def forward(
         self,
@@ -117,7 +155,7 @@ class GPTOSSModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab_size]."""
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, cache)
-        return nn.functional.linear(hidden, self.output_weight())
+        return self.output_layer(hidden)
 
 
 def build_model(config: ModelConfig, dtype=torch.float32, device=None, seed: int = 0) -> GPTOSSModel:

@@ -17,7 +17,9 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
         self.topk, self.fp32 = config.moe_router_topk, config.moe_router_fp32
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(config.num_experts, config.hidden_size, dtype=dtype, device=device)
+        )
         bias = torch.zeros(config.num_experts, dtype=dtype, device=device)
         self.bias = nn.Parameter(bias) if config.add_bias_linear else None
 
@@ -88,7 +90,9 @@ class Experts(nn.Module):
 class _ExpertLinear(nn.Module):
     def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features, dtype=dtype, device=device))
+        self.weight = nn.Parameter(
+            torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
+        )
         self.bias = (
             nn.Parameter(torch.zeros(experts, out_features, dtype=dtype, device=device)) if bias else None
         )

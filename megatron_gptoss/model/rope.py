@@ -34,7 +34,7 @@ def yarn_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin [..., head_dim / 2] for integer positions, computed in fp32 and cast to the activation dtype."""
+    """cos/sin [..., head_dim / 2] of integer positions, computed in fp32, cast to the activation dtype."""
 
     inv_freq: torch.Tensor
 

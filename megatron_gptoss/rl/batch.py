@@ -13,8 +13,6 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from megatron_gptoss.model import token_logprobs
-
 
 @dataclass
 class RolloutBatch:
@@ -35,7 +33,8 @@ class RolloutBatch:
     def select(self, index: torch.Tensor | slice) -> RolloutBatch:
         """Rows `index` of every tensor field (None stays None)."""
         values = {
-            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index]) for f in fields(self)
+            f.name: (None if getattr(self, f.name) is None else getattr(self, f.name)[index])
+            for f in fields(self)
         }
         return RolloutBatch(**values)  # type: ignore[arg-type]
 
@@ -73,7 +72,9 @@ def build_batch(
         mask = response_masks[b] if response_masks is not None else [1] * len(response)
         loss_mask[b, start : start + len(response)] = torch.tensor(mask, dtype=torch.float32)
         rollout[b, start : start + len(response)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(input_ids, targets, valid, loss_mask, rollout, torch.tensor(rewards, dtype=torch.float32))
+    return RolloutBatch(
+        input_ids, targets, valid, loss_mask, rollout, torch.tensor(rewards, dtype=torch.float32)
+    )
 
 
 def packed_logprobs(
@@ -87,16 +88,12 @@ def packed_logprobs(
     cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu_seqlens[1:] = lengths.cumsum(0)
     hidden = model.hidden_states(
-        flat_ids[None], position_ids=positions[None], cu_seqlens=cu_seqlens.to(device), max_seqlen=int(lengths.max())
+        flat_ids[None],
+        position_ids=positions[None],
+        cu_seqlens=cu_seqlens.to(device),
+        max_seqlen=int(lengths.max()),
     )[0]
-    lp, ent = token_logprobs(
-        hidden,
-        model.output_weight(),
-        batch.targets[batch.valid].to(device),
-        temperature=temperature,
-        chunk_size=chunk_size,
-        with_entropy=True,
-    )
+    lp, ent = model.token_logprobs(hidden, batch.targets[batch.valid].to(device), temperature, chunk_size)
     valid = batch.valid.to(device)
     zeros = torch.zeros(valid.shape, dtype=lp.dtype, device=device)
     return zeros.masked_scatter(valid, lp), zeros.masked_scatter(valid, ent)

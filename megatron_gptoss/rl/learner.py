@@ -33,7 +33,11 @@ def prepare(
     old, _ = packed_logprobs(policy, batch, temperature)
     ref = packed_logprobs(reference, batch, temperature)[0] if reference is not None else None
     weights, mask, metrics = rollout_correction(
-        old, batch.rollout_logprobs, batch.loss_mask, cfg.correction_mode, cfg.correction_threshold,
+        old,
+        batch.rollout_logprobs,
+        batch.loss_mask,
+        cfg.correction_mode,
+        cfg.correction_threshold,
         cfg.correction_threshold_low,
     )
     prepared = batch.with_(
@@ -47,7 +51,9 @@ def accumulate_gradients(
 ) -> dict[str, float]:
     """Forward and backward over the micro-batches of one mini-batch (gradients accumulate in .grad).
     Each micro-batch's loss is normalised by the whole mini-batch's denominators."""
-    micro_batches = [mini_batch.select(idx) for idx in torch.arange(len(mini_batch)).chunk(cfg.num_micro_batches)]
+    micro_batches = [
+        mini_batch.select(idx) for idx in torch.arange(len(mini_batch)).chunk(cfg.num_micro_batches)
+    ]
     denom = loss_denominators([m.loss_mask for m in micro_batches], dp_group)
     totals: dict[str, float] = {}
     tokens = 0.0
@@ -58,8 +64,15 @@ def accumulate_gradients(
         old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
         advantages = micro.advantages[:, None].expand_as(logprobs)
         loss, metrics = compute_total_loss(
-            logprobs, old, advantages, micro.loss_mask, cfg, denom,
-            ref_logprobs=micro.ref_logprobs, entropy=entropy, is_weights=micro.is_weights,
+            logprobs,
+            old,
+            advantages,
+            micro.loss_mask,
+            cfg,
+            denom,
+            ref_logprobs=micro.ref_logprobs,
+            entropy=entropy,
+            is_weights=micro.is_weights,
         )
         loss.backward()
         n = float(metrics["pg/tokens"])
@@ -81,7 +94,12 @@ def accumulate_gradients(
 
 
 def update(
-    policy, optimizer: MasterWeightAdamW, batch: RolloutBatch, cfg: PPOConfig, temperature: float, generator=None
+    policy,
+    optimizer: MasterWeightAdamW,
+    batch: RolloutBatch,
+    cfg: PPOConfig,
+    temperature: float,
+    generator=None,
 ) -> dict[str, float]:
     """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch. Returns averaged metrics."""
     on_policy = is_on_policy(cfg)

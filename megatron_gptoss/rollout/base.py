@@ -11,7 +11,7 @@ import torch
 
 @dataclass
 class SamplingParams:
-    """How to sample. Log-probs returned are those of log_softmax(logits / temperature), before top-k/top-p."""
+    """How to sample. Returned log-probs are log_softmax(logits / temperature), before top-k/top-p."""
 
     # Softmax temperature (> 0).
     temperature: float = 1.0
@@ -32,7 +32,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.max_new_tokens < 1:
-            raise ValueError(f"top_k must be >= 0 and max_new_tokens >= 1, got {self.top_k}, {self.max_new_tokens}")
+            raise ValueError(
+                f"top_k must be >= 0 and max_new_tokens >= 1, got {self.top_k}, {self.max_new_tokens}"
+            )
 
 
 @dataclass

@@ -19,22 +19,29 @@ def perturbed_model(seed: int, **overrides):
     return model
 
 
-@pytest.mark.parametrize("seed,tokens,overrides", [
-    (0, 21, {}),
-    (1, 33, {"num_layers": 3, "num_query_groups": 1}),
-    (2, 12, {"moe_router_topk": 1, "yarn_factor": 1.0}),
-])
+@pytest.mark.parametrize(
+    "seed,tokens,overrides",
+    [
+        (0, 21, {}),
+        (1, 33, {"num_layers": 3, "num_query_groups": 1}),
+        (2, 12, {"moe_router_topk": 1, "yarn_factor": 1.0}),
+    ],
+)
 def test_logits_loss_and_grads_match_transformers(seed, tokens, overrides):
     model = perturbed_model(seed, **overrides)
     assert tokens > model.config.sliding_window
     ref = hf_twin(model)
-    ids = torch.randint(0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(
+        0, model.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(seed)
+    )
 
     logits = model(ids)
     ref_logits = ref(ids).logits
     assert rel_err(logits, ref_logits) <= 1e-5
 
-    loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)
+    )
     ref_loss = ref(ids, labels=ids).loss
     assert rel_err(loss, ref_loss) <= 1e-5
     loss.backward()
@@ -54,7 +61,7 @@ def test_flex_forward_equals_eager():
     ids = torch.randint(0, model.config.vocab_size, (2, 19))
     with torch.no_grad():  # flex_attention has no CPU backward in this torch; the GPU test covers it
         eager = model(ids)
-        for layer in model.decoder.layers:
+        for layer in model.decoder.layers.values():
             layer.self_attention.core_attention.backend = "flex"
         assert rel_err(model(ids), eager) <= 1e-5
 
@@ -101,7 +108,7 @@ def test_grouped_experts_backend_matches_loop_when_available():
     model = perturbed_model(7)
     ids = torch.randint(0, model.config.vocab_size, (1, 16))
     ref = model(ids)
-    for layer in model.decoder.layers:
+    for layer in model.decoder.layers.values():
         layer.mlp.experts.backend = "grouped_mm"
     try:
         out = model(ids)

@@ -21,7 +21,9 @@ def test_logprobs_entropy_and_grads_match_float64(temperature, chunk):
     targets = torch.randint(0, 50, (3, 11), generator=gen)
     g_lp, g_ent = torch.randn(3, 11, generator=gen), torch.randn(3, 11, generator=gen)
 
-    lp, ent = token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=chunk, with_entropy=True)
+    lp, ent = token_logprobs(
+        hidden, weight, targets, temperature=temperature, chunk_size=chunk, with_entropy=True
+    )
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
     h64 = hidden.detach().double().requires_grad_()
     w64 = weight.detach().double().requires_grad_()
@@ -59,7 +61,9 @@ def _peak_growth_bytes(mode: str) -> int:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, mode], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, mode], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.strip().splitlines()[-1])
 
 

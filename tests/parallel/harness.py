@@ -41,7 +41,9 @@ class WorkerPool:
         self.tasks = [ctx.Queue() for _ in range(world)]
         self.results = ctx.Queue()
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world, self.init_file, self.tasks[r], self.results), daemon=True)
+            ctx.Process(
+                target=_worker, args=(r, world, self.init_file, self.tasks[r], self.results), daemon=True
+            )
             for r in range(world)
         ]
         for p in self.procs:
@@ -60,7 +62,9 @@ class WorkerPool:
                 rank, ok, value = self.results.get(timeout=timeout)
             except queue.Empty:
                 self.close(kill=True)
-                raise TimeoutError(f"{fn.__name__} did not finish on all {self.world} ranks in {timeout} s") from None
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world} ranks in {timeout} s"
+                ) from None
             if ok:
                 out[rank] = value
             else:

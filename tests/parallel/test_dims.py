@@ -25,8 +25,18 @@ def test_groups_partition_the_world_and_match_coords():
 @pytest.mark.parametrize(
     "overrides,parallel,world,message",
     [
-        ({"num_attention_heads": 6, "num_query_groups": 3}, {"tensor_model_parallel_size": 2}, 2, "num_query_groups"),
-        ({"num_attention_heads": 3, "num_query_groups": 1}, {"tensor_model_parallel_size": 2}, 2, "num_attention_heads"),
+        (
+            {"num_attention_heads": 6, "num_query_groups": 3},
+            {"tensor_model_parallel_size": 2},
+            2,
+            "num_query_groups",
+        ),
+        (
+            {"num_attention_heads": 3, "num_query_groups": 1},
+            {"tensor_model_parallel_size": 2},
+            2,
+            "num_attention_heads",
+        ),
         ({"num_experts": 3, "moe_router_topk": 2}, {"expert_model_parallel_size": 2}, 2, "num_experts=3"),
         ({}, {"pipeline_model_parallel_size": 4}, 4, "num_layers=2"),
         ({}, {"tensor_model_parallel_size": 2}, 3, "world size 3"),
@@ -42,7 +52,9 @@ def _build_and_report(tp, pp, ep):
     import torch.distributed as dist
 
     dims = ParallelDims.build(
-        ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep),
+        ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+        ),
         gpt_oss_tiny(num_layers=2),
     )
     out = {}

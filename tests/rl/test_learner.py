@@ -17,10 +17,14 @@ from megatron_gptoss.rl.ppo_loss import aggregate, loss_denominators
 
 def make_batch(seed=0, rows=8, group=4):
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 96, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(rows)]
-    responses = [torch.randint(0, 96, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
-                 for _ in range(rows)]
+    prompts = [
+        torch.randint(0, 96, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(rows)
+    ]
+    responses = [
+        torch.randint(0, 96, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(rows)
+    ]
     rollout = [(-torch.rand(len(r), generator=gen) * 3).tolist() for r in responses]
     rewards = torch.rand(rows, generator=gen).tolist()
     # The last two tokens of row 1 were written by a tool: excluded from loss and correction.
@@ -47,7 +51,9 @@ def test_on_policy_gradient_is_reinforce_and_ratio_exactly_one(mode):
     policy = tiny_policy()
     batch, _ = learner.prepare(policy, make_batch(), cfg, temperature=0.7, group_size=4)
     metrics = learner.accumulate_gradients(policy, batch, cfg, 0.7, on_policy=True)
-    assert metrics["pg/ratio_mean"] == 1.0 and metrics["pg/ratio_max"] == 1.0 and metrics["pg/ratio_min"] == 1.0
+    assert (
+        metrics["pg/ratio_mean"] == 1.0 and metrics["pg/ratio_max"] == 1.0 and metrics["pg/ratio_min"] == 1.0
+    )
     assert metrics["pg/clipfrac"] == 0.0
     ppo = grads(policy)
 
@@ -94,8 +100,11 @@ def test_correction_metrics_ignore_tool_tokens():
     batch = make_batch(3)
     _, metrics = learner.prepare(policy, batch, cfg, temperature=1.0, group_size=4)
     tool = (batch.loss_mask == 0) & batch.valid
-    changed = batch.with_(rollout_logprobs=torch.where(tool, torch.full_like(batch.rollout_logprobs, -50.0),
-                                                       batch.rollout_logprobs))
+    changed = batch.with_(
+        rollout_logprobs=torch.where(
+            tool, torch.full_like(batch.rollout_logprobs, -50.0), batch.rollout_logprobs
+        )
+    )
     _, metrics2 = learner.prepare(policy, changed, cfg, temperature=1.0, group_size=4)
     assert metrics == metrics2
     assert metrics["mismatch/tokens"] == float(batch.loss_mask.sum())
@@ -108,7 +117,9 @@ def test_optimizer_keeps_fp32_master_for_bf16_params_and_skips_nonfinite():
         p.grad = torch.ones(4, dtype=torch.bfloat16)
         opt.step()
     # bf16 cannot represent 1 - 3e-4, but the fp32 master accumulates the updates
-    assert opt.master[0].dtype == torch.float32 and float(opt.master[0][0]) == pytest.approx(1 - 3e-4, rel=1e-3)
+    assert opt.master[0].dtype == torch.float32 and float(opt.master[0][0]) == pytest.approx(
+        1 - 3e-4, rel=1e-3
+    )
     before = opt.master[0].clone()
     p.grad = torch.full((4,), float("nan"), dtype=torch.bfloat16)
     assert opt.step()["train/skipped"] == 1.0

@@ -53,7 +53,9 @@ def test_stop_tokens_and_max_tokens():
     first = outs2[0].token_ids
     assert first[-1] == stop and stop not in first[:-1] and outs2[0].finish_reason == "stop"
     assert first == outs[0].token_ids[: len(first)]  # same seed: same samples until the stop
-    assert all(len(o.token_ids) == 30 and o.finish_reason == "length" for o in outs if stop not in o.token_ids)
+    assert all(
+        len(o.token_ids) == 30 and o.finish_reason == "length" for o in outs if stop not in o.token_ids
+    )
 
 
 def test_top_k_and_top_p_restrict_sampling_but_not_logprobs():
