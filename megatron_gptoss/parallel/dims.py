@@ -120,7 +120,9 @@ class ParallelDims:
     def build(cls, cfg: ParallelConfig, model: ModelConfig) -> ParallelDims:
         """Create every process group (collective over the whole world, same order on every rank)."""
         if not dist.is_initialized():
-            raise RuntimeError("ParallelDims.build needs torch.distributed initialised (torchrun or init_process_group)")
+            raise RuntimeError(
+                "ParallelDims.build needs torch.distributed initialised (torchrun or init_process_group)"
+            )
         world, rank = dist.get_world_size(), dist.get_rank()
         layout = validate_layout(cfg, model, world)
         dims = cls(layout, rank, cfg.sequence_parallel)
