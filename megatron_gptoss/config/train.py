@@ -169,6 +169,8 @@ class EnvConfig:
     eval_seed: int = 0
     # Reward partial credit (eos, well-formed number, closeness) below the 1.0 of an exact answer.
     partial_credit: bool = True
+    # Weight of the closeness part of the partial credit (0 rewards only format and exact answers).
+    closeness_credit: float = 0.3
 
 
 @dataclass

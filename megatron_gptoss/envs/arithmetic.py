@@ -17,10 +17,11 @@ tokens after that <eos> are ignored. A response without <eos> was truncated.
 - Otherwise, with `EnvConfig.partial_credit` (the default), the sum of
     0.1  the response terminated with <eos>;
     0.1  it terminated and the body is a canonical integer;
-    0.3 * max(0, 1 - |value - answer| / (max_operand + 1))  for such an integer (closeness).
-  A wrong answer therefore earns at most 0.5 - 0.3 / (max_operand + 1) < 0.5; a truncated
-  response earns 0. Order: truncated (0) < empty or malformed body (0.1) < wrong integer
-  (0.2 .. < 0.5, nearer earns more) < correct (1.0).
+    c * max(0, 1 - |value - answer| / (max_operand + 1))  for such an integer (closeness),
+  with c = `EnvConfig.closeness_credit` (default 0.3). A wrong answer therefore earns less than
+  0.2 + c; a truncated response earns 0. Order: truncated (0) < empty or malformed body (0.1) <
+  wrong integer (0.2 .. < 0.2 + c, nearer earns more) < correct (1.0). Closeness credit has a
+  failure mode under RL: a policy may settle on one middle answer that is close on average.
 - Without partial credit: 0.0.
 The main metric is exact-match accuracy (`correct`); the partial credit exists so that a randomly
 initialised model, which seldom writes a well-formed number, gets a learning signal at once.
@@ -42,7 +43,6 @@ from megatron_gptoss.envs.tokenizer import CharTokenizer
 OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 TERMINATION_CREDIT = 0.1
 NUMBER_CREDIT = 0.1
-CLOSENESS_CREDIT = 0.3
 CANONICAL_INTEGER = re.compile(r"0|-?[1-9][0-9]*")
 
 
@@ -135,7 +135,7 @@ class ArithmeticTask:
             if well_formed:
                 distance = abs(int(body) - prompt.answer)
                 closeness = max(0.0, 1.0 - distance / (self.cfg.max_operand + 1))
-                reward += NUMBER_CREDIT + CLOSENESS_CREDIT * closeness
+                reward += NUMBER_CREDIT + self.cfg.closeness_credit * closeness
         return {"reward": reward, "correct": correct, "terminated": terminated, "well_formed": well_formed}
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int] | torch.Tensor) -> float:
