@@ -178,26 +178,19 @@ def _measure(action):
     return result, after["VmHWM"] - before, after["VmRSS"] - before
 
 
-@pytest.fixture
-def mmap_allocations():
+def _mmap_allocations() -> None:
     """Allocations of 64 KiB and more get their own mappings, so freed tensors leave the resident set
     at once and the peak measures live memory rather than the allocator's free lists."""
-    ctypes = pytest.importorskip("ctypes")
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except OSError:
-        pytest.skip("needs glibc")
-    if not Path("/proc/self/clear_refs").exists():
-        pytest.skip("needs Linux /proc peak-RSS reset")
+    import ctypes
+
     m_mmap_threshold = -3
-    mallopt(m_mmap_threshold, 1 << 16)
-    yield
-    mallopt(m_mmap_threshold, 128 << 10)
+    ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, 1 << 16)
 
 
-def test_streaming_holds_one_copy_of_the_model(tmp_path, mmap_allocations):
-    """Measured: load_hf grows the process by the model plus a few tensors in flight (a collected state
-    dict would add another model); save_hf by one shard plus a few tensors."""
+def streaming_measurements(workdir: str) -> dict[str, int]:
+    """Run in a fresh process (so no earlier test's allocations or threads blur the readings)."""
+    tmp_path = Path(workdir)
+    _mmap_allocations()
     save_hf(tiny_model(), tmp_path / "warm")
     load_hf(tmp_path / "warm")  # first use initialises lazily imported modules
     config = gpt_oss_tiny(vocab_size=4000, hidden_size=256, intermediate_size=256, num_layers=8, head_dim=32)
@@ -205,16 +198,39 @@ def test_streaming_holds_one_copy_of_the_model(tmp_path, mmap_allocations):
     largest = max(t.numel() * 4 for _, t in iter_hf_tensors(model, config))
     save_hf(model, tmp_path / "src", max_shard_bytes=4 << 20, dtype=torch.float32)
     del model
-    model_bytes = 4 * config.param_counts()["total"]  # float32, no vocabulary padding (4000 = 125 x 32)
+    loaded, load_peak, load_kept = _measure(lambda: load_hf(tmp_path / "src", **OURS))
+    _, save_peak, _ = _measure(lambda: save_hf(loaded, tmp_path / "dst", max_shard_bytes=4 << 20))
+    return {
+        "model_bytes": 4 * config.param_counts()["total"],  # float32, no vocabulary padding (4000 = 125 x 32)
+        "largest": largest,
+        "load_peak": load_peak,
+        "load_kept": load_kept,
+        "save_peak": save_peak,
+    }
+
+
+def test_streaming_holds_one_copy_of_the_model(tmp_path):
+    """Measured: load_hf grows the process by the model plus a few tensors in flight (a collected state
+    dict would add another model); save_hf by one shard plus a few tensors."""
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux /proc peak-RSS reset")
+    import subprocess
+    import sys
+
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    code = (
+        f"import json, sys; sys.path.insert(0, {tests_dir!r}); "
+        "from checkpoint.test_hf import streaming_measurements; "
+        f"print(json.dumps(streaming_measurements({str(tmp_path)!r})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    m = json.loads(out.stdout.strip().splitlines()[-1])
     mib, shard = 1 << 20, 4 << 20
+    model_bytes, largest = m["model_bytes"], m["largest"]
     assert shard + 3 * largest + 8 * mib < model_bytes  # a second copy of the model breaks both bounds
-
-    loaded, peak, kept = _measure(lambda: load_hf(tmp_path / "src", **OURS))
-    assert 0.9 * model_bytes <= kept <= model_bytes + 4 * mib, (kept, model_bytes)  # the model is seen
-    assert peak <= model_bytes + 3 * largest + 8 * mib, (peak, model_bytes, largest)
-
-    _, peak, _ = _measure(lambda: save_hf(loaded, tmp_path / "dst", max_shard_bytes=shard))
-    assert peak <= shard + 3 * largest + 8 * mib, (peak, shard, largest)
+    assert 0.9 * model_bytes <= m["load_kept"] <= model_bytes + 4 * mib, m  # the model is seen
+    assert m["load_peak"] <= model_bytes + 3 * largest + 8 * mib, m
+    assert m["save_peak"] <= shard + 3 * largest + 8 * mib, m
 
 
 # ------------------------------------------------------------------------------------------------
