@@ -70,10 +70,21 @@ def build_config(raw: dict[str, Any]) -> TrainConfig:
 
 
 def _check_fields(section: str, cls: Any, values: dict[str, Any]) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
+    """Reject unknown fields; read numbers YAML leaves as strings (`1e-3`) where the field is a float."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
         raise ConfigError(f"unknown fields in section {section!r}: {unknown}")
+    for name, value in values.items():
+        if (
+            fields[name].type in ("float", float)
+            and isinstance(value, (str, int))
+            and not isinstance(value, bool)
+        ):
+            try:
+                values[name] = float(value)
+            except ValueError:
+                raise ConfigError(f"{section}.{name}={value!r} is not a number") from None
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
