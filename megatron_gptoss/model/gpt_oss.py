@@ -4,11 +4,17 @@
     -> logits [B, T, vocab_size] (the padded vocabulary rows are dropped)
 
 No collectives live here: tensor, expert, pipeline and data parallelism are applied from
-`megatron_gptoss.parallel`. Packed input: several documents per row, `position_ids` restart at each
-document and `cu_seqlens` (int32 over the flattened B x T tokens) keeps attention inside documents.
+`megatron_gptoss.parallel`. A pipeline stage is a GPTOSSModel holding a subset of the layers (keyed by
+their global index), with the embedding only when `pre_process` and the final norm and output layer
+only when `post_process` (Megatron's names).
+
+Packed input: several documents per row, `position_ids` restart at each document and `cu_seqlens`
+(int32 over the flattened B x T tokens) keeps attention inside documents.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -35,13 +41,21 @@ class TransformerLayer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, dtype=None, device=None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype=None,
+        device=None,
+        layers: Sequence[int] | None = None,
+        final_norm=True,
+    ):
         super().__init__()
+        indices = range(config.num_layers) if layers is None else layers
         # Keyed by the global layer index, so a pipeline stage that keeps a subset keeps the names.
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerLayer(config, i, dtype, device) for i in range(config.num_layers)}
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, i, dtype, device) for i in indices})
+        self.final_layernorm: nn.Module | None = (
+            RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device) if final_norm else None
         )
-        self.final_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device)
 
 
 class Embedding(nn.Module):
@@ -82,17 +96,32 @@ class OutputLayer(nn.Module):
 
 
 class GPTOSSModel(nn.Module):
-    """GPT-OSS causal LM. Parameters carry Megatron names (DESIGN's table); the vocabulary is padded."""
+    """GPT-OSS causal LM. Parameters carry Megatron names (DESIGN's table); the vocabulary is padded.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device=None):
+    `layers` (global indices, default all), `pre_process` (holds the embedding) and `post_process`
+    (holds the final norm and the output layer) build one pipeline stage; the defaults build the model.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        layers: Sequence[int] | None = None,
+        pre_process: bool = True,
+        post_process: bool = True,
+    ):
         super().__init__()
         self.config = config
         self.vocab_size = config.vocab_size
         rows = config.padded_vocab_size()
-        self.embedding = Embedding(rows, config.hidden_size, dtype, device)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.embedding = Embedding(rows, config.hidden_size, dtype, device) if pre_process else None
         self.rotary = RotaryEmbedding(config)
-        self.decoder = Decoder(config, dtype, device)
-        self.output_layer = OutputLayer(config.hidden_size, rows, config.vocab_size, dtype, device)
+        self.decoder = Decoder(config, dtype, device, layers, final_norm=post_process)
+        self.output_layer = (
+            OutputLayer(config.hidden_size, rows, config.vocab_size, dtype, device) if post_process else None
+        )
         self.activation_checkpointing = config.activation_checkpointing
 
     # ----------------------------------------------------------------------------------------------
@@ -107,8 +136,10 @@ class GPTOSSModel(nn.Module):
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype))
-        self.embedding.word_embeddings.weight[self.vocab_size :].zero_()
-        self.output_layer.weight[self.vocab_size :].zero_()
+        if self.embedding is not None:
+            self.embedding.word_embeddings.weight[self.vocab_size :].zero_()
+        if self.output_layer is not None:
+            self.output_layer.weight[self.vocab_size :].zero_()
         return self
 
     # ----------------------------------------------------------------------------------------------
@@ -120,13 +151,20 @@ class GPTOSSModel(nn.Module):
         max_seqlen: int | None = None,
         cache=None,
     ) -> torch.Tensor:
-        """Final-norm hidden states [B, T, H]. With `cache`, `position_ids` give each token's slot."""
-        batch, tokens = input_ids.shape
+        """Final-norm hidden states [B, T, H]. With `cache`, `position_ids` give each token's slot.
+
+        A stage without the embedding takes the previous stage's hidden states [B, T, H] in place of
+        `input_ids` (then `position_ids` are required); a stage without the final norm returns its last
+        layer's output."""
+        batch, tokens = input_ids.shape[:2]
         if position_ids is None:
-            if cache is not None or cu_seqlens is not None:
-                raise ValueError("position_ids are required with a KV cache or packed sequences (cu_seqlens)")
+            if cache is not None or cu_seqlens is not None or self.embedding is None:
+                raise ValueError(
+                    "position_ids are required with a KV cache, packed sequences (cu_seqlens) or "
+                    "hidden-state input"
+                )
             position_ids = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
-        x = self.embedding(input_ids)
+        x = self.embedding(input_ids) if self.embedding is not None else input_ids
         cos, sin = self.rotary(position_ids, x.dtype)
         for layer in self.decoder.layers.values():
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
@@ -135,15 +173,21 @@ class GPTOSSModel(nn.Module):
                 )
             else:
                 x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids)
-        return self.decoder.final_layernorm(x)
+        norm = self.decoder.final_layernorm
+        return norm(x) if norm is not None else x
+
+    def _head(self) -> OutputLayer:
+        if self.output_layer is None:
+            raise RuntimeError("this pipeline stage has no output layer (post_process=False)")
+        return self.output_layer
 
     def output_weight(self) -> torch.Tensor:
         """Unembedding rows of the real vocabulary [vocab_size, H] (a view: padded rows never score)."""
-        return self.output_layer.real_weight()
+        return self._head().real_weight()
 
     def token_logprobs(self, hidden, targets, temperature: float = 1.0, chunk_size: int = 1024):
         """Per-token (log-prob, entropy) of `targets` from final hidden states (`OutputLayer.logprobs`)."""
-        return self.output_layer.logprobs(hidden, targets, temperature, chunk_size)
+        return self._head().logprobs(hidden, targets, temperature, chunk_size)
 
     def forward(
         self,
@@ -153,9 +197,10 @@ class GPTOSSModel(nn.Module):
         max_seqlen: int | None = None,
         cache=None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab_size]."""
+        """input_ids [B, T] -> logits [B, T, vocab_size] (a stage without the output layer returns its
+        hidden states)."""
         hidden = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, cache)
-        return self.output_layer(hidden)
+        return self.output_layer(hidden) if self.output_layer is not None else hidden
 
 
 def build_model(config: ModelConfig, dtype=torch.float32, device=None, seed: int = 0) -> GPTOSSModel:
