@@ -51,7 +51,8 @@ class CoreAttention(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """x [B, T, H] -> [B, T, H]. QKV rows are grouped per KV head: [its q heads, k, v] x head_dim."""
+    """x [B, T, H] -> [B, T, H]. QKV rows are grouped per KV head: [its q heads, k, v] x head_dim.
+    `num_heads` / `num_groups` are the heads this instance computes (tensor parallel holds a slice)."""
 
     def __init__(self, config: ModelConfig, layer: int, dtype=None, device=None):
         super().__init__()
@@ -79,8 +80,10 @@ class SelfAttention(nn.Module):
         return q, grouped[..., r, :], grouped[..., r + 1, :]
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
-        batch, tokens, _ = x.shape
-        q, k, v = self.split_qkv(self.linear_qkv(x))
+        qkv = self.linear_qkv(x)
+        # Shapes come from qkv: a sequence-parallel linear_qkv gathers the tokens that x holds a chunk of.
+        batch, tokens, _ = qkv.shape
+        q, k, v = self.split_qkv(qkv)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k_all, v_all = cache.write(self.layer, k, v, positions)

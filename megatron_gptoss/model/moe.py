@@ -52,11 +52,16 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], bac
 
 
 class Experts(nn.Module):
-    """`linear_fc1` [E, 2I, H] ([gate; up]) / bias [E, 2I]; `linear_fc2` [E, H, I] / bias [E, H]."""
+    """`linear_fc1` [E, 2I, H] ([gate; up]) / bias [E, 2I]; `linear_fc2` [E, H, I] / bias [E, H].
 
-    def __init__(self, config: ModelConfig, dtype=None, device=None):
+    E is `num_experts`: all of the config's experts by default; expert parallelism builds instances
+    holding a contiguous slice of them and reuses `compute` on the tokens dispatched to it.
+    """
+
+    def __init__(self, config: ModelConfig, dtype=None, device=None, num_experts: int | None = None):
         super().__init__()
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        e = config.num_experts if num_experts is None else num_experts
+        h, i = config.hidden_size, config.intermediate_size
         self.num_experts, self.limit, self.alpha = e, config.swiglu_limit, config.swiglu_alpha
         self.backend = config.expert_backend
         self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device)
@@ -67,22 +72,30 @@ class Experts(nn.Module):
             return self.backend
         return "grouped_mm" if x.is_cuda and hasattr(torch, "_grouped_mm") else "loop"
 
-    def forward(self, x: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """x [N, H], probs/indices [N, k] -> [N, H]."""
-        k = indices.shape[1]
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        expert = flat[order]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows x [M, H] sorted by expert (`counts[e]` rows for this instance's expert e) -> the experts'
+        outputs [M, H], not yet weighted by the router."""
         backend = self._backend(x)
-        h = grouped_linear(x[token], self.linear_fc1.weight, counts, backend)
+        expert = torch.repeat_interleave(
+            torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device)
+        )
+        h = grouped_linear(x, self.linear_fc1.weight, counts, backend)
         if self.linear_fc1.bias is not None:
             h = h + self.linear_fc1.bias[expert]
         h = swiglu_clamped(h, self.limit, self.alpha)
         y = grouped_linear(h, self.linear_fc2.weight, counts, backend)
         if self.linear_fc2.bias is not None:
             y = y + self.linear_fc2.bias[expert]
+        return y
+
+    def forward(self, x: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """x [N, H], probs/indices [N, k] -> [N, H]."""
+        k = indices.shape[1]
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        y = self.compute(x[token], counts)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 

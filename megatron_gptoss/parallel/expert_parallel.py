@@ -1,0 +1,158 @@
+"""Expert parallelism: the MoE block on a layout with ep ranks per expert group (expert tensor parallel 1).
+
+    x [B, T, H]: replicated over tp (tp > 1 without SP: each tp rank takes its chunk of the B x T
+                 tokens, uneven chunks allowed) or already this rank's tokens (SP, or tp == 1)
+    └ router       replicated weights; top-k of the logits, softmax over the k (as the model)
+    └ dispatch     sort the (token, slot) pairs by expert; experts [r * E/ep, (r+1) * E/ep) live on ep
+                   rank r, so the sorted rows are already grouped by destination; exchange the counts
+                   per (rank, local expert), then the rows (all-to-all, uneven splits)
+    └ experts      regroup the received rows by local expert; fc1 -> clamped SwiGLU -> fc2 (+ biases)
+    └ combine      all-to-all back, weight by the router probabilities (fp32), sum the k slots per token
+    └ out          tp > 1 without SP: all-gather the tokens so the output is replicated again
+
+Who holds what: ep rank r of an ep group holds the experts above (`linear_fc1`/`linear_fc2` weights
+and biases, ShardSpec dim 0 over "ep"; the tag is set for ep == 1 too, marking expert parameters).
+Ranks of an expert-data-parallel (edp) group hold the same experts and process disjoint tokens, so
+expert gradients are summed over edp, dense ones over dp (the data-parallel step). Router gradients
+cover this rank's tokens only: they are tagged `partial over tp` when tp > 1.
+
+Load-balancing loss (Switch style; off unless `set_load_balancing_loss` sets a coefficient c > 0):
+    aux = c * E / (k * N^2) * sum_e (sum_tokens softmax(logits)_e) * tokens_routed_to_e
+over the N tokens of the tp group (counts all-reduced over tp; each rank adds the term of its own
+tokens, so the sum over tp ranks is the loss of the whole group). It enters the backward with weight 1
+per forward, without changing the model's output; `last_aux_loss` holds this rank's term.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model.moe import Experts, MoE, Router
+from megatron_gptoss.parallel.collectives import (
+    all_to_all,
+    gather_to_replicated,
+    scatter_to_sequence_parallel,
+)
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.sharding import ShardSpec, local_shard, set_shard
+from megatron_gptoss.parallel.tensor_parallel import set_partial_over_tp, swap_module
+
+
+def load_balancing_loss(logits: Tensor, indices: Tensor, tokens_per_expert: Tensor, coeff: float) -> Tensor:
+    """Switch-style auxiliary loss of router `logits` [n, E] with top-k `indices` [n, k]; the counts
+    [E] and the token total they imply may cover more tokens than these n (other ranks' tokens)."""
+    num_experts, k = logits.shape[-1], indices.shape[-1]
+    total = tokens_per_expert.sum() / k
+    prob_sums = torch.softmax(logits.float(), dim=-1).sum(0)
+    return coeff * num_experts / (k * total * total) * (prob_sums * tokens_per_expert).sum()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Returns `out` unchanged; the backward gives `aux` a gradient of 1."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, aux: Tensor) -> Tensor:
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, torch.ones((), device=grad.device)
+
+
+class ExpertParallelExperts(Experts):
+    """This ep rank's `num_experts / ep` experts (global ids [r * E/ep, (r+1) * E/ep) on ep rank r) and
+    the token dispatch over the ep group. forward: x [N, H], probs/indices [N, k] -> [N, H]."""
+
+    def __init__(self, full: Experts, config: ModelConfig, dims: ParallelDims):
+        super().__init__(config, device="meta", num_experts=full.num_experts // dims.ep)
+        self.backend = full.backend
+        self.group, self.ep, self.total_experts = dims.group("ep"), dims.ep, full.num_experts
+        spec = ShardSpec(0, "ep")
+        for name in ("linear_fc1", "linear_fc2"):
+            for attr in ("weight", "bias"):
+                src = getattr(getattr(full, name), attr)
+                if src is not None:
+                    param = nn.Parameter(local_shard(src.detach(), spec, dims).clone(), src.requires_grad)
+                    set_shard(param, spec)
+                    setattr(getattr(self, name), attr, param)
+
+    def forward(self, x: Tensor, probs: Tensor, indices: Tensor) -> Tensor:
+        k, local = indices.shape[1], self.num_experts
+        flat = indices.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token = order // k
+        send = torch.bincount(flat, minlength=self.total_experts).view(self.ep, local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        rows = all_to_all(x[token], self.group, recv_splits, send_splits)
+        # received rows are grouped by (source rank, local expert); compute wants (local expert, source)
+        segment = (
+            torch.arange(local, device=x.device)[None, :] * self.ep
+            + torch.arange(self.ep, device=x.device)[:, None]
+        )
+        perm = torch.argsort(torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1)), stable=True)
+        y = self.compute(rows[perm], recv.sum(0).tolist())[torch.argsort(perm)]
+        y = all_to_all(y, self.group, send_splits, recv_splits)
+        y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class ParallelMoE(nn.Module):
+    """The MoE block of one rank: `router` (replicated) and `experts` (this rank's, see the module doc).
+    x [B, T, H] -> [B, T, H] in the same distribution as x (replicated, or this rank's tokens)."""
+
+    def __init__(self, router: Router, experts: Experts, dims: ParallelDims):
+        super().__init__()
+        self.router, self.experts = router, experts
+        self.tp_group, self.tp = dims.group("tp"), dims.tp
+        self.split_tokens = dims.tp > 1 and not dims.sequence_parallel
+        self.aux_loss_coeff = 0.0
+        self.last_aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        total = flat.shape[0]
+        if self.split_tokens:
+            flat = scatter_to_sequence_parallel(flat, self.tp_group, 0)
+        logits, probs, indices = self.router(flat)
+        y = self.experts(flat, probs, indices)
+        if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
+            counts = torch.bincount(indices.reshape(-1), minlength=logits.shape[-1]).float()
+            if self.tp > 1:
+                dist.all_reduce(counts, group=self.tp_group)
+            aux = load_balancing_loss(logits, indices, counts, self.aux_loss_coeff)
+            self.last_aux_loss = aux.detach()
+            y = _AttachAuxLoss.apply(y, aux)
+        if self.split_tokens:
+            y = gather_to_replicated(y, self.tp_group, 0, total)
+        return y.reshape(shape)
+
+
+def set_load_balancing_loss(model: nn.Module, coeff: float) -> None:
+    """Turn the load-balancing loss on (coeff > 0) or off (0) in every `ParallelMoE` of `model`."""
+    if coeff < 0:
+        raise ValueError(f"load-balancing loss coefficient must be >= 0, got {coeff}")
+    for module in model.modules():
+        if isinstance(module, ParallelMoE):
+            module.aux_loss_coeff = coeff
+
+
+def apply_expert_parallel(model: nn.Module, config: ModelConfig, dims: ParallelDims) -> None:
+    """Swap, in place, every `MoE` of `model` for a `ParallelMoE`: experts sharded over ep (kept whole
+    and only tagged when ep == 1), tokens split over tp when tp > 1 without SP, router gradients tagged
+    partial over tp when tp > 1. Weights already in the model are kept as this rank's shards."""
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts if dims.ep == 1 else ExpertParallelExperts(module.experts, config, dims)
+        for p in experts.parameters():
+            set_shard(p, ShardSpec(0, "ep"))
+        if dims.tp > 1:
+            for p in module.router.parameters():
+                set_partial_over_tp(p)
+        swap_module(model, name, ParallelMoE(module.router, experts, dims))

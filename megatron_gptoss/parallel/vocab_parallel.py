@@ -1,0 +1,147 @@
+"""Vocab-parallel output layer: the unembedding split by vocabulary rows over the tp ranks.
+
+Tp rank r holds rows [r * P/tp, (r+1) * P/tp) of the padded vocabulary (P = padded_vocab_size(tp));
+rows >= vocab_size are padding and never score (logit -inf, probability 0, gradient 0).
+
+Contract of `VocabParallelOutputLayer` (the `OutputLayer` interface):
+    forward(hidden [..., H] replicated) -> this rank's logits shard [..., P/tp], padded columns -inf.
+        `gather_logits` concatenates the shards and drops the padding: [..., vocab_size], the
+        single-device logits (for tests and evaluation; the training path never needs it).
+    logprobs(hidden [..., H] replicated, targets [...] int64 replicated, temperature, chunk_size)
+        -> (log-prob [...], entropy [...]) fp32, replicated on every tp rank. Token-chunked; per chunk
+        only [chunk, P/tp] logits exist, and the ranks exchange [chunk]-sized statistics: the row max
+        (all-reduce MAX), then sum exp, sum exp * z and the target logit (one all-reduce SUM). The
+        backward recomputes each chunk and needs no collective besides the all-reduce of the hidden
+        gradient. Cross-entropy is -logprob at temperature 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from megatron_gptoss.model.gpt_oss import OutputLayer
+from megatron_gptoss.parallel.collectives import copy_to_tensor_parallel, gather_from_tensor_parallel
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.sharding import ShardSpec, local_shard, set_shard
+from megatron_gptoss.parallel.tensor_parallel import swap_module
+
+
+def _chunk_logits(h: Tensor, weight: Tensor, inv_temp: float) -> Tensor:
+    """Tempered fp32 logits [n, real] of this rank's real vocabulary rows."""
+    return (h.float() @ weight.float().t()).mul_(inv_temp)
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    """hidden [N, H] (replicated), weight [R, H] (this rank's real rows, global ids start + [0, R)),
+    targets [N] -> (logprob [N], entropy [N]) fp32. The hidden gradient returned is this rank's partial
+    sum; the caller all-reduces it (copy_to_tensor_parallel)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, start: int, group: ProcessGroup, inv_temp: float, chunk: int):
+        n, rows = hidden.shape[0], weight.shape[0]
+        logprobs = hidden.new_empty(n, dtype=torch.float32)
+        entropy = hidden.new_empty(n, dtype=torch.float32)
+        lse_all = hidden.new_empty(n, dtype=torch.float32)
+        for s in range(0, n, chunk):
+            z = _chunk_logits(hidden[s : s + chunk], weight, inv_temp)
+            local_t = targets[s : s + chunk] - start
+            mine = (local_t >= 0) & (local_t < rows)
+            m = z.amax(-1) if rows else z.new_full((z.shape[0],), float("-inf"))
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            shifted = z - m[:, None]
+            e = shifted.exp()
+            if rows:
+                target = z.gather(1, local_t.clamp(0, rows - 1)[:, None]).squeeze(1)
+            else:
+                target = z.new_zeros(z.shape[0])
+            stats = torch.stack([e.sum(-1), (e * shifted).sum(-1), torch.where(mine, target, 0.0)])
+            dist.all_reduce(stats, group=group)
+            log_s0 = stats[0].log()
+            lse_all[s : s + chunk] = m + log_s0
+            logprobs[s : s + chunk] = stats[2] - lse_all[s : s + chunk]
+            entropy[s : s + chunk] = log_s0 - stats[1] / stats[0]
+        ctx.save_for_backward(hidden, weight, targets, lse_all, entropy)
+        ctx.start, ctx.inv_temp, ctx.chunk = start, inv_temp, chunk
+        ctx.mark_non_differentiable(targets)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, lse_all, entropy = ctx.saved_tensors
+        inv_temp, chunk, rows = ctx.inv_temp, ctx.chunk, weight.shape[0]
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        wf = weight.float()
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            logp = _chunk_logits(h, weight, inv_temp) - lse_all[s : s + chunk, None]
+            p = logp.exp()
+            g_lp = grad_logprobs[s : s + chunk].float()
+            g_ent = grad_entropy[s : s + chunk].float()
+            # d/dz of g_lp * logp[t] + g_ent * entropy = g_lp (onehot_t - p) - g_ent p (log p + entropy)
+            dz = -p * g_lp[:, None] - g_ent[:, None] * p * (logp + entropy[s : s + chunk, None])
+            local_t = targets[s : s + chunk] - ctx.start
+            mine = (local_t >= 0) & (local_t < rows)
+            if rows:
+                dz.scatter_add_(1, local_t.clamp(0, rows - 1)[:, None], torch.where(mine, g_lp, 0.0)[:, None])
+            dz.mul_(inv_temp)
+            if grad_hidden is not None:
+                grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
+            grad_weight.addmm_(dz.t(), h.float())
+        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+class VocabParallelOutputLayer(nn.Module):
+    """`weight` [P/tp, H]: this tp rank's rows of the padded unembedding (ShardSpec dim 0, vocab)."""
+
+    def __init__(self, full: OutputLayer, padded_rows: int, dims: ParallelDims):
+        super().__init__()
+        spec = ShardSpec(0, "tp", vocab=True)
+        self.weight = nn.Parameter(local_shard(full.weight.detach(), spec, dims, padded_rows).clone())
+        set_shard(self.weight, spec)
+        self.group, self.vocab_size = dims.group("tp"), full.vocab_size
+        self.vocab_start = dims.coord("tp") * self.weight.shape[0]
+        self.real_rows = max(0, min(self.weight.shape[0], self.vocab_size - self.vocab_start))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] replicated -> this rank's logits [..., P/tp]; padded columns are -inf."""
+        logits = nn.functional.linear(copy_to_tensor_parallel(hidden, self.group), self.weight)
+        if self.real_rows < self.weight.shape[0]:
+            padded = torch.arange(self.weight.shape[0], device=logits.device) >= self.real_rows
+            logits = logits.masked_fill(padded, float("-inf"))
+        return logits
+
+    def logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0, chunk_size: int = 1024):
+        """(log-prob [...], entropy [...]) fp32 of `targets` under softmax(logits / temperature), computed
+        without gathering the vocabulary; identical on every tp rank. Differentiable in hidden and weight."""
+        lead = targets.shape
+        h = copy_to_tensor_parallel(hidden.reshape(-1, hidden.shape[-1]), self.group)
+        t = targets.reshape(-1)
+        if h.shape[0] != t.shape[0]:
+            raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+            raise ValueError(f"targets outside the vocabulary [0, {self.vocab_size})")
+        lp, ent = _VocabParallelLogprobs.apply(
+            h, self.weight[: self.real_rows], t, self.vocab_start, self.group, 1.0 / temperature, chunk_size
+        )
+        return lp.view(lead), ent.view(lead)
+
+
+def gather_logits(local: Tensor, group: ProcessGroup, vocab_size: int) -> Tensor:
+    """Logits shards [..., P/tp] of every tp rank -> [..., vocab_size] on each (padding dropped).
+    Differentiable; meant for tests and evaluation."""
+    return gather_from_tensor_parallel(local, group)[..., :vocab_size]
+
+
+def apply_vocab_parallel(model: nn.Module, padded_rows: int, dims: ParallelDims) -> None:
+    """Swap every `OutputLayer` of `model` (in place) for a `VocabParallelOutputLayer` keeping this
+    rank's rows of its weight. No-op when tp == 1."""
+    if dims.tp == 1:
+        return
+    for name, module in list(model.named_modules()):
+        if isinstance(module, OutputLayer):
+            swap_module(model, name, VocabParallelOutputLayer(module, padded_rows, dims))
