@@ -67,7 +67,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         group = cfg.rollout.n_samples_per_prompt
         prompt_ids = [list(p.token_ids) for p in prompts for _ in range(group)]
         generations = engine.generate(prompt_ids, sampling)  # generate
-        rewards = [task.reward(p, g.token_ids) for p, g in zip(_repeat(prompts, group), generations)]  # score
+        scores = [task.score(p, g.token_ids) for p, g in zip(_repeat(prompts, group), generations)]  # score
+        rewards = [float(s["reward"]) for s in scores]
         batch = build_batch(
             prompt_ids, [g.token_ids for g in generations], [g.logprobs for g in generations], rewards
         )
@@ -83,6 +84,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         metrics.update(
             {
                 "reward/train_mean": float(batch.rewards.mean()),
+                "train/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
                 "response/length_mean": float(batch.loss_mask.sum(1).mean()),
                 "time/generate_s": t_gen - t0,
                 "time/train_and_sync_s": t_end - t_gen,
