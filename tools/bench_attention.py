@@ -2,7 +2,7 @@
 
     python tools/bench_attention.py                       # every case and backend that runs here
     python tools/bench_attention.py --backends triton,sdpa --cases causal-4k,window128-16k
-    python tools/bench_attention.py --sweep               # Triton tile configs at 16k (tuning)
+    python tools/bench_attention.py --sweep --cases causal-16k   # time Triton tile configs (tuning)
 
 Times are medians of `triton.testing.do_bench` (L2 flushed between repeats): forward with autograd
 recording, backward from the kept graph for a given dO (loss on the output only). FLOPs count the
@@ -162,7 +162,7 @@ def time_backend(fn, inputs, what=("fwd", "bwd")):
         params = [t for t in leaves if t.requires_grad]
 
         def bwd():
-            return torch.autograd.grad(out, params, dout, retain_graph=True)
+            return torch.autograd.grad(out, params, dout, retain_graph=True, allow_unused=True)
 
         res["bwd"] = triton.testing.do_bench(bwd, warmup=25, rep=100, return_mode="median")
         del out
@@ -211,52 +211,68 @@ def print_table(rows):
         )
 
 
-def sweep(cases=("causal-16k", "window128-16k")):
-    """Time Triton tile configs one kernel at a time (the others at their defaults)."""
+SWEEP_FWD = [
+    (128, 64, 4, 3),
+    (128, 64, 8, 3),
+    (128, 128, 8, 3),
+    (128, 64, 8, 4),
+    (64, 64, 4, 3),
+    (64, 64, 4, 4),
+]
+SWEEP_FWD += [(64, 32, 4, 3), (64, 64, 2, 3), (32, 32, 2, 3)]
+SWEEP_DKDV = [
+    (64, 128, 8, 3),
+    (64, 64, 4, 3),
+    (32, 64, 4, 4),
+    (32, 128, 4, 3),
+    (64, 128, 4, 3),
+    (32, 64, 4, 3),
+]
+SWEEP_DKDV += [(64, 64, 4, 4), (32, 32, 2, 3)]
+SWEEP_DQ = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3), (64, 64, 4, 4)]
+
+
+def sweep_case(case_name):
+    """Time each Triton kernel (forward, backward preprocess, dK/dV, dQ) over tile configs."""
     from dataclasses import replace
+    from functools import partial
 
-    from megatron_gptoss.ops.triton_sink_attention import default_config
+    from megatron_gptoss.ops import triton_sink_attention as tsa
 
-    fwd = [
-        (128, 64, 4, 3),
-        (128, 128, 8, 3),
-        (128, 64, 8, 3),
-        (64, 64, 4, 3),
-        (128, 32, 4, 4),
-        (64, 128, 4, 3),
+    def bench(fn, *args):
+        return triton.testing.do_bench(partial(fn, *args), warmup=10, rep=50, return_mode="median")
+
+    inputs, kw, _ = make_case(case_name)
+    q, k, v, s = (t.detach() for t in inputs)
+    window, cu, ms, scale = kw["window"], kw.get("cu_seqlens"), kw.get("max_seqlen"), D**-0.5
+    base = tsa.default_config(D, q.dtype, window is not None, q.device, ms or q.shape[1])
+    print(f"\n{case_name} default {base}", flush=True)
+    out, lse = tsa._forward(q, k, v, s, cu, ms, window, scale, base)
+    dout = torch.randn_like(out)
+    delta, _ = tsa._bwd_preprocess(q, k, s, out, lse, dout, None, cu, ms)
+    print(f"  preprocess: {bench(tsa._bwd_preprocess, q, k, s, out, lse, dout, None, cu, ms):.3f} ms")
+    trials = [
+        ("fwd", c, dict(block_m=c[0], block_n=c[1], fwd_warps=c[2], fwd_stages=c[3])) for c in SWEEP_FWD
     ]
-    dkdv = [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (32, 64, 4, 4)]
-    dq = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2)]
-    for case_name in cases:
-        inputs, kw, pairs = make_case(case_name)
-        base = default_config(D, torch.bfloat16, kw["window"] is not None, inputs[0].device)
-        print(f"\n{case_name} default {base}", flush=True)
-        trials = [
-            ("fwd", c, replace(base, block_m=c[0], block_n=c[1], fwd_warps=c[2], fwd_stages=c[3]))
-            for c in fwd
-        ]
-        trials += [
-            (
-                "dkdv",
-                c,
-                replace(base, dkdv_block_m=c[0], dkdv_block_n=c[1], dkdv_warps=c[2], dkdv_stages=c[3]),
-            )
-            for c in dkdv
-        ]
-        trials += [
-            ("dq", c, replace(base, dq_block_m=c[0], dq_block_n=c[1], dq_warps=c[2], dq_stages=c[3]))
-            for c in dq
-        ]
-        for part, c, cfg in trials:
-            try:
-                t = time_backend(
-                    backend_fn("triton", inputs, kw, cfg), inputs, ("fwd",) if part == "fwd" else ("bwd",)
-                )
-            except Exception as err:
-                print(f"  {part} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
-                continue
-            ms = t.get("fwd", t.get("bwd"))
-            print(f"  {part} {c}: {ms:.3f} ms", flush=True)
+    for c in SWEEP_DKDV:
+        trials.append(
+            ("dkdv", c, dict(dkdv_block_m=c[0], dkdv_block_n=c[1], dkdv_warps=c[2], dkdv_stages=c[3]))
+        )
+    trials.append(("dkdv-unpaired", "default", dict(dkdv_pair=False)))
+    for c in SWEEP_DQ:
+        trials.append(("dq", c, dict(dq_block_m=c[0], dq_block_n=c[1], dq_warps=c[2], dq_stages=c[3])))
+    for part, c, fields in trials:
+        cfg = replace(base, **fields)
+        if part == "fwd":
+            fn, args = tsa._forward, (q, k, v, s, cu, ms, window, scale, cfg)
+        elif part == "dq":
+            fn, args = tsa._bwd_dq, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+        else:
+            fn, args = tsa._bwd_dkdv, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+        try:
+            print(f"  {part} {c}: {bench(fn, *args):.3f} ms", flush=True)
+        except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
+            print(f"  {part} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
 
 
 def main():
@@ -271,7 +287,8 @@ def main():
     torch._dynamo.config.cache_size_limit = 64
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     if args.sweep:
-        sweep()
+        for case_name in args.cases.split(","):
+            sweep_case(case_name)
         return
     rows = run_table(args.backends.split(","), args.cases.split(","))
     print_table(rows)

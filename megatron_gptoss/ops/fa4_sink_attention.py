@@ -14,8 +14,11 @@ from megatron_gptoss.ops.sink_attention import AttentionInputError
 
 try:
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
-except ImportError:  # optional dependency
+
+    IMPORT_ERROR: Exception | None = None
+except (ImportError, OSError, RuntimeError) as err:  # optional dependency, or its native libraries missing
     flash_attn_func = flash_attn_varlen_func = None
+    IMPORT_ERROR = err
 
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16)
@@ -38,7 +41,7 @@ def fa4_sink_attention(
     if not is_supported(q):
         raise AttentionInputError(
             f"fa4 backend needs flash-attn-4 and an sm90+ GPU, dtype in {DTYPES}, head_dim in {HEAD_DIMS}; "
-            f"got {q.device} {q.dtype} head_dim {q.shape[-1]}"
+            f"got {q.device} {q.dtype} head_dim {q.shape[-1]} (import error: {IMPORT_ERROR})"
         )
     window_size = (window - 1, 0) if window is not None else (None, None)
     kwargs = dict(

@@ -51,19 +51,28 @@ class KernelConfig:
     dq_block_n: int  # dQ: key block looped inside
     dq_warps: int
     dq_stages: int
+    dkdv_pair: bool = True  # causal: a dK/dV program takes key blocks p and last - p (balanced work)
 
 
-def default_config(head_dim: int, dtype: torch.dtype, windowed: bool, device: torch.device) -> KernelConfig:
-    """The config used when none is given: a function of these four arguments only (batch invariance)."""
+def default_config(
+    head_dim: int, dtype: torch.dtype, windowed: bool, device: torch.device, max_seqlen: int | None = None
+) -> KernelConfig:
+    """The config used when none is given. The forward fields depend on (device, head_dim, dtype,
+    windowed) only, so training and decode tile a row alike (batch invariance); the backward fields may
+    also depend on the longest sequence. Tiles measured on H100/H200 at GPT-OSS shapes (head_dim 64,
+    64 q heads, 8 kv heads, bf16; tools/bench_attention.py --sweep)."""
+    long = max_seqlen is not None and max_seqlen > 4096
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and multi-block
         return KernelConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
     if dtype == torch.float32:  # tests only: IEEE fp32 dots, modest tiles
         return KernelConfig(32, 32, 4, 2, 32, 32, 4, 2, 32, 32, 4, 2)
+    if head_dim > 64:
+        return KernelConfig(128, 64, 8, 3, 32, 64, 4, 3, 64, 64, 4, 3)
     if windowed:
-        return KernelConfig(64, 64, 4, 3, 64, 64, 4, 3, 64, 64, 4, 3)
-    if head_dim <= 64:
-        return KernelConfig(128, 64, 4, 3, 64, 128, 8, 3, 128, 64, 8, 3)
-    return KernelConfig(128, 64, 8, 3, 64, 128, 8, 2, 128, 64, 8, 2)
+        return KernelConfig(64, 32, 4, 3, 32, 64, 4, 3, 64, 32, 4, 3)
+    dkdv = (32, 128, 4, 3) if long else (32, 64, 4, 3)
+    dq = (128, 64, 8, 3) if long else (64, 64, 4, 3)
+    return KernelConfig(128, 64, 8, 3, *dkdv, *dq)
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -142,48 +151,69 @@ def _forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg, seqused
     return out, lse
 
 
-def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
+def _geometry(q, k, cu_seqlens, max_seqlen):
+    """(sequences, longest sequence, q heads per kv head) of a training input."""
     packed = cu_seqlens is not None
-    hq, d = q.shape[-2], q.shape[-1]
-    group = hq // k.shape[-2]
     batch = cu_seqlens.numel() - 1 if packed else q.shape[0]
     seqlen = max_seqlen if packed else q.shape[1]
+    return batch, seqlen, q.shape[-2] // k.shape[-2]
+
+
+def _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen):
+    """Delta = rowsum(dO * O) - dLSE in LSE's layout, and d_sink (deterministic, in sinks' dtype)."""
+    batch, seqlen, _ = _geometry(q, k, cu_seqlens, max_seqlen)
+    hq = q.shape[-2]
+    delta = torch.empty_like(lse)
+    blocks = triton.cdiv(seqlen, 64)
+    partials = torch.empty((hq, batch, blocks), dtype=torch.float32, device=q.device)
+    kernels.sink_attn_bwd_preprocess_kernel[(blocks, hq, batch)](
+        out, dout, lse, dlse, sinks, delta, partials, cu_seqlens,
+        *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse),
+        *(_lse_strides(dlse) if dlse is not None else (0, 0)), seqlen, blocks,
+        HEAD_DIM=q.shape[-1], BLOCK_M=64, VARLEN=cu_seqlens is not None, HAS_DLSE=dlse is not None,
+    )  # fmt: skip
+    return delta, (-partials.sum(dim=(1, 2))).to(sinks.dtype)
+
+
+def _bwd_dkdv(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
+    batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    pair = window is None and cfg.dkdv_pair
+    blocks = triton.cdiv(seqlen, cfg.dkdv_block_n)
+    kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(blocks, 2) if pair else blocks, k.shape[-2], batch)](
+        q, k, v, dout, lse, delta, dk, dv, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
+        *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, PAIR=pair,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip
+    return dk, dv
+
+
+def _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
+    batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    blocks = triton.cdiv(seqlen, cfg.dq_block_m)
+    kernels.sink_attn_bwd_dq_kernel[(blocks, q.shape[-2], batch)](
+        q, k, v, dout, lse, delta, dq, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dq),
+        *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group, blocks,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+    return dq
+
+
+def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
     dout = _last_dim_contiguous(dout)
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
-    precision = _dot_precision(q.dtype)
-    common = dict(HEAD_DIM=d, VARLEN=packed)
-
-    delta = torch.empty_like(lse)
-    pre_blocks = triton.cdiv(seqlen, 64)
-    dsink_part = torch.empty((hq, batch, pre_blocks), dtype=torch.float32, device=q.device)
-    kernels.sink_attn_bwd_preprocess_kernel[(pre_blocks, hq, batch)](
-        out, dout, lse, dlse, sinks, delta, dsink_part, cu_seqlens,
-        *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse),
-        *(_lse_strides(dlse) if dlse is not None else (0, 0)), seqlen, pre_blocks,
-        BLOCK_M=64, HAS_DLSE=dlse is not None, **common,
-    )  # fmt: skip
-    dsinks = (-dsink_part.sum(dim=(1, 2))).to(sinks.dtype)
-
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    qk_scale = scale * math.log2(math.e)
-    kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(seqlen, cfg.dkdv_block_n), k.shape[-2], batch)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens,
-        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
-        *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, qk_scale, scale, group,
-        BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n, HAS_WINDOW=window is not None,
-        DOT_PRECISION=precision, num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages, **common,
-    )  # fmt: skip
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    num_m_blocks = triton.cdiv(seqlen, cfg.dq_block_m)
-    kernels.sink_attn_bwd_dq_kernel[(num_m_blocks, hq, batch)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens,
-        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dq),
-        *_lse_strides(lse), seqlen, window or 0, qk_scale, scale, group, num_m_blocks,
-        BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n, HAS_WINDOW=window is not None,
-        DOT_PRECISION=precision, num_warps=cfg.dq_warps, num_stages=cfg.dq_stages, **common,
-    )  # fmt: skip
+    delta, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
+    dk, dv = _bwd_dkdv(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
+    dq = _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
     return dq, dk, dv, dsinks
 
 
@@ -240,7 +270,8 @@ def triton_sink_attention(
             raise AttentionInputError(f"cu_seqlens on {cu_seqlens.device}, q on {q.device}")
         longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
         max_seqlen = max(int(longest), 1)
-    cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device)
+    longest = q.shape[1] if cu_seqlens is None else max_seqlen
+    cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
     out, lse = SinkAttentionFunction.apply(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg)
     return (out, lse) if return_lse else out
 

@@ -238,63 +238,75 @@ def sink_attn_bwd_dkdv_kernel(
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (key blocks, kv heads, sequences). One program owns dK/dV of BLOCK_N keys of one KV head and
-    loops over the `group` query heads sharing it, so every element is written once (no atomics)."""
-    pid_n = tl.program_id(0)
+    """Grid (key blocks, kv heads, sequences). A program owns dK/dV of BLOCK_N keys of one KV head and loops
+    over the `group` query heads sharing it, so every element is written once (no atomics). With PAIR
+    (causal), program p owns key blocks p and n_blocks - 1 - p, which evens out the causal triangle's
+    work across programs (grid axis 0: half the key blocks)."""
+    pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
-    start_n = pid_n * BLOCK_N
-    if start_n >= seq_len:
-        return
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_ok = offs_n[:, None] < seq_len
-    k_ptrs = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + (start + offs_n[:, None]) * stride_kt
-    v_ptrs = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + (start + offs_n[:, None]) * stride_vt
-    k = tl.load(k_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
-    v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-    # Query blocks seeing these keys: [m_lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, m_hi) masked.
-    m_lo = start_n // BLOCK_M * BLOCK_M
-    full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    full_hi = seq_len // BLOCK_M * BLOCK_M
-    if HAS_WINDOW:
-        m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
-        full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
+    if PAIR:
+        partner = (seq_len + BLOCK_N - 1) // BLOCK_N - 1 - pid
+        if pid > partner:
+            return
+        count = tl.where(partner > pid, 2, 1)
     else:
-        m_hi = seq_len
-    full_lo = tl.minimum(full_lo, m_hi)
-    full_hi = tl.maximum(full_hi, full_lo)
+        if pid * BLOCK_N >= seq_len:
+            return
+        partner = pid
+        count = 1
+    offs_d = tl.arange(0, HEAD_DIM)
+    for j in range(0, count):
+        start_n = tl.where(j == 0, pid, partner) * BLOCK_N
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_ok = offs_n[:, None] < seq_len
+        k_ptrs = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + (start + offs_n[:, None]) * stride_kt
+        v_ptrs = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + (start + offs_n[:, None]) * stride_vt
+        k = tl.load(k_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+        v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    for i in range(0, group):
-        h = kvh * group + i
-        q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh + start * stride_qt
-        do_base = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + start * stride_dot
-        lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
-        delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
-        dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-            m_lo, full_lo, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-            full_lo, full_hi, seq_len, window, qk_scale, BLOCK_M, False, HAS_WINDOW, DOT_PRECISION,
-        )  # fmt: skip
-        dk, dv = _dkdv_blocks(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-            full_hi, m_hi, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
-        )  # fmt: skip
+        # Query blocks seeing these keys: [m_lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, m_hi)
+        # masked.
+        m_lo = start_n // BLOCK_M * BLOCK_M
+        full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        full_hi = seq_len // BLOCK_M * BLOCK_M
+        if HAS_WINDOW:
+            m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
+            full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
+        else:
+            m_hi = seq_len
+        full_lo = tl.minimum(full_lo, m_hi)
+        full_hi = tl.maximum(full_hi, full_lo)
 
-    dk = dk * sm_scale
-    dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt
-    dv_ptrs = dV + b.to(tl.int64) * stride_dvb + kvh * stride_dvh + (start + offs_n[:, None]) * stride_dvt
-    tl.store(dk_ptrs + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=key_ok)
-    tl.store(dv_ptrs + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=key_ok)
+        for i in range(0, group):
+            h = kvh * group + i
+            q_base = Q + b.to(tl.int64) * stride_qb + h * stride_qh + start * stride_qt
+            do_base = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + start * stride_dot
+            lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
+            delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+                m_lo, full_lo, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+                full_lo, full_hi, seq_len, window, qk_scale, BLOCK_M, False, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+            dk, dv = _dkdv_blocks(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
+                full_hi, m_hi, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
+            )  # fmt: skip
+
+        dk = dk * sm_scale
+        dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt
+        dv_ptrs = dV + b.to(tl.int64) * stride_dvb + kvh * stride_dvh + (start + offs_n[:, None]) * stride_dvt
+        tl.store(dk_ptrs + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=key_ok)
+        tl.store(dv_ptrs + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=key_ok)
 
 
 @triton.jit

@@ -116,11 +116,12 @@ def test_triton_matches_fp64(batch, tokens, hq, hkv, d, window):
 @pytest.mark.parametrize("tiles", [(32, 16, 16, 32, 32, 16), (16, 32, 32, 16, 16, 32)], ids=["m>n", "m<n"])
 @pytest.mark.parametrize("window", [None, 9])
 def test_triton_unequal_tiles(tiles, window):
-    """Query tiles larger and smaller than key blocks (forward, dK/dV and dQ each)."""
+    """Query tiles larger and smaller than key blocks (forward, dK/dV and dQ each); causal dK/dV with and
+    without the pairing of key blocks p and last - p."""
     from megatron_gptoss.ops.triton_sink_attention import KernelConfig
 
     fm, fn, km, kn, qm, qn = tiles
-    cfg = KernelConfig(fm, fn, 1, 1, km, kn, 1, 1, qm, qn, 1, 1)
+    cfg = KernelConfig(fm, fn, 1, 1, km, kn, 1, 1, qm, qn, 1, 1, dkdv_pair=fm > fn)
     inputs = make_inputs(43, 2, 1, 16, batch=1)
     ref = run_with_grads(eager_sink_attention, inputs, torch.float64, window=window)
     ours = run_with_grads(triton_backend_with_config(cfg), inputs, torch.float32, window=window)
