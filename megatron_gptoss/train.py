@@ -126,9 +126,9 @@ def make_engine(cfg: TrainConfig):
 
 @torch.no_grad()
 def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
-    """Greedy-free evaluation at the sampling temperature on the held-out prompts (fixed seed)."""
+    """Greedy decoding (top-k 1) of the held-out prompts: what the policy knows, without sampling noise."""
     prompts = task.eval_prompts()
-    params = SamplingParams(**{**sampling.__dict__, "seed": 0})
+    params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0})
     generations = engine.generate([list(p.token_ids) for p in prompts], params)
     scores = [task.score(p, g.token_ids) for p, g in zip(prompts, generations)]
     return {
