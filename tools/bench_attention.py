@@ -275,6 +275,24 @@ def sweep_case(case_name):
             print(f"  {part} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
 
 
+def profile_case(case_name, backend="triton", steps=10):
+    """CUDA time per kernel over `steps` forward+backward passes (torch.profiler)."""
+    inputs, kw, _ = make_case(case_name)
+    fn = backend_fn(backend, inputs, kw)
+    params = [t for t in inputs if t.requires_grad]
+    dout = None
+    for _ in range(3):
+        out = fn(*inputs)
+        dout = torch.randn_like(out) if dout is None else dout
+        torch.autograd.grad(out, params, dout)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.autograd.grad(fn(*inputs), params, dout)
+        torch.cuda.synchronize()
+    print(f"\n{case_name} {backend}: {steps} forward+backward passes")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=50))
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -282,6 +300,7 @@ def main():
     parser.add_argument("--backends", default="triton,fa4,flex,sdpa,eager")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
+    parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of --backends instead")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -289,6 +308,11 @@ def main():
     if args.sweep:
         for case_name in args.cases.split(","):
             sweep_case(case_name)
+        return
+    if args.profile:
+        for case_name in args.cases.split(","):
+            for name in args.backends.split(","):
+                profile_case(case_name, name)
         return
     rows = run_table(args.backends.split(","), args.cases.split(","))
     print_table(rows)
