@@ -48,7 +48,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], bac
         offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     pieces = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
-    return torch.cat(pieces) if pieces else x.new_zeros(0, weight.shape[1])
+    # With no rows at all, an empty product still ties the output to `weight`, so it gets a (zero)
+    # gradient like any expert without tokens (an expert-parallel rank can receive no token).
+    return torch.cat(pieces) if pieces else x @ weight[0].t()
 
 
 class Experts(nn.Module):

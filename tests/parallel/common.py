@@ -21,6 +21,10 @@ from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard
 from megatron_gptoss.parallel.tensor_parallel import all_reduce_partial_grads_over_tp
 
+# Seconds a pool call may take: a rank that fails while the others wait in a collective fails the
+# test after this long instead of hanging it.
+POOL_TIMEOUT = 120.0
+
 
 def rel_err(ours: Tensor, ref: Tensor) -> float:
     ours, ref = ours.detach().double(), ref.detach().double()

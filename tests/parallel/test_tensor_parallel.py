@@ -4,6 +4,7 @@ every gradient, parameters after two AdamW steps, the RL log-prob path and the l
 import pytest
 import torch
 from common import (
+    POOL_TIMEOUT,
     assert_all_close,
     build_dims,
     errors,
@@ -87,7 +88,7 @@ def _rl_logprob_errors(sp: bool, temperature: float) -> dict[str, float]:
 
 @pytest.mark.parametrize("sp,temperature", [(False, 0.7), (True, 1.0)])
 def test_tp2_rl_logprobs_entropy_and_grads_equal_single_process(sp, temperature):
-    per_rank = pool(2).run(_rl_logprob_errors, sp, temperature)
+    per_rank = pool(2).run(_rl_logprob_errors, sp, temperature, timeout=POOL_TIMEOUT)
     worst = assert_all_close(per_rank)
     print(f"tp2 sp={sp} log-probs T={temperature}: worst error {worst:.2e}")
 
