@@ -5,7 +5,8 @@ rank's part of a parallel model, in a fixed order:
     2. expert parallel   experts over ep, token dispatch, tokens split over tp
     3. activation checkpointing (per transformer layer)
     4. compile           the caller's `compile_fn`, applied to the parallel modules
-    5. data parallel     gradient reduction / optimizer sharding (`data_parallel`, the last wrapper)
+    5. data parallel     each parameter tagged with the group its gradient is summed over (dp, or
+                         edp for experts); `data_parallel.DistributedOptimizer` reduces and steps
 
 Construction order of a parallel model: build the single-device model (CPU, or the meta device for big
 models), `parallelize` it (each rank keeps only its shards, tagged with `ShardSpec`; weights already
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from torch import nn
 
 from megatron_gptoss.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_gptoss.parallel.data_parallel import apply_data_parallel
 from megatron_gptoss.parallel.dims import ParallelDims, validate_layout
 from megatron_gptoss.parallel.expert_parallel import apply_expert_parallel
 from megatron_gptoss.parallel.tensor_parallel import apply_tensor_parallel
@@ -40,7 +42,7 @@ def parallelize(
     compile_fn: Callable[[nn.Module], nn.Module] | None = None,
 ) -> nn.Module:
     """This rank's part of `model` under the layout `dims` (built from `cfg`). Modules are swapped in
-    place; the returned module is the one to train (a wrapper once data parallelism wraps it).
+    place; the returned module is the one to train.
 
     `model` must carry its `config` (a ModelConfig). A layout that does not divide the model (heads,
     KV heads, experts, layers, world size) raises ConfigError naming the numbers.
@@ -66,4 +68,4 @@ def parallelize(
     if compile_fn is not None:
         model = compile_fn(model)
     # 5. data parallel
-    return model
+    return apply_data_parallel(model, dims)

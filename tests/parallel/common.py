@@ -154,11 +154,13 @@ def lm_loss(model: nn.Module, batch: MicroBatch, loss_tokens: int) -> Tensor:
     return -(logprobs * batch.loss_mask).sum() / loss_tokens
 
 
-def training_errors(parallel: dict, steps: list[list[MicroBatch]], seed: int = 0) -> dict[str, float]:
+def training_errors(
+    parallel: dict, steps: list[list[MicroBatch]], model_overrides: dict | None = None, seed: int = 0
+) -> dict[str, float]:
     """Two (or more) AdamW steps of the reference and the parallel model; steps[s][d] is the micro-batch
     of data-parallel replica d at step s (the reference runs them all). Returns the per-tensor errors
     of the losses, of every gradient of the first step and of every parameter after the last step."""
-    config = tiny_config()
+    config = tiny_config(**(model_overrides or {}))
     cfg, dims = build_dims(config, **parallel)
     ref = reference_model(seed, config)
     model = sharded_copy(ref, dims, cfg)

@@ -38,17 +38,19 @@ def training_steps(dp: int, packed_lengths: list[int]):
     ]
 
 
-@pytest.mark.parametrize("sp", [False, True])
-def test_tp2_training_equals_single_process(sp):
+@pytest.mark.parametrize("sp,checkpointing", [(False, False), (True, False), (True, True)])
+def test_tp2_training_equals_single_process(sp, checkpointing):
     # Without SP, 23 packed tokens exercise the uneven token split in front of the experts.
     lengths = [5, 11, 8] if sp else [5, 11, 7]
     per_rank = pool(2).run(
         training_errors,
         {"tensor_model_parallel_size": 2, "sequence_parallel": sp},
         training_steps(1, lengths),
+        {"activation_checkpointing": checkpointing},
+        timeout=POOL_TIMEOUT,
     )
     worst = assert_all_close(per_rank)
-    print(f"tp2 sp={sp}: {len(per_rank[0])} tensors, worst error {worst:.2e}")
+    print(f"tp2 sp={sp} checkpointing={checkpointing}: {len(per_rank[0])} tensors, worst error {worst:.2e}")
 
 
 def _rl_logprob_errors(sp: bool, temperature: float) -> dict[str, float]:
