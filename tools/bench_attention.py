@@ -142,7 +142,7 @@ def applicable(name, case_name, q) -> bool:
     if name == "sdpa":
         return window is None and lengths is None
     if name == "eager":
-        return lengths is None and batch * tokens <= 4096
+        return batch is not None and tokens is not None and batch * tokens <= 4096
     if name == "fa4":
         return backend_available("fa4", q)
     return True

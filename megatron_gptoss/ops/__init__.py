@@ -7,6 +7,7 @@ from megatron_gptoss.ops.sink_attention import (
     eager_sink_attention,
     flex_sink_attention,
     sink_attention,
+    sink_decode,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "eager_sink_attention",
     "flex_sink_attention",
     "sink_attention",
+    "sink_decode",
 ]

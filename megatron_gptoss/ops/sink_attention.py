@@ -11,7 +11,7 @@ Layouts follow flash-attn: padded q [B, T, Hq, D], k/v [B, T, Hkv, D]; packed q 
 Backends:
     eager   PyTorch, materialises the [T, T] scores; accumulates in fp32 (fp64 for fp64 inputs). Reference.
     flex    torch flex_attention with the sink folded in through its log-sum-exp.
-    triton  our fused kernel (megatron_gptoss.ops.triton_sink_attention).
+    triton  our fused kernel (megatron_gptoss.ops.triton_sink_attention); `sink_decode` is its decode path.
     fa4     flash-attn-4's CuTe kernels with `learnable_sink` (megatron_gptoss.ops.fa4_sink_attention).
 """
 
@@ -64,6 +64,35 @@ def sink_attention(
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         softmax_scale=scale,
+        return_lse=return_lse,
+    )
+
+
+def sink_decode(
+    q_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    sinks: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """A few new queries per sequence against a KV cache (the embedded engine's decode / append step).
+
+    q_new [B, n_new, Hq, D]; k_cache / v_cache [B, L, Hkv, D] already holding the new keys and values;
+    cache_seqlens int32 [B] counts valid entries, new tokens included. Runs the triton backend, whose
+    decode rows equal its training-forward rows bit for bit (contract: `triton_sink_decode`)."""
+    module = importlib.import_module(_LAZY_BACKENDS["triton"][0])
+    return module.triton_sink_decode(
+        q_new,
+        k_cache,
+        v_cache,
+        sinks,
+        cache_seqlens,
+        window=window,
+        softmax_scale=softmax_scale,
         return_lse=return_lse,
     )
 

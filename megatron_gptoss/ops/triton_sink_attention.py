@@ -265,12 +265,12 @@ def triton_sink_attention(
     equal training rows only under the same config)."""
     _check(q, k, v, softmax_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    longest = q.shape[1]
     if cu_seqlens is not None:
         if cu_seqlens.device != q.device:
             raise AttentionInputError(f"cu_seqlens on {cu_seqlens.device}, q on {q.device}")
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
-        max_seqlen = max(int(longest), 1)
-    longest = q.shape[1] if cu_seqlens is None else max_seqlen
+        given = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
+        longest = max_seqlen = max(int(given), 1)
     cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
     out, lse = SinkAttentionFunction.apply(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg)
     return (out, lse) if return_lse else out
