@@ -22,9 +22,11 @@ from harness import pool
 
 from megatron_gptoss.config import ConfigError, ParallelConfig
 from megatron_gptoss.model import build_model
+from megatron_gptoss.model.gpt_oss import OutputLayer
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
-from megatron_gptoss.parallel.vocab_parallel import gather_logits
+from megatron_gptoss.parallel.sharding import gather_full, get_shard
+from megatron_gptoss.parallel.vocab_parallel import VocabParallelOutputLayer, gather_logits
 from megatron_gptoss.rl.batch import build_batch, packed_logprobs
 
 VOCAB = 96
@@ -120,3 +122,35 @@ def test_parallelize_refuses_layouts_that_do_not_divide(overrides, parallel, dim
     )
     with pytest.raises(ConfigError, match=message):
         parallelize(build_model(config), ParallelDims(layout, rank=0), cfg)
+
+
+def _vocab_parallel_head_errors() -> dict[str, float]:
+    """tp4 over a 96-token vocabulary padded to 128: rank 3 holds padding rows only."""
+    config = tiny_config(num_query_groups=4)
+    _, dims = build_dims(config, tensor_model_parallel_size=4)
+    gen = torch.Generator().manual_seed(9)
+    full = OutputLayer(config.hidden_size, 128, VOCAB)
+    with torch.no_grad():
+        full.weight.copy_(torch.randn(full.weight.shape, generator=gen))
+    head = VocabParallelOutputLayer(full, config.padded_vocab_size(dims.tp), dims)
+    hidden = torch.randn(3, 7, config.hidden_size, generator=gen)
+    targets = torch.randint(0, VOCAB, (3, 7), generator=gen)
+    w_lp, w_ent = torch.randn(3, 7, generator=gen), torch.randn(3, 7, generator=gen)
+    outs = []
+    for layer in (full, head):
+        h = hidden.clone().requires_grad_()
+        lp, ent = layer.logprobs(h, targets, 0.9, 4)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        outs.append((lp, ent, h.grad))
+    grad = gather_full(head.weight.grad, get_shard(head.weight), dims, VOCAB)
+    return {
+        "logprob": rel_err(outs[1][0], outs[0][0]),
+        "entropy": rel_err(outs[1][1], outs[0][1]),
+        "grad:hidden": rel_err(outs[1][2], outs[0][2]),
+        "grad:weight": rel_err(grad, full.weight.grad[:VOCAB]),
+        "padding_has_grad": float(head.weight.grad[head.real_rows :].abs().sum()),
+    }
+
+
+def test_tp4_vocab_parallel_logprobs_with_a_rank_of_padding_only():
+    assert_all_close(pool(4).run(_vocab_parallel_head_errors, timeout=POOL_TIMEOUT))
