@@ -87,7 +87,12 @@ class ExpertParallelExperts(Experts):
         send = torch.bincount(flat, minlength=self.total_experts).view(self.ep, local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        send_splits, recv_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()  # one host sync
+        send_splits, recv_splits, local_counts = (
+            sizes[: self.ep],
+            sizes[self.ep : 2 * self.ep],
+            sizes[2 * self.ep :],
+        )
         rows = all_to_all(x[token], self.group, recv_splits, send_splits)
         # received rows are grouped by (source rank, local expert); compute wants (local expert, source)
         segment = (
@@ -95,7 +100,7 @@ class ExpertParallelExperts(Experts):
             + torch.arange(self.ep, device=x.device)[:, None]
         )
         perm = torch.argsort(torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1)), stable=True)
-        y = self.compute(rows[perm], recv.sum(0).tolist())[torch.argsort(perm)]
+        y = self.compute(rows[perm], local_counts)[torch.argsort(perm)]
         y = all_to_all(y, self.group, send_splits, recv_splits)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
