@@ -17,12 +17,15 @@ import torch
 from tqdm import tqdm
 
 from megatron_gptoss.checkpoint.convert import iter_hf_tensors
+from megatron_gptoss.checkpoint.hf import save_hf
+from megatron_gptoss.checkpoint.manager import CheckpointManager
 from megatron_gptoss.config import ConfigError, TrainConfig, config_to_dict, load_config
 from megatron_gptoss.envs import make_task
 from megatron_gptoss.model import build_model
 from megatron_gptoss.rl import learner
 from megatron_gptoss.rl.batch import build_batch
 from megatron_gptoss.rl.optim import MasterWeightAdamW
+from megatron_gptoss.rl.state import TrainState
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 from megatron_gptoss.utils.metrics import MetricsLogger
 from megatron_gptoss.utils.plot import plot_metrics
@@ -57,10 +60,16 @@ def run(cfg: TrainConfig) -> dict[str, float]:
     )
     prompt_rng = random.Random(cfg.env.seed)
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
-    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard)
+    state = TrainState(policy, reference, optimizer, engine, prompt_rng, shuffle)
+    manager = CheckpointManager(out_dir / "checkpoints", keep_last=cfg.run.keep_last)
+    start = state.restore(manager, cfg.run.resume) if cfg.run.resume else 0
+    logger = MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard, resume_step=start + 1 if start else None)
     evaluation = evaluate(engine, task, sampling)
-    logger.log(0, evaluation)
-    bar = tqdm(range(1, cfg.run.steps + 1), disable=not cfg.run.progress, desc="rl", dynamic_ncols=True)
+    if start == 0:
+        logger.log(0, evaluation)
+    bar = tqdm(
+        range(start + 1, cfg.run.steps + 1), disable=not cfg.run.progress, desc="rl", dynamic_ncols=True
+    )
     for step in bar:
         t0 = time.perf_counter()
         prompts = task.sample_prompts(cfg.rollout.prompts_per_step, prompt_rng)
@@ -97,10 +106,10 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         bar.set_postfix(
             reward=f"{metrics['reward/train_mean']:.3f}", acc=f"{evaluation['eval/accuracy']:.2f}"
         )
-        if cfg.run.save_every and step % cfg.run.save_every == 0:
-            save_checkpoint(policy, out_dir / "checkpoints" / f"step_{step:06d}")
+        if cfg.run.save_every and step % cfg.run.save_every == 0 or step == cfg.run.steps:
+            state.save(manager, step, cfg)
     logger.close()
-    save_checkpoint(policy, out_dir / "checkpoints" / "final")
+    save_hf(policy, out_dir / "hf_final")
     plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
     return evaluation
 
@@ -135,12 +144,6 @@ def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
         "eval/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
         "reward/eval_mean": sum(float(s["reward"]) for s in scores) / len(scores),
     }
-
-
-def save_checkpoint(policy, path: Path) -> None:
-    from megatron_gptoss.checkpoint.hf import save_hf
-
-    save_hf(policy, path)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -185,8 +185,12 @@ class RunConfig:
     dtype: str = "float32"
     # Directory of metrics, plots and checkpoints.
     output_dir: str = "outputs/run"
-    # Save a checkpoint every this many steps (0: only at the end).
+    # Save a resumable checkpoint every this many steps (0: only at the end).
     save_every: int = 0
+    # Resumable checkpoints kept (the newest complete ones).
+    keep_last: int = 2
+    # Resume: "" starts fresh, "auto" takes the newest complete checkpoint in output_dir, or a path.
+    resume: str = ""
     # Seed of model initialisation and sampling.
     seed: int = 0
     # Start from an HF GPT-OSS directory instead of a random initialisation.
