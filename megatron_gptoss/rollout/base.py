@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
+
+# An expert-range slice travels as "<HF experts tensor name>[start:stop]": rows start..stop-1 of that
+# [E, ...] tensor (gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias). Only engines whose
+# `accepts_expert_slices` is True are sent such names.
+_SLICE = re.compile(r"^(?P<name>.+\.mlp\.experts\.[a-z_]+)\[(?P<start>\d+):(?P<stop>\d+)\]$")
 
 
 @dataclass
@@ -83,3 +89,16 @@ def sample_from_logits(
         filtered = filtered.scatter(-1, order, sorted_lp.masked_fill(drop, float("-inf")))
     tokens = torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def expert_slice_name(hf_name: str, start: int, stop: int) -> str:
+    """The boundary name of experts start..stop-1 of the HF experts tensor `hf_name`."""
+    if not 0 <= start < stop:
+        raise ValueError(f"empty or negative expert range [{start}:{stop}] of {hf_name}")
+    return f"{hf_name}[{start}:{stop}]"
+
+
+def parse_expert_slice(name: str) -> tuple[str, int, int] | None:
+    """(HF experts tensor name, start, stop) of an expert-range slice name; None for a whole tensor."""
+    m = _SLICE.match(name)
+    return None if m is None else (m["name"], int(m["start"]), int(m["stop"]))
