@@ -1,0 +1,407 @@
+"""Pipeline parallelism: the layers cut into stages, packed micro-batches, and the 1F1B and interleaved
+schedules of `torch.distributed.pipelining` over the pp group.
+
+    stages       S = pp x vpp stages of consecutive layers (`split_layers`: even, or given counts);
+                 stage s lives on pp rank s % pp, so rank r holds r, r + pp, ... (Megatron's interleaving).
+                 Stage 0 also holds the embedding, stage S - 1 the final norm and the output layer.
+    micro-batch  one packed row of `token_budget` tokens: whole documents, positions restarting at 0 in
+                 each, a filler document of padding at the end (`PackedBatch`).
+    stage i/o    first   (input_ids [1, N], positions [1, N])        -> (hidden [1, N', H], positions)
+                 middle  (hidden [1, N', H], positions [1, N])      -> (hidden, positions)
+                 last    (hidden, positions), targets=[1, N] int64 -> (log-prob [1, N], entropy [1, N]) fp32
+                 N' = N / tp under sequence parallelism, else N. The positions travel with the activations
+                 (point-to-point), and every stage derives the document boundaries (cu_seqlens) from them.
+    schedules    training: Schedule1F1B (vpp = 1) or ScheduleInterleaved1F1B (vpp > 1); the last stage
+                 calls the caller's loss on each micro-batch as soon as its log-probs exist.
+                 Log-probs only: ScheduleGPipe / ScheduleLoopedBFS without a loss.
+
+Who holds what: every rank of a pp group gets the same `PackedBatch`; the first stage reads its
+input_ids and positions, the last stage its targets and the loss inputs. Gradients accumulate into the
+stage parameters (`.grad`); losses are not scaled by the number of micro-batches (the caller's loss is
+already its share of the mini-batch, see `rl.ppo_loss`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from megatron_gptoss.config import ConfigError, ModelConfig
+from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.parallel.dims import ParallelDims
+
+# (source rows of a micro-batch [R], log-probs [R, T], entropy [R, T]) -> this micro-batch's loss share
+LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages
+def split_layers(num_layers: int, num_stages: int, counts: Sequence[int] | None = None) -> list[range]:
+    """Consecutive layer ranges of `num_stages` stages.
+
+    `counts` gives each stage's number of layers (the first and last stage may have 0: their embedding
+    or output layer is the stage). Without it the split is even and the remainder goes to the middle
+    stages first, so the stages that also hold the embedding and the output layer are the lighter ones.
+    """
+    if counts is None:
+        base, extra = divmod(num_layers, num_stages)
+        order = [*range(1, num_stages - 1), num_stages - 1, 0] if num_stages > 1 else [0]
+        plus = set(order[:extra])
+        counts = [base + (s in plus) for s in range(num_stages)]
+    counts = list(counts)
+    if len(counts) != num_stages:
+        raise ConfigError(f"{len(counts)} pipeline layer counts given for {num_stages} (virtual) stages")
+    if sum(counts) != num_layers:
+        raise ConfigError(f"pipeline layer counts {counts} sum to {sum(counts)}, the model has {num_layers}")
+    if any(c < 0 for c in counts) or any(c == 0 for c in counts[1:-1]):
+        raise ConfigError(f"pipeline layer counts {counts}: a middle stage needs at least one layer")
+    if num_stages == 1 and counts[0] == 0:
+        raise ConfigError("a single stage needs the model's layers")
+    starts = [sum(counts[:s]) for s in range(num_stages)]
+    return [range(start, start + c) for start, c in zip(starts, counts)]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One (virtual) pipeline stage: its index among `num_stages` and its layers."""
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def stage_plans(dims: ParallelDims, num_layers: int, counts: Sequence[int] | None = None) -> list[StagePlan]:
+    """This rank's stages in chunk order: stage pp_rank + c * pp for chunk c < vpp."""
+    total = dims.pp * dims.vpp
+    ranges = split_layers(num_layers, total, counts)
+    indices = [dims.coord("pp") + c * dims.pp for c in range(dims.vpp)]
+    return [StagePlan(i, total, ranges[i]) for i in indices]
+
+
+def build_stage_model(config: ModelConfig, plan: StagePlan, dtype=torch.float32, device=None) -> GPTOSSModel:
+    """The single-device model of one stage (its layers keep their global names); parameters are
+    uninitialised on the meta device, else randomly initialised as the constructor does."""
+    return GPTOSSModel(
+        config, dtype, device, layers=plan.layers, pre_process=plan.is_first, post_process=plan.is_last
+    )
+
+
+@torch.no_grad()
+def copy_from_full(stage: nn.Module, full: nn.Module) -> None:
+    """Copy the full model's tensors into the stage's parameters of the same names (all must exist)."""
+    source = dict(full.named_parameters())
+    for name, param in stage.named_parameters():
+        param.copy_(source[name])
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed micro-batches
+def cu_seqlens_from_positions(positions: Tensor) -> tuple[Tensor, int]:
+    """Document boundaries of packed tokens: positions [..., N] restart at 0 at each document (the
+    first token always starts one) -> (cu_seqlens int32 [docs + 1] over the flattened tokens, max length)."""
+    flat = positions.reshape(-1)
+    starts = (flat == 0).nonzero().reshape(-1)
+    if starts.numel() == 0 or int(starts[0]) != 0:
+        starts = torch.cat([starts.new_zeros(1), starts])
+    cu = torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+@dataclass
+class PackedBatch:
+    """Rows of a right-padded batch [B, T] (one document each) packed into M micro-batches of N tokens.
+
+    Micro-batch m holds the documents `rows[m]` in order, then one filler document (token 0) up to N.
+    `row_of[m, j]` / `col_of[m, j]` give the source row and column of token j (-1 for filler)."""
+
+    input_ids: Tensor  # [M, N] int64
+    positions: Tensor  # [M, N] int64
+    targets: Tensor  # [M, N] int64
+    rows: list[Tensor]  # M tensors of source row indices
+    row_of: Tensor  # [M, N] int64
+    col_of: Tensor  # [M, N] int64
+    local_row_of: Tensor  # [M, N] int64: index into rows[m], -1 for filler
+    shape: tuple[int, int]  # (B, T)
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def token_budget(self) -> int:
+        return self.input_ids.shape[1]
+
+    def micro_rows(self, m: int, values: Tensor) -> Tensor:
+        """Values of micro-batch m's tokens ([N] or [1, N]) as [len(rows[m]), T] (0 at padding);
+        differentiable in `values`."""
+        values = values.reshape(-1)
+        keep = self.local_row_of[m] >= 0
+        out = values.new_zeros(len(self.rows[m]), self.shape[1])
+        index = (self.local_row_of[m][keep].to(values.device), self.col_of[m][keep].to(values.device))
+        return out.index_put(index, values[keep.to(values.device)])
+
+    def unpack(self, values: Tensor) -> Tensor:
+        """Values [M, N] of every packed token -> [B, T] in the source layout (0 at padding)."""
+        keep = self.row_of >= 0
+        out = values.new_zeros(self.shape)
+        out[self.row_of[keep].to(values.device), self.col_of[keep].to(values.device)] = values[
+            keep.to(values.device)
+        ]
+        return out
+
+
+def pack_micro_batches(
+    input_ids: Tensor,
+    targets: Tensor,
+    valid: Tensor,
+    token_budget: int,
+    min_micro_batches: int = 1,
+    multiple_of: int = 1,
+) -> PackedBatch:
+    """Pack the rows of input_ids / targets / valid [B, T] (valid: a prefix of each row) in order into
+    micro-batches of `token_budget` tokens, greedily; at least `min_micro_batches`, a multiple of
+    `multiple_of` (filler-only micro-batches are added). A row longer than the budget is an error."""
+    lengths = valid.sum(1).tolist()
+    for b, n in enumerate(lengths):
+        if n > token_budget:
+            raise ValueError(f"row {b} has {n} tokens, more than the micro-batch token budget {token_budget}")
+        if not bool(valid[b, :n].all()):
+            raise ValueError(f"row {b}: valid tokens must be a prefix of the row")
+    groups: list[list[int]] = []
+    fill = token_budget
+    for b, n in enumerate(lengths):
+        if n == 0:
+            continue
+        if fill + n > token_budget:
+            groups.append([])
+            fill = 0
+        groups[-1].append(b)
+        fill += n
+    count = max(len(groups), min_micro_batches, 1)
+    count = -(-count // multiple_of) * multiple_of
+    groups += [[] for _ in range(count - len(groups))]
+
+    shape = (count, token_budget)
+    ids = torch.zeros(shape, dtype=torch.long)
+    tgt = torch.zeros(shape, dtype=torch.long)
+    pos = torch.zeros(shape, dtype=torch.long)
+    row_of = torch.full(shape, -1, dtype=torch.long)
+    col_of = torch.full(shape, -1, dtype=torch.long)
+    local = torch.full(shape, -1, dtype=torch.long)
+    src_ids, src_tgt = input_ids.cpu(), targets.cpu()
+    for m, group in enumerate(groups):
+        at = 0
+        for i, b in enumerate(group):
+            n = lengths[b]
+            ids[m, at : at + n] = src_ids[b, :n]
+            tgt[m, at : at + n] = src_tgt[b, :n]
+            pos[m, at : at + n] = torch.arange(n)
+            row_of[m, at : at + n] = b
+            col_of[m, at : at + n] = torch.arange(n)
+            local[m, at : at + n] = i
+            at += n
+        pos[m, at:] = torch.arange(token_budget - at)
+    rows = [torch.tensor(g, dtype=torch.long) for g in groups]
+    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, (valid.shape[0], valid.shape[1]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Running the stages
+class StageModule(nn.Module):
+    """One stage model behind the stage i/o of the module docstring (the module the schedule runs)."""
+
+    def __init__(self, model: GPTOSSModel, plan: StagePlan):
+        super().__init__()
+        self.model, self.plan = model, plan
+        self.temperature, self.chunk_size = 1.0, 1024
+
+    def forward(self, x: Tensor, positions: Tensor, targets: Tensor | None = None):
+        cu_seqlens, max_seqlen = cu_seqlens_from_positions(positions)
+        hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen)
+        if not self.plan.is_last:
+            return hidden, positions
+        if targets is None:
+            raise ValueError("the last pipeline stage needs the targets")
+        return self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
+
+
+class PipelineRunner:
+    """Forward/backward and log-prob passes of packed micro-batches through this rank's stages.
+
+    `models[c]` is the (parallelised) stage model of `plans[c]`. With pp == 1 the micro-batches run in a
+    plain loop. Results (loss, log-probs) are returned on every rank of the pp group."""
+
+    def __init__(
+        self,
+        models: Sequence[GPTOSSModel],
+        plans: Sequence[StagePlan],
+        dims: ParallelDims,
+        chunk_size: int = 1024,
+    ):
+        if len(models) != len(plans) or len(plans) != dims.vpp:
+            raise ValueError(f"{len(models)} models and {len(plans)} plans for {dims.vpp} virtual stages")
+        self.dims = dims
+        self.modules = [StageModule(m, p) for m, p in zip(models, plans)]
+        for module in self.modules:
+            module.chunk_size = chunk_size
+        self.has_last = any(p.is_last for p in plans)
+        self.config = models[0].config
+        param = next(models[0].parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self._schedules: dict[tuple[int, int, bool], object] = {}
+        self._loss: tuple[PackedBatch, LossFn] | None = None
+
+    # packing ------------------------------------------------------------------------------------
+    def pack(self, input_ids: Tensor, targets: Tensor, valid: Tensor, token_budget: int) -> PackedBatch:
+        """`pack_micro_batches` with the same number of micro-batches on every data-parallel rank (expert
+        parallelism exchanges tokens across them) and, for the interleaved schedule, a multiple of pp."""
+        if self.dims.sequence_parallel and token_budget % self.dims.tp:
+            raise ConfigError(
+                f"token budget {token_budget} must be a multiple of tp={self.dims.tp} (sequence parallel)"
+            )
+        local = pack_micro_batches(input_ids, targets, valid, token_budget).num_micro_batches
+        count = torch.tensor([local], dtype=torch.long, device=self._comm_device())
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
+        multiple = self.dims.pp if self.dims.vpp > 1 else 1
+        return pack_micro_batches(input_ids, targets, valid, token_budget, int(count), multiple)
+
+    # passes -------------------------------------------------------------------------------------
+    def forward_backward(self, packed: PackedBatch, loss_fn: LossFn, temperature: float = 1.0) -> Tensor:
+        """Forward and backward of every micro-batch; `loss_fn(rows, logprobs, entropy)` gives each one's
+        loss. Gradients accumulate in the stage parameters. Returns the summed loss (fp32 scalar,
+        detached) on every rank of the pp group."""
+        self._set_temperature(temperature)
+        if self.dims.pp == 1:
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for m in range(packed.num_micro_batches):
+                lp, ent = self._run_single(packed, m)
+                loss = self._micro_loss(packed, loss_fn, m, lp, ent)
+                loss.backward()
+                total += loss.detach().float()
+            return total
+        schedule = self._schedule(packed, train=True)
+        losses: list[Tensor] = []
+        self._loss = (packed, loss_fn)
+        try:
+            args, kwargs = self._inputs(packed)
+            target = torch.arange(packed.num_micro_batches)[:, None] if self.has_last else None
+            schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
+        finally:
+            self._loss = None
+        total = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        if losses:
+            total += torch.stack([x.detach().float() for x in losses]).sum().to(total.device)
+        return self._from_last(total)
+
+    @torch.no_grad()
+    def logprobs(self, packed: PackedBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Per-token (log-prob, entropy) [B, T] fp32 of `packed.targets` (0 at padding), on every rank of
+        the pp group. No loss, no graph."""
+        self._set_temperature(temperature)
+        if self.dims.pp == 1:
+            outs = [self._run_single(packed, m) for m in range(packed.num_micro_batches)]
+            lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        else:
+            schedule = self._schedule(packed, train=False)
+            args, kwargs = self._inputs(packed)
+            out = schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
+            shape = (packed.num_micro_batches, packed.token_budget)
+            lp = out[0] if out is not None else torch.zeros(shape, device=self._comm_device())
+            ent = out[1] if out is not None else torch.zeros(shape, device=self._comm_device())
+            both = self._from_last(torch.stack([lp.float(), ent.float()]).to(self._comm_device()))
+            lp, ent = both[0], both[1]
+        return packed.unpack(lp), packed.unpack(ent)
+
+    # internals ----------------------------------------------------------------------------------
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type != "meta" else torch.device("cpu")
+
+    def _set_temperature(self, temperature: float) -> None:
+        for module in self.modules:
+            module.temperature = temperature
+
+    def _run_single(self, packed: PackedBatch, m: int) -> tuple[Tensor, Tensor]:
+        module = self.modules[0]
+        ids, pos, tgt = (
+            t[m : m + 1].to(self.device) for t in (packed.input_ids, packed.positions, packed.targets)
+        )
+        return module(ids, pos, targets=tgt)
+
+    @staticmethod
+    def _micro_loss(packed: PackedBatch, loss_fn: LossFn, m: int, lp: Tensor, ent: Tensor) -> Tensor:
+        return loss_fn(packed.rows[m], packed.micro_rows(m, lp), packed.micro_rows(m, ent))
+
+    def _schedule_loss(self, output: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        if self._loss is None:
+            raise RuntimeError("the pipeline loss was called outside forward_backward")
+        packed, loss_fn = self._loss
+        lp, ent = output
+        return self._micro_loss(packed, loss_fn, int(target.reshape(-1)[0]), lp, ent)
+
+    def _inputs(self, packed: PackedBatch) -> tuple[tuple, dict]:
+        first = any(module.plan.is_first for module in self.modules)
+        args = (packed.input_ids.to(self.device), packed.positions.to(self.device)) if first else ()
+        kwargs = {"targets": packed.targets.to(self.device)} if self.has_last else {}
+        return args, kwargs
+
+    def _from_last(self, value: Tensor) -> Tensor:
+        """`value` of the pp rank holding the last stage, on every rank of the pp group."""
+        if self.dims.pp > 1:
+            dist.broadcast(value, src=self.dims.members["pp"][-1], group=self.dims.group("pp"))
+        return value
+
+    def _schedule(self, packed: PackedBatch, train: bool):
+        key = (packed.num_micro_batches, packed.token_budget, train)
+        if key not in self._schedules:
+            stages: list = [self._stage(module, packed.token_budget, train) for module in self.modules]
+            n = packed.num_micro_batches
+            if train:
+                self._schedules[key] = (
+                    Schedule1F1B(stages[0], n, loss_fn=self._schedule_loss, scale_grads=False)
+                    if len(stages) == 1
+                    else ScheduleInterleaved1F1B(stages, n, loss_fn=self._schedule_loss, scale_grads=False)
+                )
+            else:
+                self._schedules[key] = (
+                    ScheduleGPipe(stages[0], n) if len(stages) == 1 else ScheduleLoopedBFS(stages, n)
+                )
+        return self._schedules[key]
+
+    def _stage(self, module: StageModule, tokens: int, train: bool) -> PipelineStage:
+        """A PipelineStage with static shapes (stage i/o of the module docstring)."""
+        meta = torch.device("meta")
+        local = tokens // self.dims.tp if self.dims.sequence_parallel else tokens
+        ids = torch.empty(1, tokens, dtype=torch.long, device=meta)
+        hidden = torch.empty(1, local, self.config.hidden_size, dtype=self.dtype, device=meta)
+        hidden.requires_grad_(train)
+        scores = torch.empty(1, tokens, dtype=torch.float32, device=meta)
+        inputs = (ids, ids) if module.plan.is_first else (hidden, ids)
+        outputs = (scores, scores) if module.plan.is_last else (hidden, ids)
+        return PipelineStage(
+            module,
+            module.plan.index,
+            module.plan.num_stages,
+            self._comm_device(),
+            input_args=inputs,
+            output_args=outputs,
+            group=self.dims.group("pp"),
+        )
