@@ -8,8 +8,9 @@ from torch import nn
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.norm import rms_norm
 from megatron_gptoss.model.rope import apply_rotary
-from megatron_gptoss.ops import sink_attention
+from megatron_gptoss.ops import backend_available, sink_attention, sink_decode
 from megatron_gptoss.ops.cached_attention import cached_sink_attention
+from megatron_gptoss.ops.sink_attention import resolve_backend
 
 
 class LayerNormLinear(nn.Module):
@@ -79,6 +80,22 @@ class SelfAttention(nn.Module):
         q = grouped[..., :r, :].reshape(*lead, self.num_groups * r, d)
         return q, grouped[..., r, :], grouped[..., r + 1, :]
 
+    def _cached_attention(self, q, k_all, v_all, positions):
+        """New queries against the KV cache: the Triton decode kernel where the training forward runs
+        Triton (its decode rows equal its training rows bit for bit), the eager path otherwise."""
+        sinks = self.core_attention.softmax_offset.float()
+        window = self.core_attention.window
+        backend = self.core_attention.backend
+        use_triton = backend == "triton" or (
+            backend == "auto"
+            and resolve_backend(None, q) in ("triton", "fa4")
+            and backend_available("triton", q)
+        )
+        if use_triton:
+            seqlens = (positions[:, -1] + 1).to(torch.int32)
+            return sink_decode(q, k_all, v_all, sinks, seqlens, window=window)
+        return cached_sink_attention(q, k_all, v_all, sinks, positions, window=window)
+
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
         qkv = self.linear_qkv(x)
         # Shapes come from qkv: a sequence-parallel linear_qkv gathers the tokens that x holds a chunk of.
@@ -87,14 +104,7 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k_all, v_all = cache.write(self.layer, k, v, positions)
-            out = cached_sink_attention(
-                q,
-                k_all,
-                v_all,
-                self.core_attention.softmax_offset.float(),
-                positions,
-                window=self.core_attention.window,
-            )
+            out = self._cached_attention(q, k_all, v_all, positions)
         elif cu_seqlens is not None:
             flat = (batch * tokens, -1, self.head_dim)
             out = self.core_attention(

@@ -122,7 +122,7 @@ def backend_available(name: str, q: torch.Tensor | None = None) -> bool:
     except ImportError:
         return False
     supported = getattr(module, "is_supported", None)
-    return bool(supported(q)) if supported is not None else True
+    return bool(supported(q)) if supported is not None and q is not None else True
 
 
 def _backend_fn(name: str) -> Callable:
