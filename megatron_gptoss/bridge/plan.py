@@ -1,0 +1,235 @@
+"""The transfer plan: a pure function from (learner layout, engine layout, parameter metadata) to the list
+of transfers that turn the learner's shards into full HF-named tensors on one rank, in buckets.
+
+    ParamInfo per rank and parameter (name, local shape, dtype, ShardSpec) --+
+    Layout of the learner (world, tp, pp, ep)                                +--> plan_transfers -> [Transfer]
+    EngineLayout (workers, ep, takes expert slices?)                       --+
+
+One transfer = one of our parameters (or one expert range of it) becoming its HF tensor(s):
+    sources   the learner ranks whose local tensors form it, in concatenation order: the tp group (tp
+              shards) or ep group (whole expert tensor) of the first replica (dp / edp rank 0) of the
+              pipeline stage that holds it; one rank for a replicated parameter or an expert slice
+    root      the source that gathers the shards (`gather`) and converts our layout to HF
+              (`checkpoint.names`): `dst` when it is a source, else the first source
+    dst       the rank that feeds the engine; the root sends the HF tensors there when it is another rank
+Order: a dense pass (embedding, each layer's attention, norms and router, final norm, output layer), then
+an experts pass per layer. Buckets: consecutive transfers of one pass up to `bucket_bytes` (256-byte
+aligned, as `rollout.buckets` packs them); a transfer larger than the bucket travels alone. Where the
+engine takes expert slices, each expert-parallel owner sends its own experts as ranges cut at the
+learner's and the engine's expert-parallel boundaries and to at most `bucket_bytes` (one expert at least),
+so the experts are never gathered over ep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from megatron_gptoss.checkpoint.names import hf_shapes, match_ours, our_names
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.parallel.dims import Layout
+from megatron_gptoss.parallel.sharding import ShardSpec
+from megatron_gptoss.rollout.base import expert_slice_name
+from megatron_gptoss.rollout.buckets import ALIGN
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One of our parameters as one rank holds it."""
+
+    name: str
+    local_shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch."
+    shard: ShardSpec | None
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """The receiving engine: `workers` processes (vLLM: its tensor x data parallel ranks), experts split over
+    `ep` of them (worker w holds ep part w % ep), and whether it takes expert-range slices."""
+
+    workers: int = 1
+    ep: int = 1
+    expert_slices: bool = False
+
+
+@dataclass(frozen=True)
+class Transfer:
+    ours: str  # our parameter name
+    names: tuple[str, ...]  # names sent: HF names, or expert-slice names
+    shapes: tuple[tuple[int, ...], ...]  # their shapes (vocabulary padding removed)
+    dtype: str  # dtype sent
+    layer: int | None
+    phase: str  # "dense" or "experts"
+    sources: tuple[int, ...]  # learner ranks holding the pieces, in concatenation order
+    gather: ShardSpec | None  # how the pieces join (None: sources[0] holds the whole tensor or slice)
+    experts: tuple[int, int] | None  # global expert range of a slice
+    receivers: tuple[int, ...]  # engine workers that need it
+    root: int = -1  # the source that assembles the HF tensors and sends them to dst
+    bucket: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        size = _DTYPE_BYTES[self.dtype]
+        return sum(_aligned(_numel(s) * size) for s in self.shapes)
+
+
+def plan_transfers(
+    layout: Layout,
+    engine: EngineLayout,
+    holdings: Mapping[int, Sequence[ParamInfo]],
+    config: ModelConfig,
+    bucket_bytes: int,
+    dst: int = 0,
+    dtype: str | None = None,
+) -> list[Transfer]:
+    """Every transfer of one full weight sync, roots and bucket indices assigned. `holdings[rank]` lists
+    the parameters rank holds (all ranks of the learner); `dst` receives the HF tensors; `dtype` overrides
+    the parameters' dtype."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    holders: dict[str, list[tuple[int, ParamInfo]]] = {}
+    for rank in sorted(holdings):
+        for info in holdings[rank]:
+            holders.setdefault(info.name, []).append((rank, info))
+    expected = our_names(config)
+    missing = [n for n in expected if n not in holders]
+    unknown = sorted(set(holders) - set(expected))
+    if missing or unknown:
+        raise ValueError(f"parameters held by no rank: {missing}; parameters outside the model: {unknown}")
+    dense: list[Transfer] = []
+    experts: list[Transfer] = []
+    for name in expected:
+        ranks = holders[name]
+        spec = ranks[0][1].shard
+        if any(info.shard != spec for _, info in ranks):
+            raise ValueError(f"{name}: ranks disagree on its ShardSpec")
+        common = _Common(name, layout, engine, config, dtype or ranks[0][1].dtype, dst)
+        if ".mlp.experts." in name:
+            experts.extend(_expert_transfers(common, [r for r, _ in ranks], spec, bucket_bytes))
+        else:
+            dense.append(_dense_transfer(common, [r for r, _ in ranks], spec))
+    planned = _assign_buckets(dense, 0, bucket_bytes)
+    first = planned[-1].bucket + 1 if planned else 0
+    return planned + _assign_buckets(experts, first, bucket_bytes)
+
+
+def buckets_of(plan: Sequence[Transfer]) -> list[list[Transfer]]:
+    """The plan's transfers grouped by bucket, in order."""
+    out: dict[int, list[Transfer]] = {}
+    for t in plan:
+        out.setdefault(t.bucket, []).append(t)
+    return [out[b] for b in sorted(out)]
+
+
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Common:
+    name: str
+    layout: Layout
+    engine: EngineLayout
+    config: ModelConfig
+    dtype: str
+    dst: int
+
+    def first_replica(self, ranks: list[int], coord: str, order: str) -> tuple[int, ...]:
+        """Holders with `coord` rank 0, sorted by their `order` coordinate."""
+        coords = self.layout.coords
+        return tuple(sorted((r for r in ranks if coords(r)[coord] == 0), key=lambda r: coords(r)[order]))
+
+    def root(self, sources: tuple[int, ...]) -> int:
+        return self.dst if self.dst in sources else sources[0]
+
+
+def _dense_transfer(c: _Common, ranks: list[int], spec: ShardSpec | None) -> Transfer:
+    match = match_ours(c.name)
+    if spec is None:  # replicated: one holder sends it, dst itself when it holds it
+        sources: tuple[int, ...] = (c.dst,) if c.dst in ranks else c.first_replica(ranks, "dp", "tp")[:1]
+    else:
+        sources = c.first_replica(ranks, "dp", "tp")
+        if len(sources) != c.layout.tp:
+            raise ValueError(
+                f"{c.name}: {len(sources)} tp shards in the first replica, expected {c.layout.tp}"
+            )
+    return Transfer(
+        ours=c.name,
+        names=match.hf,
+        shapes=hf_shapes(match, c.config),
+        dtype=c.dtype,
+        layer=match.layer,
+        phase="dense",
+        sources=sources,
+        gather=spec if spec is not None and len(sources) > 1 else None,
+        experts=None,
+        receivers=tuple(range(c.engine.workers)),
+        root=c.root(sources),
+    )
+
+
+def _expert_transfers(
+    c: _Common, ranks: list[int], spec: ShardSpec | None, bucket_bytes: int
+) -> list[Transfer]:
+    match = match_ours(c.name)
+    (hf_name,), (shape,) = match.hf, hf_shapes(match, c.config)
+    owners = c.first_replica(ranks, "edp", "ep")
+    if len(owners) != c.layout.ep or (c.layout.ep > 1 and (spec is None or spec.group != "ep")):
+        raise ValueError(f"{c.name}: {len(owners)} expert-parallel owners ({spec}), expected {c.layout.ep}")
+    total, engine = c.config.num_experts, c.engine
+
+    def transfer(names, shapes, sources, gather, experts, receivers) -> Transfer:
+        return Transfer(
+            c.name, names, shapes, c.dtype, match.layer, "experts", sources, gather, experts, receivers,
+            root=c.root(sources),
+        )  # fmt: skip
+
+    if not engine.expert_slices:
+        everyone = tuple(range(engine.workers))
+        return [transfer((hf_name,), (shape,), owners, spec if len(owners) > 1 else None, None, everyone)]
+    per_expert = _aligned(_numel(shape[1:]) * _DTYPE_BYTES[c.dtype])
+    step = max(1, bucket_bytes // per_expert)
+    edges = sorted(
+        {0, total}
+        | {total * i // c.layout.ep for i in range(c.layout.ep)}
+        | {total * i // engine.ep for i in range(engine.ep)}
+    )
+    out = []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        owner = owners[lo * c.layout.ep // total]
+        for start in range(lo, hi, step):
+            stop = min(start + step, hi)
+            name = expert_slice_name(hf_name, start, stop)
+            receivers = _expert_receivers(engine, start, stop, total)
+            out.append(
+                transfer((name,), ((stop - start, *shape[1:]),), (owner,), None, (start, stop), receivers)
+            )
+    return out
+
+
+def _expert_receivers(engine: EngineLayout, start: int, stop: int, total: int) -> tuple[int, ...]:
+    parts = {
+        p for p in range(engine.ep) if start < total * (p + 1) // engine.ep and stop > total * p // engine.ep
+    }
+    return tuple(w for w in range(engine.workers) if w % engine.ep in parts)
+
+
+def _assign_buckets(transfers: list[Transfer], first: int, bucket_bytes: int) -> list[Transfer]:
+    out, bucket, size = [], first, 0
+    for t in transfers:
+        if size and size + t.nbytes > bucket_bytes:
+            bucket, size = bucket + 1, 0
+        out.append(replace(t, bucket=bucket))
+        size += t.nbytes
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _aligned(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
