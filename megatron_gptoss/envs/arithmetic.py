@@ -132,7 +132,7 @@ class ArithmeticTask:
             reward = 0.0
         else:
             reward = TERMINATION_CREDIT
-            if well_formed:
+            if well_formed and body is not None:
                 distance = abs(int(body) - prompt.answer)
                 closeness = max(0.0, 1.0 - distance / (self.cfg.max_operand + 1))
                 reward += NUMBER_CREDIT + self.cfg.closeness_credit * closeness

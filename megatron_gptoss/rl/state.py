@@ -75,6 +75,7 @@ class TrainState:
         self.engine.generator.set_state(rng["engine"])  # type: ignore[attr-defined]
         self.prompt_rng.setstate(rng["prompts"])
         self.shuffle.set_state(rng["shuffle"])
-        self.engine.update_weights(iter_hf_tensors(self.policy, self.policy.config))  # type: ignore[attr-defined]
+        config = self.policy.config  # type: ignore[union-attr]
+        self.engine.update_weights(iter_hf_tensors(self.policy, config))  # type: ignore[attr-defined]
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])

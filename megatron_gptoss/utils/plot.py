@@ -91,12 +91,12 @@ def plot_metrics(
             if not steps:
                 continue
             all_positive = all_positive and min(values) > 0
-            style = dict(color=f"C{color}")
+            shade = f"C{color}"
             if len(steps) >= SMOOTH_MIN_POINTS:
-                ax.plot(steps, values, alpha=0.3, linewidth=0.8, **style)
-                ax.plot(steps, _smooth(values), label=f"{key} (smoothed)", linewidth=1.6, **style)
+                ax.plot(steps, values, alpha=0.3, linewidth=0.8, color=shade)
+                ax.plot(steps, _smooth(values), label=f"{key} (smoothed)", linewidth=1.6, color=shade)
             else:
-                ax.plot(steps, values, marker="o", markersize=3, label=key, **style)
+                ax.plot(steps, values, marker="o", markersize=3, label=key, color=shade)
             plotted.append(key)
         if log_scale and all_positive:
             ax.set_yscale("log")
