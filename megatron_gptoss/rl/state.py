@@ -76,6 +76,6 @@ class TrainState:
         self.prompt_rng.setstate(rng["prompts"])
         self.shuffle.set_state(rng["shuffle"])
         config = self.policy.config  # type: ignore[union-attr]
-        self.engine.update_weights(iter_hf_tensors(self.policy, config))  # type: ignore[attr-defined]
+        self.engine.update_weights(iter_hf_tensors(self.policy, config))  # type: ignore[attr-defined,arg-type]
         log.info("resumed from %s (step %d)", path, state["step"])
         return int(state["step"])
