@@ -1,0 +1,202 @@
+"""Per-GPU memory of training GPT-OSS under a layout: weights, gradients, optimizer state, activations.
+
+    python tools/estimate_memory.py --model gpt_oss_120b --gpus 32 --tp 1 --pp 4 --ep 8
+    python tools/estimate_memory.py --model gpt_oss_120b --search --gpus 16,32,64 --gpu-gib 80
+
+What is counted, for the heaviest pipeline rank (the one with the most bytes):
+    weights      this rank's parameters in the parameter dtype (bf16: 2 bytes)
+    gradients    fp32 main gradients of every local parameter (4 bytes; `DistributedOptimizer`)
+    optimizer    fp32 master weights and two Adam moments (12 bytes), divided over the dp group (dense
+                 parameters) and the edp group (experts) with the distributed optimizer
+    activations  the tensors autograd saves, per token per layer (`activation_bytes_per_token`, counted
+                 from the saved tensors of our layer: fp32 RMSNorm temporaries, the attention kernel's
+                 q, k, out and log-sum-exp, and per routed slot the fc1 output, SwiGLU intermediates, the
+                 fc2 input and the fp32 weighted output), times the tokens of the micro-batches a rank
+                 holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count)
+    transient    the bf16 gradient of the largest parameter before it is added to its fp32 main gradient
+Not counted: the CUDA context and allocator fragmentation (reserved beyond allocated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import dataclass
+
+from megatron_gptoss.config import MODEL_PRESETS, ModelConfig
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    vpp: int = 1
+    sequence_parallel: bool = False
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return self.dp * self.tp // self.ep
+
+    def valid(self, config: ModelConfig) -> bool:
+        return (
+            self.gpus % (self.tp * self.pp) == 0
+            and (self.dp * self.tp) % self.ep == 0
+            and config.num_query_groups % self.tp == 0
+            and config.num_experts % self.ep == 0
+            and config.num_layers >= self.pp * self.vpp
+        )
+
+
+def layer_params(config: ModelConfig, tp: int, ep: int) -> dict[str, int]:
+    """Parameters of one transformer layer on one rank: dense (tp-sharded + replicated) and experts."""
+    h, i, e, d = config.hidden_size, config.intermediate_size, config.num_experts, config.head_dim
+    q, kv = config.num_attention_heads, config.num_query_groups
+    qkv = (q + 2 * kv) * d
+    sharded = h * qkv + qkv + q * d * h + q
+    replicated = 3 * h + e * h + e
+    experts = e * (2 * i * h + 2 * i + h * i + h)
+    return {"dense": sharded // tp + replicated, "experts": experts // ep}
+
+
+def activation_bytes_per_token(config: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes autograd keeps per token per layer (bf16 activations, no recomputation)."""
+    h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.moe_router_topk
+    q, kv = config.num_attention_heads, config.num_query_groups
+    norms = 2 * (2 * 4 * h + 2 * h)  # two RMSNorms: x.float() and the normalised fp32 copy, bf16 output
+    attention = 2 * q * d + 2 * (q + kv) * d + 4 * q  # output; the kernel's rotated q, k and fp32 LSE
+    experts = k * (2 * 2 * i + 4 * h + 2 * h + 6 * 2 * i)  # fc1 out, fp32 weighted out, input, SwiGLU
+    return norms / (tp if sequence_parallel else 1) + (attention + experts) / tp
+
+
+def stage_layers(config: ModelConfig, layout: Layout) -> list[int]:
+    """Layers held by each pp rank (its virtual stages together), as `pipeline.split_layers` splits."""
+    stages = layout.pp * layout.vpp
+    base, extra = divmod(config.num_layers, stages)
+    order = [*range(1, stages - 1), stages - 1, 0] if stages > 1 else [0]
+    counts = [base + (s in set(order[:extra])) for s in range(stages)]
+    return [sum(counts[s] for s in range(r, stages, layout.pp)) for r in range(layout.pp)]
+
+
+def in_flight(layout: Layout, rank: int, micro_batches: int) -> float:
+    """Micro-batches of activations (in units of the rank's whole layer set) held at once by pp `rank`."""
+    if layout.pp == 1:
+        return 1.0
+    if layout.vpp == 1:
+        return float(min(layout.pp - rank, micro_batches))
+    chunks = (layout.pp - rank - 1) * 2 + (layout.vpp - 1) * layout.pp + 1
+    return min(chunks, micro_batches * layout.vpp) / layout.vpp
+
+
+def estimate(
+    config: ModelConfig,
+    layout: Layout,
+    tokens: int,
+    micro_batches: int = 1,
+    distributed_optimizer: bool = True,
+    optimizer: bool = True,
+    activation_checkpointing: bool = False,
+    param_bytes: int = 2,
+) -> dict[str, float]:
+    """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank."""
+    per_layer = layer_params(config, layout.tp, layout.ep)
+    vocab = config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
+    act_token = activation_bytes_per_token(config, layout.tp, layout.sequence_parallel)
+    worst: dict[str, float] = {}
+    for rank, layers in enumerate(stage_layers(config, layout)):
+        dense = layers * per_layer["dense"] + vocab * ((rank == 0) + (rank == layout.pp - 1))
+        experts = layers * per_layer["experts"]
+        params = dense + experts
+        shards = (layout.dp, layout.edp) if distributed_optimizer else (1, 1)
+        if activation_checkpointing:
+            acts = 2 * config.hidden_size * tokens * layers * in_flight(layout, rank, micro_batches)
+            acts += act_token * tokens
+        else:
+            acts = act_token * tokens * layers * in_flight(layout, rank, micro_batches)
+        largest = max(per_layer["experts"] * 2 // 3, vocab) if layers else vocab
+        parts = {
+            "weights": params * param_bytes,
+            "gradients": params * 4.0,
+            "optimizer": 12.0 * (dense / shards[0] + experts / shards[1]) if optimizer else 0.0,
+            "activations": acts,
+            "transient": largest * 2.0,
+        }
+        parts["total"] = sum(parts.values())
+        if not worst or parts["total"] > worst["total"]:
+            worst = parts
+    return worst
+
+
+def layouts(config: ModelConfig, gpus: int) -> list[Layout]:
+    powers = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= gpus]
+    out = []
+    for tp, pp, ep in itertools.product((1, 2, 4, 8), powers, powers):
+        layout = Layout(gpus, tp, pp, ep, sequence_parallel=tp > 1)
+        if layout.valid(config) and tp <= 8:
+            out.append(layout)
+    return out
+
+
+def _row(layout: Layout, parts: dict[str, float]) -> str:
+    cells = " ".join(
+        f"{parts[k] / GIB:9.1f}"
+        for k in ("weights", "gradients", "optimizer", "activations", "transient", "total")
+    )
+    return f"{layout.gpus:5d} {layout.tp:3d} {layout.pp:3d} {layout.ep:3d} {layout.dp:4d} {cells}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="gpt_oss_120b", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--gpus", default="32", help="number of GPUs (a comma-separated list with --search)")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--vpp", type=int, default=1)
+    parser.add_argument(
+        "--tokens", type=int, default=4096, help="tokens per micro-batch per data-parallel rank"
+    )
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--recompute", action="store_true", help="activation checkpointing per layer")
+    parser.add_argument("--search", action="store_true", help="list the layouts that fit")
+    parser.add_argument("--gpu-gib", type=float, default=80.0)
+    parser.add_argument("--headroom", type=float, default=0.9, help="usable fraction of the GPU memory")
+    args = parser.parse_args()
+    config = MODEL_PRESETS[args.model]()
+    print(
+        f"{args.model}: {config.param_counts()['total'] / 1e9:.1f}B parameters; GiB per GPU (heaviest rank)"
+    )
+    print(" gpus  tp  pp  ep   dp   weights gradients optimizer activations transient   total")
+    if not args.search:
+        layout = Layout(int(args.gpus), args.tp, args.pp, args.ep, args.vpp, sequence_parallel=args.tp > 1)
+        if not layout.valid(config):
+            raise SystemExit(f"{layout} does not divide {args.model}")
+        print(
+            _row(
+                layout, estimate(config, layout, args.tokens, args.micro_batches, True, True, args.recompute)
+            )
+        )
+        return
+    budget = args.gpu_gib * args.headroom * GIB
+    for gpus in (int(g) for g in args.gpus.split(",")):
+        fits = []
+        for layout in layouts(config, gpus):
+            parts = estimate(config, layout, args.tokens, args.micro_batches, True, True, args.recompute)
+            if parts["total"] <= budget:
+                fits.append((parts["total"], layout, parts))
+        print(f"-- {gpus} GPUs: {len(fits)} layouts fit in {args.headroom:.0%} of {args.gpu_gib:.0f} GiB")
+        for _, layout, parts in sorted(fits, key=lambda f: (f[1].tp * f[1].pp, f[0]))[:8]:
+            print(_row(layout, parts))
+
+
+if __name__ == "__main__":
+    main()
