@@ -97,3 +97,21 @@ CORRUPTIONS: dict[str, Callable[[Pairs], Iterator[tuple[str, torch.Tensor]]]] = 
     "k_v_swapped": _k_v_swapped,
     "gate_up_concatenated": _gate_up_concatenated,
 }
+
+
+def layout_sync_delta(engine, layout: str, seed: int, bucket_bytes: int = 32 * 1024) -> tuple[float, float]:
+    """Train a fresh learner (seed), export it from `layout` on gloo ranks, update `engine` with rank 0's
+    stream; returns (max |delta| against the learner, max change of the engine's log-probs)."""
+    from bridge_layouts import export_layout
+
+    from megatron_gptoss.bridge.plan import EngineLayout
+
+    config = engine.config
+    model = seeded_learner(config, seed)
+    train_steps(model, steps=2, seed=seed)
+    seqs = fixed_sequences(config, seed=seed)
+    before = engine.sequence_logprobs(seqs)
+    target = EngineLayout(workers=engine.tensor_parallel_size, expert_slices=engine.accepts_expert_slices)
+    engine.update_weights(export_layout(layout, config, model, target, bucket_bytes))
+    after = engine.sequence_logprobs(seqs)
+    return max_delta(after, learner_sequence_logprobs(model, seqs)), max_delta(after, before)

