@@ -105,7 +105,8 @@ def estimate(
     activation_checkpointing: bool = False,
     param_bytes: int = 2,
 ) -> dict[str, float]:
-    """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank."""
+    """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank.
+    Without `optimizer`, gradients are the parameters' own (`.grad`, parameter dtype)."""
     per_layer = layer_params(config, layout.tp, layout.ep)
     vocab = config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
     act_token = activation_bytes_per_token(config, layout.tp, layout.sequence_parallel)
@@ -123,7 +124,7 @@ def estimate(
         largest = max(per_layer["experts"] * 2 // 3, vocab) if layers else vocab
         parts = {
             "weights": params * param_bytes,
-            "gradients": params * 4.0,
+            "gradients": params * (4.0 if optimizer else param_bytes),
             "optimizer": 12.0 * (dense / shards[0] + experts / shards[1]) if optimizer else 0.0,
             "activations": acts,
             "transient": largest * 2.0,

@@ -139,15 +139,15 @@ class DistributedOptimizer:
                     grouped.setdefault((kind, param.dtype), []).append(param)
             for (kind, _), params in sorted(grouped.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
                 self.buckets.append(self._bucket(params, kind))
-        self.master = [
-            b.data[b.lo : b.hi].float().clone() if shard else b.data.float().clone() for b in self.buckets
-        ]
+        self.master = [b.data[b.lo : b.hi].detach().to(torch.float32, copy=True) for b in self.buckets]
+        on_cuda = bool(self.master) and self.master[0].is_cuda
         self.inner = torch.optim.AdamW(
             [m.requires_grad_(True) for m in self.master],
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
+            fused=on_cuda or None,  # no full-size temporaries on the GPU
         )
         self.zero_grad()
 
@@ -257,7 +257,9 @@ class DistributedOptimizer:
         if self.cfg.clip_grad > 0 and float(norm) > self.cfg.clip_grad:
             scale = self.cfg.clip_grad / (float(norm) + 1e-6)
         for b, master in zip(self.buckets, self.master):
-            master.grad = b.grad[b.lo : b.hi] * scale
+            if scale != 1.0:
+                b.grad[b.lo : b.hi].mul_(scale)
+            master.grad = b.grad[b.lo : b.hi]
         for group in self.inner.param_groups:
             group["lr"] = lr
         self.inner.step()
