@@ -94,9 +94,8 @@ def main() -> None:
         ids, targets, valid = synthetic_documents(
             step, dims.coord("dp"), cfg.model.vocab_size, args.token_budget, args.micro_batches, cfg.run.seed
         )
-        mask = valid.float()
-        tokens = loss_denominators([mask], dims.group("dp")).tokens
-        mask_dev = mask.to(device)
+        mask_dev = valid.float().to(device)
+        tokens = loss_denominators([mask_dev], dims.group("dp")).tokens
 
         def loss_fn(rows, logprobs, entropy, mask_dev=mask_dev, tokens=tokens):
             return -(logprobs * mask_dev[rows.to(device)]).sum() / tokens

@@ -115,6 +115,7 @@ def main() -> None:
     parser.add_argument("--no-optimizer", action="store_true")
     parser.add_argument("--small", action="store_true", help="tiny widths on the CPU (gloo)")
     parser.add_argument("--out", default="", help="append the result as a JSON line to this file")
+    parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.small
@@ -151,8 +152,8 @@ def main() -> None:
     mask = valid.float()
     runner = PipelineRunner([model], [plan], dims)
     packed = runner.pack(ids, targets, valid, args.tokens)
-    tokens = loss_denominators([mask], dims.group("dp")).tokens
     mask_dev = mask.to(device)
+    tokens = loss_denominators([mask_dev], dims.group("dp")).tokens
 
     def loss_fn(rows, lp, ent):
         return -(lp * mask_dev[rows.to(device)]).sum() / tokens
@@ -226,6 +227,15 @@ def main() -> None:
         assert metrics["train/skipped"] == 0.0, metrics
     opt_step = world_max(statistics.median(step_times), dims, device) if step_times else float("nan")
     peak = world_max(torch.cuda.max_memory_allocated(device) if cuda else 0.0, dims, device)
+
+    if args.profile and cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        zero()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            runner.forward_backward(packed, loss_fn)
+            sync(device)
+        log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
 
     flops = step_flops(config, docs)
     result = {

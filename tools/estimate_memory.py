@@ -14,6 +14,8 @@ What is counted, for the heaviest pipeline rank (the one with the most bytes):
                  fc2 input and the fp32 weighted output), times the tokens of the micro-batches a rank
                  holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count)
     transient    the bf16 gradient of the largest parameter before it is added to its fp32 main gradient
+Without an optimizer (forward + backward only) the gradients are the parameters' own bf16 `.grad`,
+allocated layer by layer during the backward, and the total is the peak of that walk.
 Not counted: the CUDA context and allocator fragmentation (reserved beyond allocated).
 """
 
@@ -130,6 +132,13 @@ def estimate(
             "transient": largest * 2.0,
         }
         parts["total"] = sum(parts.values())
+        if not optimizer and layers:
+            # gradients are allocated as the backward reaches each layer while the activations of the
+            # layers before it are still held: the peak is the worst point of that walk, plus one
+            # layer's backward workspace (about its activations)
+            grad, act = parts["gradients"] / layers, parts["activations"] / layers
+            walk = max(done * grad + (layers - done) * act for done in range(layers + 1))
+            parts["total"] = parts["weights"] + walk + act
         if not worst or parts["total"] > worst["total"]:
             worst = parts
     return worst
