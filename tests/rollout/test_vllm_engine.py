@@ -94,6 +94,21 @@ def test_stop_tokens_and_refused_truncation(engine, learner):
         engine.generate([[1, 2]], SamplingParams(top_k=5))
 
 
+def test_greedy_decoding_for_evaluation(engine, learner):
+    sync(engine, learner)
+    prompt = [4, 8, 15, 16]
+    out = engine.generate([prompt], SamplingParams(top_k=1, max_new_tokens=8))[0]
+    with torch.no_grad():
+        ids = torch.tensor(prompt + out.token_ids)[None]
+        logits = learner(ids)[0, len(prompt) - 1 : -1]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    ref = logprobs.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert (torch.tensor(out.logprobs) - ref).abs().max().item() <= TOLERANCE
+    tempered = engine.generate([prompt], SamplingParams(top_k=1, temperature=0.7, max_new_tokens=8))[0]
+    assert tempered.token_ids == out.token_ids and all(lp != lp for lp in tempered.logprobs)  # NaN
+
+
 @pytest.mark.parametrize("corruption", sorted(CORRUPTIONS))
 def test_wrong_exports_are_caught(engine, learner, corruption):
     seqs = fixed_sequences(CONFIG, seed=6)
