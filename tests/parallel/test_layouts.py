@@ -1,8 +1,9 @@
 """Whole layouts (pipeline stages, tensor / sequence / expert parallel, data parallel with the sharded
-optimizer) against the single-process model: the loss of two AdamW steps, every gradient of the first
-step (reduced over the data-parallel ranks, gathered to full shape), every parameter after the second
-step and the pipeline's log-probs after training. Documents are packed into micro-batches of a fixed
-token budget, and the data-parallel ranks hold different numbers of documents and loss tokens.
+optimizer) against the single-process model: the loss and the global gradient norm of two AdamW
+steps, every gradient of the first step (reduced over the data-parallel ranks, gathered to full
+shape), every parameter after the second step, and the pipeline's log-probs and entropy after
+training at a sampling temperature. Documents are packed into micro-batches of a fixed token budget,
+and the data-parallel ranks hold different numbers of documents and loss tokens.
 
 `run_layout` (run on every rank of a pool) and `reference_run` (in the test process) are the one
 harness; test_pipeline and test_data_parallel use it for their layouts.
@@ -30,6 +31,7 @@ SEED = 0
 VOCAB = 96
 BUDGET = 32
 ENTROPY_COEF = 0.1
+TEMPERATURE = 0.7  # of the log-prob pass after training (the RL path: no loss, no graph)
 # Document lengths per step and data-parallel rank (uneven counts; most longer than the window, 8).
 DOCS = {
     1: [[[12, 20, 9, 17, 10]], [[25, 6, 14, 9, 19]]],
@@ -80,7 +82,7 @@ def reference_run(layers: int, docs: list[list[list[int]]], steps: int = 2) -> d
     with torch.no_grad():
         out["logprobs"] = []
         for b in (batch_of(steps - 1, d, lengths) for d, lengths in enumerate(docs[steps - 1])):
-            lp, ent = model.token_logprobs(model.hidden_states(b["input_ids"]), b["targets"])
+            lp, ent = model.token_logprobs(model.hidden_states(b["input_ids"]), b["targets"], TEMPERATURE)
             out["logprobs"].append((lp * b["valid"], ent * b["valid"]))
     return out
 
@@ -152,7 +154,7 @@ def run_layout(parallel: dict, layers: int, docs: list[list[list[int]]], options
             out["grads"] = reduced_full_grads(models, dims)
         out["metrics"].append(opt.step())
     out["params"] = full_params(models, dims)
-    out["logprobs"] = runner.logprobs(packed)
+    out["logprobs"] = runner.logprobs(packed, TEMPERATURE)
     out["optimizer"] = optimizer_summary(opt)
     return out
 
