@@ -180,6 +180,9 @@ class EnvConfig:
     partial_credit: bool = True
     # Weight of the closeness part of the partial credit (0 rewards only format and exact answers).
     closeness_credit: float = 0.3
+    # Partial credit for the answer's leading characters written correctly (even without <eos>):
+    # prefix_credit x matched prefix length / answer length. Conditions the policy on the operands early.
+    prefix_credit: float = 0.0
 
 
 @dataclass

@@ -22,6 +22,9 @@ tokens after that <eos> are ignored. A response without <eos> was truncated.
   0.2 + c; a truncated response earns 0. Order: truncated (0) < empty or malformed body (0.1) <
   wrong integer (0.2 .. < 0.2 + c, nearer earns more) < correct (1.0). Closeness credit has a
   failure mode under RL: a policy may settle on one middle answer that is close on average.
+    p * (matched leading characters) / len(answer), p = `EnvConfig.prefix_credit` (default 0),
+  also for a truncated response: credit for starting the answer right, which ties the reward to
+  the operands from the first step (the CPU demo uses it instead of closeness).
 - Without partial credit: 0.0.
 The main metric is exact-match accuracy (`correct`); the partial credit exists so that a randomly
 initialised model, which seldom writes a well-formed number, gets a learning signal at once.
@@ -128,14 +131,15 @@ class ArithmeticTask:
         correct = terminated and body == prompt.answer_text
         if correct:
             reward = 1.0
-        elif not self.cfg.partial_credit or not terminated:
+        elif not self.cfg.partial_credit:
             reward = 0.0
         else:
-            reward = TERMINATION_CREDIT
-            if well_formed and body is not None:
+            reward = TERMINATION_CREDIT if terminated else 0.0
+            if terminated and well_formed and body is not None:
                 distance = abs(int(body) - prompt.answer)
                 closeness = max(0.0, 1.0 - distance / (self.cfg.max_operand + 1))
                 reward += NUMBER_CREDIT + self.cfg.closeness_credit * closeness
+            reward += self.cfg.prefix_credit * self._prefix_fraction(body_ids, prompt.answer_text)
         return {"reward": reward, "correct": correct, "terminated": terminated, "well_formed": well_formed}
 
     def reward(self, prompt: Prompt, response_ids: Sequence[int] | torch.Tensor) -> float:
@@ -146,6 +150,15 @@ class ArithmeticTask:
         text = f"{a}{op}{b}="
         ids = (self.tokenizer.bos_token_id, *self.tokenizer.encode(text))
         return Prompt(token_ids=ids, text=text, answer=OPERATORS[op](a, b))
+
+    def _prefix_fraction(self, body_ids: list[int], answer: str) -> float:
+        """Fraction of `answer`'s characters that the body reproduces from its start."""
+        matched = 0
+        for token, char in zip(body_ids, answer):
+            if self._body_text([token]) != char:
+                break
+            matched += 1
+        return matched / len(answer)
 
     def _body_text(self, ids: list[int]) -> str | None:
         """The text of non-special, in-vocabulary ids; None if any id is special or unknown."""

@@ -117,3 +117,21 @@ def test_multiplication_and_negative_answers():
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         _task(**overrides)
+
+
+def test_prefix_credit_rewards_the_leading_characters():
+    from megatron_gptoss.config import EnvConfig
+    from megatron_gptoss.envs import make_task
+
+    task, tok = make_task(EnvConfig(closeness_credit=0.0, prefix_credit=0.6))
+    prompt = next(p for p in task.eval_prompts() + task.sample_prompts(200) if p.answer >= 10)
+    answer = prompt.answer_text
+    eos = [tok.eos_token_id]
+    full = task.reward(prompt, tok.encode(answer) + eos)
+    first_only = task.reward(prompt, tok.encode(answer[0]))  # truncated after a right first digit
+    first_then_eos = task.reward(prompt, tok.encode(answer[0]) + eos)
+    wrong_first = task.reward(prompt, tok.encode("9" if answer[0] != "9" else "8"))
+    assert full == 1.0
+    assert first_only == pytest.approx(0.6 / len(answer))
+    assert first_then_eos == pytest.approx(0.1 + 0.1 + 0.6 / len(answer))
+    assert wrong_first == 0.0
