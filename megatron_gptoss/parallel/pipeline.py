@@ -6,17 +6,19 @@ schedules of `torch.distributed.pipelining` over the pp group.
                  Stage 0 also holds the embedding, stage S - 1 the final norm and the output layer.
     micro-batch  one packed row of `token_budget` tokens: whole documents, positions restarting at 0 in
                  each, a filler document of padding at the end (`PackedBatch`).
-    stage i/o    first   (input_ids [1, N], positions [1, N])        -> (hidden [1, N', H], positions)
-                 middle  (hidden [1, N', H], positions [1, N])      -> (hidden, positions)
-                 last    (hidden, positions), targets=[1, N] int64 -> (log-prob [1, N], entropy [1, N]) fp32
-                 N' = N / tp under sequence parallelism, else N. The positions travel with the activations
-                 (point-to-point), and every stage derives the document boundaries (cu_seqlens) from them.
+    stage i/o    first   input_ids [1, N]   -> hidden [1, N', H]      (point-to-point between stages)
+                 middle  hidden [1, N', H]  -> hidden [1, N', H]
+                 last    hidden [1, N', H]  -> (log-prob [1, N], entropy [1, N]) fp32
+                 N' = N / tp under sequence parallelism, else N. Every stage also receives its
+                 micro-batch's positions [1, N] (keyword; the last stage also the targets) and derives
+                 the document boundaries (cu_seqlens) from them.
     schedules    training: Schedule1F1B (vpp = 1) or ScheduleInterleaved1F1B (vpp > 1); the last stage
                  calls the caller's loss on each micro-batch as soon as its log-probs exist.
                  Log-probs only: ScheduleGPipe / ScheduleLoopedBFS without a loss.
 
 Who holds what: every rank of a pp group gets the same `PackedBatch`; the first stage reads its
-input_ids and positions, the last stage its targets and the loss inputs. Gradients accumulate into the
+input_ids, every stage the positions of the micro-batch it runs, the last stage the targets and the
+loss inputs. Gradients accumulate into the
 stage parameters (`.grad`); losses are not scaled by the number of micro-batches (the caller's loss is
 already its share of the mini-batch, see `rl.ppo_loss`).
 """
@@ -238,7 +240,7 @@ class StageModule(nn.Module):
         cu_seqlens, max_seqlen = cu_seqlens_from_positions(positions)
         hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen)
         if not self.plan.is_last:
-            return hidden, positions
+            return hidden
         if targets is None:
             raise ValueError("the last pipeline stage needs the targets")
         return self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
@@ -344,7 +346,7 @@ class PipelineRunner:
         ids, pos, tgt = (
             t[m : m + 1].to(self.device) for t in (packed.input_ids, packed.positions, packed.targets)
         )
-        return module(ids, pos, targets=tgt)
+        return module(ids, positions=pos, targets=tgt)
 
     @staticmethod
     def _micro_loss(packed: PackedBatch, loss_fn: LossFn, m: int, lp: Tensor, ent: Tensor) -> Tensor:
@@ -359,8 +361,10 @@ class PipelineRunner:
 
     def _inputs(self, packed: PackedBatch) -> tuple[tuple, dict]:
         first = any(module.plan.is_first for module in self.modules)
-        args = (packed.input_ids.to(self.device), packed.positions.to(self.device)) if first else ()
-        kwargs = {"targets": packed.targets.to(self.device)} if self.has_last else {}
+        args = (packed.input_ids.to(self.device),) if first else ()
+        kwargs = {"positions": packed.positions.to(self.device)}
+        if self.has_last:
+            kwargs["targets"] = packed.targets.to(self.device)
         return args, kwargs
 
     def _from_last(self, value: Tensor) -> Tensor:
@@ -394,8 +398,8 @@ class PipelineRunner:
         hidden = torch.empty(1, local, self.config.hidden_size, dtype=self.dtype, device=meta)
         hidden.requires_grad_(train)
         scores = torch.empty(1, tokens, dtype=torch.float32, device=meta)
-        inputs = (ids, ids) if module.plan.is_first else (hidden, ids)
-        outputs = (scores, scores) if module.plan.is_last else (hidden, ids)
+        inputs = ids if module.plan.is_first else hidden
+        outputs = (scores, scores) if module.plan.is_last else hidden
         return PipelineStage(
             module,
             module.plan.index,
