@@ -97,7 +97,8 @@ class WeightSyncWorker:
     def bridge_finish_update(self, strict: bool = True) -> dict[str, Any]:
         """Re-run post-load processing of every layer written; layers made loadable but not written get
         their processed state back. With `strict`, every parameter of the model must have been written.
-        Returns {"processed": layer count, "bytes": bytes received}."""
+        Returns {"processed": layer count, "bytes": bytes received}. After a refused (incomplete) update the
+        model holds a mix of old and new weights until a complete update finishes."""
         from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
         update = self._current_update()
@@ -117,11 +118,6 @@ class WeightSyncWorker:
                 elif name in update.restored:
                     module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
         return {"processed": processed, "bytes": update.bytes_in}
-
-    def bridge_checksums(self, names: list[str]) -> dict[str, float]:
-        """Sum of each named vLLM parameter (float64), for tests of plain (unpacked) parameters."""
-        params = dict(self._sync_model().named_parameters())
-        return {n: float(params[n].detach().double().sum()) for n in names}
 
     # ----------------------------------------------------------------------------------------------
     def _sync_model(self) -> Any:
