@@ -104,11 +104,12 @@ def build_stages(config, dims, cfg, counts=None) -> tuple[list[GPTOSSModel], lis
 
 @torch.no_grad()
 def reduced_full_grads(models, dims) -> dict[str, Tensor]:
-    """The data-parallel reduction of every local gradient (a copy), gathered to full shape."""
+    """The data-parallel reduction of every local gradient (a copy of `main_grad`, or of `.grad`
+    without a DistributedOptimizer), gathered to full shape."""
     out = {}
     for model in models:
         for name, p in model.named_parameters():
-            g = p.main_grad.clone()
+            g = getattr(p, "main_grad", p.grad).clone()
             if is_partial_over_tp(p) and dims.tp > 1:
                 dist.all_reduce(g, group=dims.group("tp"))
             kind = "edp" if ".mlp.experts." in name else "dp"
