@@ -273,6 +273,31 @@ class DistributedOptimizer:
         self.zero_grad()
         return {"train/grad_norm": float(norm), "train/lr": lr, "train/skipped": 0.0}
 
+    def state_dict(self) -> dict:
+        """This rank's optimizer state: its fp32 master shards, Adam moments and the step count, as
+        references (copy to keep them across steps). Valid for the same layout and model; resharding
+        across layouts belongs to the checkpoint module."""
+        return {
+            "inner": self.inner.state_dict(),
+            "master": [m.detach() for m in self.master],
+            "step": self.step_count,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()` and write the master shards back into the parameters (all-gather)."""
+        if [tuple(m.shape) for m in state["master"]] != [tuple(m.shape) for m in self.master]:
+            raise ValueError("optimizer state of another layout or model: master shard shapes differ")
+        self.inner.load_state_dict(state["inner"])
+        for b, master, saved in zip(self.buckets, self.master, state["master"]):
+            master.copy_(saved)
+            if self.shard:
+                all_gather_shards(master.to(b.data.dtype), b.data, b.group)
+            else:
+                b.data.copy_(master)
+        self.step_count = state["step"]
+        self.zero_grad()
+
 
 def _own_range(b: _Bucket, size: int) -> tuple[int, int]:
     """The range this rank counts in the norm when every rank holds the whole reduced buffer."""

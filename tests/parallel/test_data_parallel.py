@@ -3,6 +3,7 @@ and loss tokens (token-mean over the whole mini-batch), the distributed optimize
 replicated one, bf16 parameters with fp32 gradients and master weights, and the skipped step on a
 non-finite gradient."""
 
+import copy
 import logging
 
 import torch
@@ -104,3 +105,42 @@ def test_non_finite_gradient_on_one_rank_skips_the_step_on_all():
         }
         assert out[1]["skipped"] == 0.0 and not out[1]["params_unchanged"] and out[1]["step_count"] == 1
         assert len(out["log"]) == 1 and "step 0 skipped: non-finite gradient norm inf" in out["log"][0]
+
+
+def _resume() -> dict:
+    """Two steps, then the second again after restoring the state saved after the first."""
+    config = tiny_config(num_layers=2)
+    cfg, dims = build_dims(config)
+    models, plans = build_stages(config, dims, cfg)
+    opt = DistributedOptimizer(models, OPTIM, dims, total_steps=2)
+    runner = PipelineRunner(models, plans, dims)
+
+    def train(step: int) -> None:
+        b = batch_of(step, dims.rank, DOCS[2][step][dims.rank])
+        tokens = loss_denominators([b["mask"]], dims.group("dp")).tokens
+        packed = runner.pack(b["input_ids"], b["targets"], b["valid"], BUDGET)
+
+        def loss_fn(rows, lp, ent, mask=b["mask"], tokens=tokens):
+            return loss_of(lp, ent, mask[rows], tokens)
+
+        runner.forward_backward(packed, loss_fn)
+        opt.step()
+
+    train(0)
+    saved, after_first = copy.deepcopy(opt.state_dict()), full_params(models, dims)
+    train(1)
+    after_second = full_params(models, dims)
+    opt.load_state_dict(saved)
+    restored = full_params(models, dims)
+    train(1)
+    again = full_params(models, dims)
+    return {
+        "restored": all(torch.equal(restored[n], after_first[n]) for n in restored),
+        "same_second_step": all(torch.equal(again[n], after_second[n]) for n in again),
+        "step_count": opt.step_count,
+    }
+
+
+def test_optimizer_state_resumes_bit_for_bit():
+    for out in pool(2).run(_resume):
+        assert out == {"restored": True, "same_second_step": True, "step_count": 2}
