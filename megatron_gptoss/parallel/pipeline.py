@@ -18,8 +18,8 @@ schedules of `torch.distributed.pipelining` over the pp group.
 
 Who holds what: every rank of a pp group gets the same `PackedBatch`; the first stage reads its
 input_ids, every stage the positions of the micro-batch it runs, the last stage the targets and the
-loss inputs. Gradients accumulate into the
-stage parameters (`.grad`); losses are not scaled by the number of micro-batches (the caller's loss is
+loss inputs. Gradients accumulate into the stage parameters (`.grad`, or `main_grad` under the
+`DistributedOptimizer`); losses are not scaled by the number of micro-batches (the caller's loss is
 already its share of the mini-batch, see `rl.ppo_loss`).
 """
 
