@@ -32,6 +32,20 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 
+def all_gather_into(out: Tensor, local: Tensor, group: ProcessGroup) -> None:
+    """out <- the `local` tensors of every rank of `group` concatenated along dim 0, in rank order.
+    (`all_gather_single` in newer torch, `all_gather_into_tensor` before it.)"""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local, group=group)
+
+
+def reduce_scatter_into(out: Tensor, full: Tensor, group: ProcessGroup, op=dist.ReduceOp.SUM) -> None:
+    """out <- chunk `rank` (dim 0) of the sum of `full` over `group`.
+    (`reduce_scatter_single` in newer torch, `reduce_scatter_tensor` before it.)"""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, full, op=op, group=group)
+
+
 def chunk_sizes(total: int, parts: int) -> list[int]:
     """Sizes of `torch.tensor_split(range(total), parts)`: the first `total % parts` get one more."""
     base, extra = divmod(total, parts)
@@ -62,7 +76,7 @@ def _all_gather(x: Tensor, group: ProcessGroup, dim: int, total: int | None = No
     if local.shape[0] < top:
         local = torch.cat([local, local.new_zeros(top - local.shape[0], *local.shape[1:])])
     out = local.new_empty(world * top, *local.shape[1:])
-    dist.all_gather_single(out, local, group=group)
+    all_gather_into(out, local, group)
     if min(sizes) < top:
         out = torch.cat([out[r * top : r * top + n] for r, n in enumerate(sizes)])
     return out.movedim(0, dim).contiguous()
@@ -76,7 +90,7 @@ def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {world} ranks")
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty(full.shape[0] // world, *full.shape[1:])
-    dist.reduce_scatter_single(out, full, group=group)
+    reduce_scatter_into(out, full, group)
     return out.movedim(0, dim).contiguous()
 
 

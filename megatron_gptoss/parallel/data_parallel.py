@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from megatron_gptoss.config import OptimConfig
+from megatron_gptoss.parallel.collectives import all_gather_into, reduce_scatter_into
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import get_shard
 from megatron_gptoss.parallel.tensor_parallel import is_partial_over_tp
@@ -74,8 +75,7 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> None:
 def reduce_scatter_sum(full: Tensor, shard: Tensor, group: dist.ProcessGroup) -> None:
     """shard <- chunk `group rank` of the sum of `full` over `group` (full = g x shard elements)."""
     if dist.get_world_size(group) > 1:
-        reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        reduce_scatter(shard, full, op=dist.ReduceOp.SUM, group=group)
+        reduce_scatter_into(shard, full, group)
     else:
         shard.copy_(full)
 
@@ -83,8 +83,7 @@ def reduce_scatter_sum(full: Tensor, shard: Tensor, group: dist.ProcessGroup) ->
 def all_gather_shards(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> None:
     """full <- the shards of every rank of `group`, in group-rank order."""
     if dist.get_world_size(group) > 1:
-        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        all_gather(full, shard, group=group)
+        all_gather_into(full, shard, group)
     else:
         full.copy_(shard)
 
