@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,23 +64,28 @@ class CheckpointManager:
         """`write_files(directory)` writes the checkpoint's files; then the manifest, fsync, rename,
         pointer. Returns the final directory. Never touches an existing complete checkpoint of `step`
         until the new one is complete."""
+        partial = self.begin(step)
+        write_files(partial)
+        return self.commit(step, partial, metadata)
+
+    def begin(self, step: int) -> Path:
+        """The empty partial directory a save of `step` writes into (debris of an earlier save removed).
+        A save by several processes: one calls `begin`, all write, then that one calls `commit`."""
         self.root.mkdir(parents=True, exist_ok=True)
-        final = self.root / step_dir_name(step)
-        partial = self.root / f".{final.name}.partial"
+        partial = self.root / f".{step_dir_name(step)}.partial"
         if partial.exists():
             shutil.rmtree(partial)
         partial.mkdir()
-        write_files(partial)
-        files = sorted(p for p in partial.rglob("*") if p.is_file())
-        manifest = {
-            "step": step,
-            "files": {str(p.relative_to(partial)): file_sha256(p) for p in files},
-            **metadata,
-        }
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-        for p in [*files, partial / MANIFEST]:
-            _fsync_path(p)
-        _fsync_path(partial)
+        return partial
+
+    def commit(
+        self, step: int, partial: Path, metadata: dict[str, Any], checksums: dict[str, str] | None = None
+    ) -> Path:
+        """Finish a save begun by `begin`: manifest (with `checksums`, relative path -> sha256, when the
+        writers computed them; they must name exactly the files present), fsync, rename, pointer, prune.
+        Returns the final directory."""
+        final = self.root / step_dir_name(step)
+        write_manifest(partial, step, metadata, checksums)
         if final.exists():  # a re-save of the same step: move the old one aside only now
             trash = self.root / f".{final.name}.old"
             if trash.exists():
@@ -116,22 +121,26 @@ class CheckpointManager:
         return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
 
     @staticmethod
-    def verify(path: Path) -> dict[str, Any]:
-        """The manifest of `path` after checking every file's checksum; raises CorruptCheckpointError."""
+    def verify(path: Path, files: Iterable[str] | None = None) -> dict[str, Any]:
+        """The manifest of `path` after checking the checksum of every file it lists (or of `files`, a
+        subset of them); raises CorruptCheckpointError naming the first bad file."""
         manifest_path = path / MANIFEST
         if not manifest_path.exists():
             raise CorruptCheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
         manifest = json.loads(manifest_path.read_text())
-        for name, digest in manifest["files"].items():
+        for name in manifest["files"] if files is None else files:
             file = path / name
+            if name not in manifest["files"]:
+                raise CorruptCheckpointError(f"{file}: not listed in {MANIFEST}")
             if not file.exists():
                 raise CorruptCheckpointError(f"{file}: missing")
-            if file_sha256(file) != digest:
+            if file_sha256(file) != manifest["files"][name]:
                 raise CorruptCheckpointError(f"{file}: checksum mismatch (corrupted)")
         return manifest
 
-    def find_resumable(self) -> Path | None:
-        """The newest checkpoint that verifies, starting from `latest`; skipped ones are logged by name."""
+    def candidates(self) -> list[Path]:
+        """Complete checkpoints to try on resume, newest first, the one `latest` names at the front;
+        partial directories (a save that never finished) are logged as skipped."""
         candidates = list(reversed(self.complete_checkpoints()))
         pointer = self.root / LATEST
         if pointer.exists():
@@ -141,7 +150,11 @@ class CheckpointManager:
                 candidates.insert(0, named)
         for partial in self.root.glob(".step_*.partial") if self.root.exists() else []:
             log.warning("skipping incomplete checkpoint %s", partial)
-        for path in candidates:
+        return candidates
+
+    def find_resumable(self) -> Path | None:
+        """The newest checkpoint that verifies, starting from `latest`; skipped ones are logged by name."""
+        for path in self.candidates():
             try:
                 self.verify(path)
             except CorruptCheckpointError as err:
@@ -149,3 +162,24 @@ class CheckpointManager:
                 continue
             return path
         return None
+
+
+def write_manifest(
+    directory: Path, step: int, metadata: dict[str, Any], checksums: dict[str, str] | None = None
+) -> None:
+    """Write `directory`/manifest.json (step, sha256 per file, `metadata`) and fsync every file and the
+    directory. `checksums` (relative path -> sha256) must name exactly the files present; without it
+    every file is hashed here."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    names = [str(p.relative_to(directory)) for p in files]
+    if checksums is None:
+        checksums = {name: file_sha256(p) for name, p in zip(names, files)}
+    elif sorted(checksums) != names:
+        raise CorruptCheckpointError(
+            f"{directory}: the writers' checksums name {sorted(checksums)}, the directory holds {names}"
+        )
+    manifest = {"step": step, "files": dict(sorted(checksums.items())), **metadata}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    for p in [*files, directory / MANIFEST]:
+        _fsync_path(p)
+    _fsync_path(directory)

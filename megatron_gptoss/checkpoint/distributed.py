@@ -1,0 +1,435 @@
+"""Sharded checkpoints of a parallel run with `torch.distributed.checkpoint`: save, load into any
+layout, resume after a crash, save in the background.
+
+    step_000010/                  a `CheckpointManager` step directory (atomic: partial name, fsync, rename,
+      __<rank>_0.distcp           `latest` last); one file per rank with what that rank owns (`dist_state`)
+      .metadata                   DCP's index: every tensor's full shape and chunks (written by rank 0)
+      manifest.json               format, step, model config, layout, run config, sha256 of every file
+
+Contents (layout-independent: every tensor full-shaped and unpadded, so any tp/ep/pp/dp layout, and a
+different vocabulary padding, loads it): the parameters of each module group ("model", "reference"),
+the distributed optimizer's fp32 master weights and AdamW moments, and blobs: "run" (a `RunState`:
+step, data/prompt iterator position, RL state, metrics cursor, the optimizer's step counts; written by
+rank 0) and "rank/<r>" (rank r's random streams and its own `rank_state`, written by rank r).
+
+All methods are collective over `group`, a process group of every rank that only the checkpointer uses
+(the background save runs its collectives on it while training uses the others): for example
+`dist.new_group(backend="gloo")`, created by every rank at start-up.
+
+    ckpt = DistributedCheckpointer(CheckpointManager(root, keep_last), dims, model_config, group)
+    loaded = ckpt.resume("auto", {"model": models}, optimizer)        # None: start fresh
+    ckpt.save(step, {"model": models}, optimizer, RunState(step, data={...}))   # or save_async + wait
+
+Resuming in the same layout is exact (bit for bit: parameters, master weights, moments, step counts and
+random streams); in another layout the tensors are exact and the random streams restart from the run's
+seeding (a rank of one layout has no counterpart in another), which is logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_gptoss.checkpoint.convert import CheckpointError
+from megatron_gptoss.checkpoint.dist_boxes import full_shapes
+from megatron_gptoss.checkpoint.dist_planner import Piece, load_pieces, save_pieces
+from megatron_gptoss.checkpoint.dist_state import (
+    module_pieces,
+    module_targets,
+    optimizer_pieces,
+    optimizer_steps,
+    optimizer_targets,
+    param_names,
+    reset_optimizer,
+    rng_state,
+    set_rng_state,
+)
+from megatron_gptoss.checkpoint.manager import (
+    MANIFEST,
+    CheckpointManager,
+    CorruptCheckpointError,
+    file_sha256,
+)
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
+from megatron_gptoss.parallel.dims import Layout, ParallelDims
+
+log = logging.getLogger(__name__)
+FORMAT = "megatron_gptoss.dcp/1"
+# Fields of ModelConfig that fix tensor shapes: a checkpoint must agree on all of them.
+SHAPE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_attention_heads",
+    "num_query_groups",
+    "head_dim",
+    "num_experts",
+    "add_bias_linear",
+)
+DEFAULT_MAX_CHUNK_BYTES = 256 << 20
+
+
+@dataclass
+class RunState:
+    """Run-wide state beside the tensors: plain containers of numbers and strings."""
+
+    step: int  # optimizer steps completed
+    data: dict = field(default_factory=dict)  # data / prompt iterator position
+    rl: dict = field(default_factory=dict)  # RL state (e.g. whether a reference policy is kept)
+    metrics: dict = field(default_factory=dict)  # metrics cursor (e.g. the next step to log)
+
+
+@dataclass
+class Loaded:
+    path: Path
+    run: RunState
+    rank_state: dict | None  # this rank's `rank_state` (None when the layout changed)
+    same_layout: bool
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save failed on some rank (a full disk, ...); the previous checkpoints and `latest` are intact."""
+
+
+def layout_dict(layout: Layout, shard: bool | None, pipeline_layers: Sequence[int] | None) -> dict[str, Any]:
+    return {
+        "world": layout.world,
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "vpp": layout.vpp,
+        "dp": layout.dp,
+        "edp": layout.edp,
+        "distributed_optimizer": shard,
+        "pipeline_layers": list(pipeline_layers) if pipeline_layers else None,
+    }
+
+
+def check_model(manifest: Mapping[str, Any], config: ModelConfig, path: Path) -> None:
+    """CheckpointError naming every shape field in which the checkpoint's model differs from `config`."""
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is not a distributed checkpoint of this project (format {manifest.get('format')!r}, "
+            f"expected {FORMAT!r})"
+        )
+    stored = manifest["model"]
+    diffs = [
+        f"{name} {stored.get(name)} (checkpoint) != {getattr(config, name)} (this run)"
+        for name in SHAPE_FIELDS
+        if stored.get(name) != getattr(config, name)
+    ]
+    if diffs:
+        raise CheckpointError(f"{path} holds a model of another shape: " + "; ".join(diffs))
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+class DistributedCheckpointer:
+    """Save / load / resume of this rank's part of a parallel run (module docstring). `run_config` (the
+    run's whole config as a dict) goes into the manifest; `max_chunk_bytes` bounds every stored chunk."""
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        dims: ParallelDims,
+        config: ModelConfig,
+        group: dist.ProcessGroup,
+        *,
+        run_config: Mapping[str, Any] | None = None,
+        pipeline_layers: Sequence[int] | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    ):
+        if dist.get_world_size(group) != dims.layout.world:
+            raise ValueError(
+                f"the checkpoint group has {dist.get_world_size(group)} ranks, the run {dims.layout.world}"
+            )
+        self.manager, self.dims, self.config, self.group = manager, dims, config, group
+        self.rank = dist.get_rank(group)
+        self.run_config = dict(run_config or {})
+        self.pipeline_layers = pipeline_layers
+        self.max_chunk_bytes = max_chunk_bytes
+        self.coords = dims.layout.coords(dims.rank)
+        self.shapes = full_shapes(config)
+        self._pending: threading.Thread | None = None
+        self._outcome: dict[str, Any] = {}
+
+    # ----------------------------------------------------------------------------------------------
+    # Save
+    def save(
+        self,
+        step: int,
+        modules: Mapping[str, Sequence[nn.Module]],
+        optimizer: DistributedOptimizer | None,
+        run: RunState,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> Path:
+        """Write the checkpoint of `step` and return its directory. Raises CheckpointSaveError on every
+        rank when any rank fails; the previous checkpoints stay as they were."""
+        self.wait()
+        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, stage=False)
+        return self._write_and_commit(step, partial, meta, pieces, blobs)
+
+    def save_async(
+        self,
+        step: int,
+        modules: Mapping[str, Sequence[nn.Module]],
+        optimizer: DistributedOptimizer | None,
+        run: RunState,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Copy what this rank writes to host memory (one copy of its share: parameters it writes and its
+        optimizer range), then write and commit in a background thread; training may go on at once.
+        `wait()` returns the directory (or raises the save's error); every other method waits first."""
+        self.wait()
+        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, stage=True)
+        self._outcome = {}
+
+        def work() -> None:
+            try:
+                self._outcome["path"] = self._write_and_commit(step, partial, meta, pieces, blobs)
+            except BaseException as err:  # handed to wait() in the caller's thread
+                self._outcome["error"] = err
+
+        self._pending = threading.Thread(target=work, name=f"checkpoint-step-{step}", daemon=True)
+        self._pending.start()
+
+    def busy(self) -> bool:
+        """Whether a background save is still writing."""
+        return self._pending is not None and self._pending.is_alive()
+
+    def wait(self) -> Path | None:
+        """Finish the background save, if any: its directory, or its error raised here."""
+        if self._pending is None:
+            return None
+        self._pending.join()
+        self._pending = None
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome.get("path")
+
+    def _prepare(self, step, modules, optimizer, run, rank_state, stage: bool):
+        """Collective: rank 0 opens the partial directory; every rank lists its pieces and blobs."""
+        opened = None
+        if self.rank == 0:
+            try:
+                opened = ("ok", str(self.manager.begin(step)))
+            except OSError as err:
+                opened = ("error", f"rank 0: {type(err).__name__}: {err}")
+        opened = self._broadcast(opened)
+        if opened[0] == "error":
+            raise CheckpointSaveError(f"checkpoint of step {step} not saved: {opened[1]}")
+        partial = Path(opened[1])
+        names = {prefix: param_names(models) for prefix, models in modules.items()}
+        pieces: list[Piece] = []
+        for prefix, models in modules.items():
+            pieces += module_pieces(
+                prefix, models, self.coords, self.shapes, self.config.vocab_size, self.max_chunk_bytes
+            )
+        blobs: dict[str, object] = {
+            f"rank/{self.rank}": {"rng": rng_state(), "state": dict(rank_state or {})}
+        }
+        steps = None
+        if optimizer is not None:
+            owner = names.get("model") or next(iter(names.values()))
+            pieces += optimizer_pieces(
+                optimizer, owner, self.coords, self.shapes, self.config.vocab_size, self.max_chunk_bytes
+            )
+            steps = optimizer_steps(optimizer)
+        if self.rank == 0:
+            blobs["run"] = {**dataclasses.asdict(run), "optimizer": steps}
+        if stage:
+            pieces = [
+                dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True))  # type: ignore[union-attr]
+                for p in pieces
+            ]
+        meta = {
+            "format": FORMAT,
+            "model": dataclasses.asdict(self.config),
+            "layout": self._layout(optimizer),
+            "contents": {"modules": sorted(modules), "optimizer": optimizer is not None},
+            "config": self.run_config,
+        }
+        return partial, meta, pieces, blobs
+
+    def _write_and_commit(self, step, partial: Path, meta, pieces, blobs) -> Path:
+        error = None
+        checksums: dict[str, str] = {}
+        try:
+            save_pieces(partial, pieces, blobs, self.group)
+            checksums[f"__{self.rank}_0.distcp"] = file_sha256(partial / f"__{self.rank}_0.distcp")
+            if self.rank == 0:
+                checksums[".metadata"] = file_sha256(partial / ".metadata")
+        except (Exception, CheckpointException) as err:
+            error = _describe(err)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, (error, checksums), group=self.group)
+        errors = sorted({e for e, _ in gathered if e})
+        final = None
+        if self.rank == 0:
+            try:
+                if errors:
+                    shutil.rmtree(partial, ignore_errors=True)
+                else:
+                    sums = {name: digest for _, part in gathered for name, digest in part.items()}
+                    final = str(self.manager.commit(step, partial, meta, sums))
+            except OSError as err:
+                shutil.rmtree(partial, ignore_errors=True)
+                errors = [f"rank 0: {type(err).__name__}: {err}"]
+            final = final if not errors else "\n".join(errors)
+        outcome = self._broadcast([final, errors])
+        if outcome[1]:
+            raise CheckpointSaveError(
+                f"checkpoint of step {step} not saved ({self.manager.root}: earlier checkpoints and "
+                f"'latest' untouched): " + "; ".join(outcome[1])
+            )
+        if self.rank == 0:
+            log.info("saved checkpoint %s", outcome[0])
+        return Path(outcome[0])
+
+    def _layout(self, optimizer: DistributedOptimizer | None) -> dict[str, Any]:
+        shard = optimizer.shard if optimizer is not None else None
+        return layout_dict(self.dims.layout, shard, self.pipeline_layers)
+
+    def _broadcast(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
+    # ----------------------------------------------------------------------------------------------
+    # Load
+    def load(
+        self,
+        path: str | Path,
+        modules: Mapping[str, Sequence[nn.Module]],
+        optimizer: DistributedOptimizer | None,
+    ) -> Loaded:
+        """Fill `modules` (and `optimizer`) from the checkpoint at `path`, saved in any layout. The files'
+        checksums are not verified here (`find_resumable` does). Raises CheckpointError for another
+        model shape, a missing tensor or module group, a shape or coverage mismatch (every rank alike)."""
+        self.wait()
+        path = Path(path)
+        manifest = self._manifest(path)
+        check_model(manifest, self.config, path)
+        absent = sorted(set(modules) - set(manifest["contents"]["modules"]))
+        if absent:
+            raise CheckpointError(f"{path} holds no {absent} (it has {manifest['contents']['modules']})")
+        same = manifest["layout"] == self._layout(optimizer)
+        targets = []
+        for prefix, models in modules.items():
+            targets += module_targets(prefix, models, self.coords, self.config.vocab_size)
+        install = None
+        with_optimizer = optimizer is not None and manifest["contents"]["optimizer"]
+        if with_optimizer:
+            assert optimizer is not None
+            owner = param_names(modules.get("model") or next(iter(modules.values())))
+            more, install = optimizer_targets(optimizer, owner, self.coords, self.config.vocab_size)
+            targets += more
+        shapes = {t.fqn: self.shapes[t.fqn.split("/", 2)[-1]] for t in targets}
+        blob_keys = ["run"] + ([f"rank/{self.rank}"] if same else [])
+        with torch.no_grad():
+            blobs = load_pieces(path, targets, shapes, blob_keys, self.group)
+        run_blob = dict(blobs["run"])  # type: ignore[call-overload]
+        steps = run_blob.pop("optimizer")
+        if install is not None:
+            install(steps)
+        elif optimizer is not None:
+            reset_optimizer(optimizer)
+            if self.rank == 0:
+                log.info("%s has no optimizer state: master weights taken from the parameters", path)
+        rank_state = None
+        if same:
+            rank_blob = blobs[f"rank/{self.rank}"]
+            set_rng_state(rank_blob["rng"])  # type: ignore[index]
+            rank_state = dict(rank_blob["state"])  # type: ignore[index]
+        elif self.rank == 0:
+            log.info(
+                "%s was saved in layout %s, this run is %s: tensors resharded, random streams not restored",
+                path,
+                manifest["layout"],
+                self._layout(optimizer),
+            )
+        return Loaded(path, RunState(**run_blob), rank_state, same)
+
+    def _manifest(self, path: Path) -> dict[str, Any]:
+        file = path / MANIFEST
+        if not file.is_file():
+            raise CorruptCheckpointError(f"{path}: no {MANIFEST} (not a complete checkpoint)")
+        try:
+            return json.loads(file.read_text())
+        except ValueError as err:
+            raise CorruptCheckpointError(f"{file}: unreadable ({err})") from err
+
+    # ----------------------------------------------------------------------------------------------
+    # Resume
+    def find_resumable(self) -> Path | None:
+        """The newest checkpoint whose files all match their checksums, starting from `latest`; the ranks
+        share the hashing (rank r checks every world-th file). Skipped checkpoints are logged by rank 0
+        with the file at fault."""
+        self.wait()
+        candidates = self._broadcast([str(p) for p in self.manager.candidates()] if self.rank == 0 else None)
+        for candidate in candidates:
+            path = Path(candidate)
+            bad = self._verify_shared(path)
+            if not bad:
+                return path
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", path.name, "; ".join(bad))
+        return None
+
+    def _verify_shared(self, path: Path) -> list[str]:
+        """Collective: the problems of checkpoint `path` (missing or corrupted files named), hashed by all
+        ranks together (rank r checks every world-th file of the manifest)."""
+        world = dist.get_world_size(self.group)
+        error = None
+        try:
+            files = sorted(self._manifest(path)["files"])[self.rank :: world]
+            self.manager.verify(path, files)
+        except CorruptCheckpointError as err:
+            error = str(err)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, error, group=self.group)
+        return sorted({e for e in gathered if e})
+
+    def resume(
+        self,
+        resume: str,
+        modules: Mapping[str, Sequence[nn.Module]],
+        optimizer: DistributedOptimizer | None,
+    ) -> Loaded | None:
+        """`resume`: "" (start fresh: None), "auto" (the newest complete, verified checkpoint of the
+        manager, None when there is none) or a checkpoint directory (verified, then loaded)."""
+        if not resume:
+            return None
+        if resume == "auto":
+            path = self.find_resumable()
+            if path is None:
+                if self.rank == 0:
+                    log.info("no checkpoint to resume in %s; starting fresh", self.manager.root)
+                return None
+        else:
+            path = Path(resume)
+            bad = self._verify_shared(path)
+            if bad:
+                raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(bad))
+        loaded = self.load(path, modules, optimizer)
+        if self.rank == 0:
+            log.info("resumed from %s (step %d)", path, loaded.run.step)
+        return loaded
