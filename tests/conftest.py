@@ -4,6 +4,11 @@ import sys
 import pytest
 import torch
 
+# Without CUDA, Triton kernels run under its interpreter; the flag must be set before any module
+# defines a kernel, so it is set here, before the tests (and what they import) are collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 

@@ -31,6 +31,5 @@ def test_short_demo_learns(tmp_path):
     steps = [r for r in records if r["step"] > 0]
     assert len(steps) == 25 and all(r["mismatch/abs_diff_max"] < 1e-4 for r in steps)
     assert (tmp_path / "metrics.png").stat().st_size > 0
-    assert (
-        json.loads((tmp_path / "checkpoints" / "final" / "config.json").read_text())["num_hidden_layers"] == 4
-    )
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000025"
+    assert json.loads((tmp_path / "hf_final" / "config.json").read_text())["num_hidden_layers"] == 4

@@ -263,6 +263,7 @@ def gpt_oss_tiny(**overrides) -> ModelConfig:
         yarn_original_max_position_embeddings=64,
         max_position_embeddings=2048,
         make_vocab_size_divisible_by=32,
+        attention_backend="eager",  # the reference backend: tests pick others explicitly
     )
     return ModelConfig(**{**base, **overrides})
 
@@ -283,6 +284,7 @@ def gpt_oss_demo(**overrides) -> ModelConfig:
         yarn_original_max_position_embeddings=64,
         max_position_embeddings=1024,
         make_vocab_size_divisible_by=32,
+        attention_backend="eager",  # fastest on the CPU
     )
     return ModelConfig(**{**base, **overrides})
 
