@@ -3,5 +3,5 @@
 # Extra arguments are config overrides, e.g. run.steps=50.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/install.sh dev
+VLLM_CPU=0 bash tools/install.sh dev  # the demo uses the embedded engine: vLLM is not needed
 python3 -m megatron_gptoss.train --config configs/demo_cpu.yaml "$@"
