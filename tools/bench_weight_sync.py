@@ -1,0 +1,312 @@
+"""Weight-sync benchmark: a gpt-oss-120b-width learner slice (hidden 2880, 64 query / 8 KV heads of 64,
+intermediate 2880, all 128 experts, --layers layers, vocabulary --vocab) in bf16, expert parallel over all
+GPUs (NCCL), exported through the bridge into a colocated receiver, on 1, 2 or 4 GPUs:
+
+    torchrun --nproc_per_node 4 tools/bench_weight_sync.py
+    torchrun --nproc_per_node 2 tools/bench_weight_sync.py --tiny      # a CPU check of the logic (gloo)
+
+Two paths are timed, each after one untimed warm-up pass:
+  (b) gathered  WeightExporter (whole experts, EngineLayout()) -> sync_in_process -> the embedded engine on
+                GPU 0 (rank 0 = dst: it receives every byte of the model; the other ranks send their experts
+                over NCCL gathers). The engine is a full single-GPU model: it takes whole HF tensors only.
+  (a) local     each rank turns its own experts into HF layout with the bridge's name table (`to_hf` on
+                expert-range slices of at most --bucket-mb, as the exporter does for expert slices whose
+                root is dst) and copies them into receiver-owned tensors of the engine's HF layout on the same
+                GPU: what an engine whose expert layout matches the learner's costs per GPU (no transfer).
+Before timing, the gathered path is checked: after one sync every engine parameter equals the learner's
+(all its expert shards gathered onto rank 0), bit for bit. Peak extra memory = max_memory_allocated during
+the pass minus memory_allocated before it (the engine's and the receivers' own parameters excluded).
+
+Projection for the full gpt-oss-120b (36 layers, vocabulary 201088) with the learner at pp4 x ep8 on 32
+and 64 H100s (8 GPUs a node; a pipeline stage spans whole nodes, so 3/4 of what a GPU receives comes from
+other nodes). Bytes (bf16): X = all expert tensors, D = all dense tensors (attention, norms, router, sinks,
+embedding, output layer).
+    (a) matching expert layout: a GPU keeps its learner experts, X / (pp ep), converted at r_local, and
+        receives every dense tensor:            t_a = X / (pp ep) / r_local + D (1/4 / r_recv + 3/4 / r_net)
+    (b) any other layout, e.g. one engine per node with experts split over its 8 GPUs (ep_e = 8) or over 2
+        nodes (ep_e = 16), dense replicated:    t_b = B (1/4 / r_recv + 3/4 / r_net),  B = X / ep_e + D
+    r_local: median per-GPU rate of path (a); r_recv: the dst's receive rate of path (b) on this run's GPUs;
+    r_net = min(r_recv, --link-gbs), the per-GPU inter-node bandwidth (assumed, not measured: 400 Gb/s
+    InfiniBand per GPU = 50 GB/s). Both assume every GPU receives in parallel (a receiver per GPU); the
+    bridge today has one dst per export: the whole model through one GPU takes (X + D) (1/4 / r_recv +
+    3/4 / r_net) (printed as "one dst"; it cannot hold the model either).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_gptoss.bridge.export import WeightExporter
+from megatron_gptoss.bridge.plan import EngineLayout
+from megatron_gptoss.bridge.transport import sync_in_process
+from megatron_gptoss.checkpoint.names import hf_shapes, match_ours, our_names, to_hf
+from megatron_gptoss.config import ParallelConfig, gpt_oss_120b
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.loading import init_parallel, materialize
+from megatron_gptoss.parallel.pipeline import StagePlan, build_stage_model
+from megatron_gptoss.parallel.sharding import get_shard
+from megatron_gptoss.rollout import EmbeddedEngine
+
+GB = 1e9
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def model_config(args):
+    if args.tiny:
+        return gpt_oss_120b(
+            num_layers=2,
+            vocab_size=200,
+            hidden_size=64,
+            intermediate_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            head_dim=16,
+            num_experts=8,
+            sliding_window=16,
+            attention_backend="eager",
+        )
+    return gpt_oss_120b(num_layers=args.layers, vocab_size=args.vocab)
+
+
+def hf_bytes(config, element: int = 2) -> tuple[int, int]:
+    """(expert bytes, dense bytes) of the whole model's HF tensors."""
+    experts = dense = 0
+    for name in our_names(config):
+        n = sum(torch.Size(s).numel() for s in hf_shapes(match_ours(name), config)) * element
+        if ".mlp.experts." in name:
+            experts += n
+        else:
+            dense += n
+    return experts, dense
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Peak:
+    """max_memory_allocated during a pass minus memory_allocated before it (0 on the CPU)."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def __exit__(self, *exc):
+        self.extra = torch.cuda.max_memory_allocated(self.device) - self.base if self.cuda else 0
+
+
+@torch.no_grad()
+def check_bitwise(model, engine, config, dims, device) -> int:
+    """Tensors where the engine differs from the learner (expert shards gathered onto rank 0)."""
+    wrong = 0
+    theirs = dict(engine.model.named_parameters()) if engine is not None else {}
+    for name, p in model.named_parameters():
+        spec = get_shard(p)
+        if spec is not None and spec.group == "ep":
+            full = p.new_empty((p.shape[0] * dims.ep, *p.shape[1:])) if dims.rank == 0 else None
+            pieces = list(full.chunk(dims.ep)) if full is not None else None
+            dist.gather(p.detach().contiguous(), pieces, dst=0, group=dims.group("ep"))
+        elif spec is None:
+            full = p.detach() if dims.rank == 0 else None
+        else:
+            raise ValueError(f"{name}: this benchmark runs tp1 only, got {spec}")
+        if dims.rank == 0:
+            rows = config.vocab_size if name in VOCAB_PARAMS else None
+            if not torch.equal(theirs[name][:rows], full[:rows]):
+                wrong += 1
+                print(f"MISMATCH {name}", flush=True)
+        del full
+    return wrong
+
+
+def local_receivers(model, config, device) -> dict[str, list[torch.Tensor]]:
+    """Receiver-owned HF-layout tensors for this rank's experts (an engine whose experts match ours)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if ".mlp.experts." in name:
+            one = to_hf(match_ours(name), p[:1].detach(), config)
+            out[name] = [t.new_empty((p.shape[0], *t.shape[1:])) for _, t in one]
+    return out
+
+
+@torch.no_grad()
+def local_pass(model, config, receivers, bucket_bytes: int) -> int:
+    """Path (a): this rank's experts -> HF layout (to_hf on expert ranges of <= bucket_bytes) -> receivers."""
+    moved = 0
+    for name, p in model.named_parameters():
+        if name not in receivers:
+            continue
+        step = max(1, bucket_bytes // (p[0].numel() * p.element_size()))
+        for a in range(0, p.shape[0], step):
+            for (_, t), dest in zip(to_hf(match_ours(name), p[a : a + step], config), receivers[name]):
+                dest[a : a + step].copy_(t)
+                moved += t.numel() * t.element_size()
+    return moved
+
+
+def timed(fn, device, dims, warmup: int, iters: int):
+    """Median seconds (max over ranks), last pass's result and peak extra memory of `fn`."""
+    times, peaks = [], []
+    for it in range(warmup + iters):
+        dist.barrier()
+        sync(device)
+        with Peak(device) as peak:
+            start = time.perf_counter()
+            result = fn()
+            sync(device)
+            elapsed = time.perf_counter() - start
+        if it >= warmup:
+            times.append(elapsed)
+            peaks.append(peak.extra)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t), result, max(peaks)
+
+
+def projection(r_local: float, r_recv: float, link: float) -> list[dict]:
+    """The formula of the module docstring for the full gpt-oss-120b, learner pp4 x ep8."""
+    full = gpt_oss_120b()
+    x, d = hf_bytes(full)
+    pp, ep, remote = 4, 8, 3 / 4
+    r_net = min(r_recv, link)
+
+    def over_net(b: float) -> float:
+        return b * ((1 - remote) / r_recv + remote / r_net)
+
+    rows = []
+    for gpus in (32, 64):
+        mine = x / (pp * ep)
+        rows.append(
+            dict(
+                gpus=gpus, case="(a) matching experts", received=d, local=mine, s=mine / r_local + over_net(d)
+            )
+        )
+        for ep_e in (8, 16) if gpus == 64 else (8,):
+            b = x / ep_e + d
+            rows.append(dict(gpus=gpus, case=f"(b) engine ep{ep_e}", received=b, local=0.0, s=over_net(b)))
+    rows.append(dict(gpus=32, case="one dst (bridge today)", received=x + d, local=0.0, s=over_net(x + d)))
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=201088)
+    parser.add_argument("--bucket-mb", type=int, default=1024, help="bucket size in MiB")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--link-gbs", type=float, default=50.0, help="assumed inter-node GB/s per GPU")
+    parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (gloo)")
+    parser.add_argument("--watchdog", type=int, default=0, help="dump stacks and exit after N s (0: off)")
+    parser.add_argument("--out", default="", help="append the result as a JSON line to this file")
+    args = parser.parse_args()
+    if args.watchdog:
+        faulthandler.dump_traceback_later(args.watchdog, exit=True)
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    world = dist.get_world_size()
+    config = model_config(args)
+    pcfg = ParallelConfig(expert_model_parallel_size=world)
+    dims = ParallelDims.build(pcfg, config)
+    log = print if dims.rank == 0 else (lambda *a, **k: None)
+    bucket = args.bucket_mb << 20
+
+    stage = build_stage_model(config, StagePlan(0, 1, range(config.num_layers)), torch.bfloat16, "meta")
+    model = parallelize(stage, dims, pcfg)
+    materialize(model, device)
+    init_parallel([model], config, dims, seed=0)
+    engine = EmbeddedEngine(config, dtype=torch.bfloat16, device=device) if dims.rank == 0 else None
+    exporter = WeightExporter([model], config, dims, EngineLayout(), bucket, dst=0)
+    receivers = local_receivers(model, config, device)
+
+    # correctness: one sync, then every engine tensor against the learner's, bit for bit
+    sync_in_process(exporter.buckets(), engine, is_dst=dims.rank == 0)
+    wrong = torch.tensor([check_bitwise(model, engine, config, dims, device)], device=device)
+    dist.all_reduce(wrong)
+    n_params = len(list(model.named_parameters()))
+    log(f"bitwise check after one sync: {n_params - int(wrong)}/{n_params} tensors equal", flush=True)
+    if int(wrong):
+        raise SystemExit("the engine's weights differ from the learner's")
+
+    # (b) gathered into the engine on GPU 0
+    total = sum(t.nbytes for t in exporter.plan)
+    sent = sum(t.nbytes / len(t.sources) for t in exporter.plan if dims.rank in t.sources and dims.rank != 0)
+    moved_b = total if dims.rank == 0 else sent
+    t_b, _, peak_b = timed(
+        lambda: sync_in_process(exporter.buckets(), engine, is_dst=dims.rank == 0),
+        device, dims, args.warmup, args.iters,
+    )  # fmt: skip
+    # (a) local: experts stay on their GPU
+    t_a, moved_a, peak_a = timed(
+        lambda: local_pass(model, config, receivers, bucket), device, dims, args.warmup, args.iters
+    )
+
+    row = torch.tensor([moved_b, peak_b, moved_a, peak_a], dtype=torch.float64, device=device)
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    per_rank = [r.tolist() for r in rows]
+    r_recv = total / t_b
+    r_local = statistics.median(r[2] for r in per_rank) / t_a
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    log(
+        f"\n{name} x {world}, learner ep{world} tp1 pp1, {config.num_layers} layers x {config.num_experts} "
+        f"experts, hidden {config.hidden_size}, vocab {config.vocab_size}, bf16, "
+        f"bucket {args.bucket_mb} MiB; model {total / GB:.2f} GB (HF tensors)\n"
+        f"(b) gathered into the engine on GPU 0: {t_b:.3f} s   (a) local experts to HF layout: {t_a:.3f} s\n"
+        "| rank | (b) GB moved | (b) GB/s | (b) peak extra GiB | (a) GB | (a) GB/s | (a) peak extra GiB |\n"
+        "|---|---|---|---|---|---|---|"
+    )
+    for rank, (mb, pb, ma, pa) in enumerate(per_rank):
+        role = "recv" if rank == 0 else "send"
+        log(f"| {rank} | {mb / GB:.2f} {role} | {mb / GB / t_b:.1f} | {pb / 2**30:.2f} | {ma / GB:.2f} | "
+            f"{ma / GB / t_a:.1f} | {pa / 2**30:.2f} |")  # fmt: skip
+
+    proj = projection(r_local, r_recv, args.link_gbs * GB)
+    log(
+        f"\nprojection, gpt-oss-120b, learner pp4 x ep8 (formula in the docstring): r_local "
+        f"{r_local / GB:.1f} GB/s, r_recv {r_recv / GB:.1f} GB/s, r_net min(r_recv, {args.link_gbs:g} GB/s)\n"
+        "| GPUs | engine layout | GB received per GPU | GB kept local per GPU | seconds | target |\n"
+        "|---|---|---|---|---|---|"
+    )
+    for p in proj:
+        target = 2.0 if p["case"].startswith("(a)") else 10.0
+        verdict = "<" if p["s"] < target else "MISS >="
+        log(f"| {p['gpus']} | {p['case']} | {p['received'] / GB:.2f} | {p['local'] / GB:.2f} | "
+            f"{p['s']:.2f} | {verdict} {target:g} s |")  # fmt: skip
+
+    result = dict(
+        device=name, gpus=world, layers=config.num_layers, vocab=config.vocab_size, model_gb=total / GB,
+        gathered_s=t_b, local_s=t_a, r_recv_gbs=r_recv / GB, r_local_gbs=r_local / GB, per_rank=per_rank,
+        projection=proj,
+    )  # fmt: skip
+    if dims.rank == 0:
+        print(json.dumps(result), flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(json.dumps(result) + "\n")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
