@@ -3,7 +3,7 @@ synthetic documents, through the whole parallel stack (pipeline stages, tensor /
 parallel, the distributed optimizer).
 
     torchrun --nproc_per_node 4 launch/torchrun_train.py --config configs/layouts/tiny_tp2_pp2_cpu.yaml
-    torchrun --nproc_per_node 8 launch/torchrun_train.py --config configs/layouts/gpt_oss_20b_ep8.yaml \\
+    torchrun --nproc_per_node 8 launch/torchrun_train.py --config configs/layouts/gpt_oss_20b_8gpu.yaml \\
         run.steps=50 run.init_from_hf=/path/to/gpt-oss-20b
 
 The layout is the config's `parallel` section (world size = tp x pp x dp; ep carved from dp x tp).
