@@ -59,13 +59,15 @@ from megatron_gptoss.checkpoint.dist_boxes import Box, narrow
 @dataclass(frozen=True)
 class Piece:
     """What one rank writes of tensor `fqn` (full shape `shape`): the box `box`, as a tensor of
-    box.sizes or a callable returning one (called once, when the piece is written)."""
+    box.sizes or a callable returning one (called once, when the piece is written; the save frees what it
+    returns once written). `owned`: the tensor belongs to the save too (a staged copy)."""
 
     fqn: str
     shape: tuple[int, ...]
     box: Box
     dtype: torch.dtype
     data: torch.Tensor | Callable[[], torch.Tensor]
+    owned: bool = False
 
 
 @dataclass(frozen=True)
@@ -84,12 +86,19 @@ def _size(values: Sequence[int]) -> torch.Size:
 # ------------------------------------------------------------------------------------------------
 # Save
 class PieceSavePlanner(SavePlanner):
-    """Writes exactly the given pieces and blobs of this rank (the state_dict DCP passes is unused)."""
+    """Writes exactly the given pieces and blobs of this rank (the state_dict DCP passes is unused).
+
+    Memory: DCP's file writer keeps a reference to the last tensor of every name it wrote to a file, and
+    copies a view before writing it. So the planner hands DCP compact tensors of its own (a copy of a
+    view, an owned tensor as is) and frees each one when DCP asks for the next: with one writer thread
+    and no copy-ahead (`_writer`), DCP writes an item before it resolves the next. A save then holds one
+    piece beyond what the caller holds; a live tensor that is already compact is handed over as is."""
 
     def __init__(self, pieces: Sequence[Piece], blobs: Mapping[str, object]):
         self.pieces = {(p.fqn, tuple(p.box.offsets)): p for p in pieces if p.box.numel}
         self.blobs = dict(blobs)
         self.plan = SavePlan([])
+        self._written: torch.Tensor | None = None
 
     def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
         pass
@@ -137,14 +146,25 @@ class PieceSavePlanner(SavePlanner):
             torch.save(self.blobs[write_item.index.fqn], buffer)
             buffer.seek(0)
             return buffer
+        self.release()
         piece = self.pieces[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
-        data = piece.data() if callable(piece.data) else piece.data
+        data = (piece.data() if callable(piece.data) else piece.data).detach()
         if tuple(data.shape) != piece.box.sizes or data.dtype != piece.dtype:
             raise CheckpointError(
                 f"{piece.fqn}: piece at {piece.box.offsets} is {tuple(data.shape)} {data.dtype}, "
                 f"planned {piece.box.sizes} {piece.dtype}"
             )
-        return data.detach()
+        owned = piece.owned or callable(piece.data)
+        if not data.is_cpu or not data.is_contiguous() or data.untyped_storage().nbytes() != data.nbytes:
+            data, owned = data.to("cpu", copy=True).contiguous(), True
+        self._written = data if owned else None
+        return data
+
+    def release(self) -> None:
+        """Free the tensor handed to DCP last (it has been written)."""
+        if self._written is not None:
+            self._written.untyped_storage().resize_(0)
+            self._written = None
 
 
 def _check_cover(fqn: str, md: TensorStorageMetadata) -> None:
@@ -171,8 +191,19 @@ def save_pieces(
     """Collective over `group` (every rank of the run): each rank writes its pieces and blobs into
     `path`/__<group rank>_0.distcp, the coordinator (group rank 0) `path`/.metadata. Files are fsync'd.
     An error on any rank (a full disk: OSError ENOSPC) raises on every rank; no file is renamed."""
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
-    dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(pieces, blobs), process_group=group)
+    planner = PieceSavePlanner(pieces, blobs)
+    try:
+        dcp.save({}, storage_writer=_writer(path), planner=planner, process_group=group)
+    finally:
+        planner.release()
+
+
+def _writer(path: str | os.PathLike) -> FileSystemWriter:
+    """DCP's file writer: one file per rank, fsync'd, one thread, no copy-ahead (items written in order,
+    each before the next is resolved)."""
+    return FileSystemWriter(
+        path, single_file_per_rank=True, sync_files=True, thread_count=1, per_thread_copy_ahead=0
+    )
 
 
 def write_virtual_ranks(
@@ -183,7 +214,7 @@ def write_virtual_ranks(
     """One process writes the checkpoint files that the ranks of a layout would write: `ranks[r]` is rank
     r's (pieces, blobs). Pieces are resolved one at a time, so memory holds one piece (plus what its
     callable reads). `on_piece` is called after each piece is resolved (progress)."""
-    writer = FileSystemWriter(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+    writer = _writer(path)
     planners = [_ReportingPlanner(pieces, blobs, on_piece) for pieces, blobs in ranks]
     local = []
     for rank, planner in enumerate(planners):
@@ -194,6 +225,7 @@ def write_virtual_ranks(
     results = []
     for planner, plan in zip(planners, plans):
         results.append(writer.write_data(planner.finish_plan(plan), planner).value())
+        planner.release()
     writer.finish(metadata, results)
 
 

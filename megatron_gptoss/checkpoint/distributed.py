@@ -195,9 +195,10 @@ class DistributedCheckpointer:
         run: RunState,
         rank_state: Mapping[str, Any] | None = None,
     ) -> None:
-        """Copy what this rank writes to host memory (one copy of its share: parameters it writes and its
-        optimizer range), then write and commit in a background thread; training may go on at once.
-        `wait()` returns the directory (or raises the save's error); every other method waits first."""
+        """Copy what this rank writes to host memory (one copy of its share: the parameters it writes and
+        its part of the optimizer state; each copy is freed once written), then write and commit in a
+        background thread; training may go on at once. `wait()` returns the directory (or raises the
+        save's error); every other method waits first."""
         self.wait()
         partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, stage=True)
         self._outcome = {}
@@ -257,7 +258,7 @@ class DistributedCheckpointer:
             blobs["run"] = {**dataclasses.asdict(run), "optimizer": steps}
         if stage:
             pieces = [
-                dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True))  # type: ignore[union-attr]
+                dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True), owned=True)  # type: ignore[union-attr]
                 for p in pieces
             ]
         meta = {

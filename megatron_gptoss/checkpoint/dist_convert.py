@@ -1,0 +1,333 @@
+"""Conversion between HF GPT-OSS directories and sharded checkpoints, in one process, streaming.
+
+    hf_to_dist   HF directory (bf16, or MXFP4 experts) -> the sharded checkpoint that the ranks of a
+                 layout would write (`__<rank>_0.distcp` per rank, `.metadata`, manifest.json; model
+                 parameters only, step 0). Rank by rank, piece by piece: each piece (a box of one of our
+                 tensors, at most `max_chunk_bytes`) is read from the HF slices that make it
+                 (safetensors `get_slice`; MXFP4 experts dequantized by expert range), written, freed.
+    dist_to_hf   sharded checkpoint of any layout -> HF bf16 safetensors shards of at most
+                 `max_shard_bytes`, `model.safetensors.index.json`, `config.json` (what `save_hf` writes,
+                 loadable by transformers and vLLM). Each HF tensor is streamed into its shard file in
+                 blocks of at most `block_bytes` along its first dimension (vocabulary rows, experts, or
+                 rows); the fused QKV (one layer's attention, small) is converted whole.
+
+Peak host memory, beyond the interpreter: hf_to_dist about 4 x max_chunk_bytes (the HF slice as read,
+its re-laid-out copy, the dtype cast, DCP's serialisation buffer; MXFP4 dequantizes in fp32, 2x a bf16
+piece); dist_to_hf about 4 x block_bytes plus the stored chunks a block overlaps (each read whole, at
+most the checkpoint's chunk size), or one layer's QKV. Memory-mapped pages of the HF files are dropped
+after each read. Both write into a temporary directory beside the output and rename it at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from megatron_gptoss.checkpoint.convert import CheckpointError
+from megatron_gptoss.checkpoint.dist_boxes import (
+    Box,
+    full_shapes,
+    local_box,
+    rank_slots,
+    split_box,
+    writes_param,
+)
+from megatron_gptoss.checkpoint.dist_planner import CheckpointReader, Piece, write_virtual_ranks
+from megatron_gptoss.checkpoint.distributed import FORMAT, RunState, layout_dict
+from megatron_gptoss.checkpoint.hf import (
+    BLOCKS,
+    CONFIG_FILE,
+    INDEX_FILE,
+    SCALES,
+    _open,
+    _weight_map,
+    read_config,
+)
+from megatron_gptoss.checkpoint.manager import MANIFEST, CorruptCheckpointError, write_manifest
+from megatron_gptoss.checkpoint.mxfp4 import packed_shapes, unpack_expert_weight
+from megatron_gptoss.checkpoint.names import from_hf, hf_shapes, match_ours, our_names, to_hf
+from megatron_gptoss.config import ModelConfig, ParallelConfig
+from megatron_gptoss.parallel.dims import validate_layout
+
+DEFAULT_CHUNK_BYTES = 256 << 20
+DEFAULT_SHARD_BYTES = 4 << 30
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
+
+# ------------------------------------------------------------------------------------------------
+# HF -> sharded
+class _HFSlices:
+    """Boxes of our tensors read from an HF directory: only the HF rows / experts a box needs."""
+
+    def __init__(self, path: Path, config: ModelConfig):
+        self.path, self.config = path, config
+        self.weight_map = _weight_map(path)
+
+    def _read(self, name: str, index: tuple[slice, ...], expected: Sequence[int]) -> torch.Tensor:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: missing tensor {name!r}")
+        with _open(self.path, file) as handle:  # closed at once: its mapped pages are released
+            piece = handle.get_slice(name)
+            shape = tuple(piece.get_shape())
+            if shape != tuple(expected):
+                raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
+            return piece[index].clone()
+
+    def _rows(self, name: str, start: int, stop: int, expected: Sequence[int]) -> torch.Tensor:
+        """Rows (dim 0: experts, vocabulary rows) [start, stop) of HF tensor `name`; MXFP4 dequantized."""
+        if name in self.weight_map or name + BLOCKS not in self.weight_map:
+            return self._read(name, (slice(start, stop),), expected)
+        shapes = packed_shapes(tuple(expected))
+        if shapes is None:
+            raise CheckpointError(f"tensor {name + BLOCKS!r}: {name!r} of shape {expected} cannot be MXFP4")
+        blocks = self._read(name + BLOCKS, (slice(start, stop),), shapes[0])
+        scales = self._read(name + SCALES, (slice(start, stop),), shapes[1])
+        for part, tensor in ((BLOCKS, blocks), (SCALES, scales)):
+            if tensor.dtype != torch.uint8:
+                raise CheckpointError(
+                    f"tensor {name + part!r} has dtype {tensor.dtype}, expected torch.uint8"
+                )
+        return unpack_expert_weight(blocks, scales, torch.float32)
+
+    def box(self, ours: str, box: Box) -> torch.Tensor:
+        """Box `box` of our tensor `ours` (unpadded full coordinates), in the HF dtype (fp32 for MXFP4)."""
+        match = match_ours(ours)
+        kind, expected = match.rule.kind, hf_shapes(match, self.config)
+        if kind in ("same", "vocab"):  # our layout is HF's: slice every dimension
+            index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
+            return self._read(match.hf[0], index, expected[0])
+        if kind == "qkv":  # whole KV groups covering the rows, then the rows
+            per, d = self.config.num_attention_heads // self.config.num_query_groups, self.config.head_dim
+            size = (per + 2) * d
+            g0, g1 = box.offsets[0] // size, -(-(box.offsets[0] + box.sizes[0]) // size)
+            ranges = ((g0 * per * d, g1 * per * d), (g0 * d, g1 * d), (g0 * d, g1 * d))
+            parts = [self._read(n, (slice(a, b),), e) for n, (a, b), e in zip(match.hf, ranges, expected)]
+            local = ModelConfig(
+                **{
+                    **_fields(self.config),
+                    "num_attention_heads": per * (g1 - g0),
+                    "num_query_groups": g1 - g0,
+                }
+            )
+            full = from_hf(match, parts, local)
+            return _narrow(full, box, (g0 * size, *[0] * (len(box.sizes) - 1)))
+        # fc1 / fc1_bias / fc2: experts [e0, e1) whole, re-laid out, then the box
+        e0 = box.offsets[0]
+        experts = self._rows(match.hf[0], e0, e0 + box.sizes[0], expected[0])
+        return _narrow(from_hf(match, [experts], self.config), box, (e0, *[0] * (len(box.sizes) - 1)))
+
+
+def _fields(config: ModelConfig) -> dict:
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def _narrow(tensor: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:
+    for d, (offset, size) in enumerate(zip(box.offsets, box.sizes)):
+        tensor = tensor.narrow(d, offset - origin[d], size)
+    return tensor
+
+
+def hf_to_dist(
+    hf_path: str | os.PathLike,
+    out: str | os.PathLike,
+    parallel: ParallelConfig,
+    world: int,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pipeline_layers: Sequence[int] | None = None,
+    progress: bool = True,
+    **config_overrides,
+) -> Path:
+    """Write the sharded checkpoint (model parameters in `dtype`, step 0) that the `world` ranks of layout
+    `parallel` would write, from the HF directory `hf_path`. `config_overrides` set ModelConfig fields
+    config.json does not carry (make_vocab_size_divisible_by). A layout that does not divide the model
+    raises ConfigError naming the numbers; a missing or misshapen HF tensor raises CheckpointError."""
+    hf_path, out = Path(hf_path), Path(out)
+    config = read_config(hf_path, **config_overrides)
+    layout = validate_layout(parallel, config, world)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new output directory")
+    source = _HFSlices(hf_path, config)
+    shapes = full_shapes(config)
+    ranks = []
+    total = 0
+    for rank in range(world):
+        coords = layout.coords(rank)
+        pieces = []
+        for slot in rank_slots(layout, config, rank, pipeline_layers):
+            if not writes_param(slot.spec, coords):
+                continue
+            box = local_box(slot.name, slot.spec, slot.local_shape, coords, config.vocab_size)
+            for sub, _, _, _ in split_box(box, dtype.itemsize, max_chunk_bytes):
+                if sub.numel:
+                    read = _reader(source, slot.name, sub, dtype)
+                    pieces.append(Piece(f"model/{slot.name}", shapes[slot.name], sub, dtype, read))
+                    total += sub.numel * dtype.itemsize
+        blobs = {"run": {**RunState(0).__dict__, "optimizer": None}} if rank == 0 else {}
+        ranks.append((pieces, blobs))
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="hf->dist", disable=not progress) as bar:
+            write_virtual_ranks(staging, ranks, on_piece=lambda p: bar.update(p.box.numel * dtype.itemsize))
+        meta = {
+            "format": FORMAT,
+            "model": _fields(config),
+            "layout": layout_dict(layout, None, pipeline_layers),
+            "contents": {"modules": ["model"], "optimizer": False},
+            "config": {"source": str(hf_path), "dtype": str(dtype).removeprefix("torch.")},
+        }
+        write_manifest(staging, 0, meta)
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _reader(source: _HFSlices, name: str, box: Box, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    return lambda: source.box(name, box).to(dtype).contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# sharded -> HF
+class _StreamingShard:
+    """One safetensors file written tensor by tensor, block by block: the header (every tensor's dtype,
+    shape and byte range) first, then the bytes in header order."""
+
+    def __init__(self, path: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype):
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        at = 0
+        for name, shape in tensors:
+            size = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [at, at + size],
+            }
+            at += size
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.file.write(len(text).to_bytes(8, "little") + text)
+        self.end = 8 + len(text) + at
+
+    def write(self, block: torch.Tensor) -> None:
+        self.file.write(block.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+    def close(self) -> None:
+        if self.file.tell() != self.end:
+            raise RuntimeError(
+                f"{self.file.name}: {self.file.tell()} bytes written, the header says {self.end}"
+            )
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
+def _hf_tensors(config: ModelConfig, dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(our name, HF name, HF shape) of every HF tensor, in table order."""
+    out = []
+    for ours in our_names(config):
+        match = match_ours(ours)
+        out += [(ours, hf, tuple(shape)) for hf, shape in zip(match.hf, hf_shapes(match, config))]
+    return out
+
+
+def dist_to_hf(
+    path: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    block_bytes: int = DEFAULT_CHUNK_BYTES,
+    prefix: str = "model",
+    progress: bool = True,
+) -> Path:
+    """Write the HF directory of the module group `prefix` of the sharded checkpoint `path` (any layout).
+    Raises CheckpointError for a directory that is not such a checkpoint or lacks a tensor."""
+    path, out = Path(path), Path(out)
+    manifest_file = path / MANIFEST
+    if not manifest_file.is_file():
+        raise CheckpointError(f"{path} is not a sharded checkpoint: it has no {MANIFEST}")
+    manifest = json.loads(manifest_file.read_text())
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    missing = sorted(name for name in manifest["files"] if not (path / name).is_file())
+    if missing:
+        raise CorruptCheckpointError(f"{path}: files listed in {MANIFEST} are missing: {missing}")
+    if prefix not in manifest["contents"]["modules"]:
+        raise CheckpointError(f"{path} holds no {prefix!r} parameters ({manifest['contents']['modules']})")
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new output directory")
+    config = ModelConfig(**manifest["model"])
+    reader = CheckpointReader(path)
+    tensors = _hf_tensors(config, dtype)
+    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    filled = 0
+    for entry in tensors:
+        size = math.prod(entry[2]) * dtype.itemsize
+        if shards[-1] and filled + size > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append(entry)
+        filled += size
+    staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
+    staging.mkdir(parents=True)
+    total = sum(math.prod(s) for _, _, s in tensors) * dtype.itemsize
+    weight_map = {}
+    try:
+        with tqdm(total=total, unit="B", unit_scale=True, desc="dist->hf", disable=not progress) as bar:
+            cache: dict[str, list[tuple[str, torch.Tensor]]] = {}
+            for i, entries in enumerate(shards):
+                file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                shard = _StreamingShard(staging / file, [(hf, shape) for _, hf, shape in entries], dtype)
+                for ours, hf, shape in entries:
+                    blocks = _hf_blocks(
+                        reader, f"{prefix}/{ours}", hf, shape, config, dtype, block_bytes, cache
+                    )
+                    for block in blocks:
+                        shard.write(block)
+                        bar.update(block.numel() * dtype.itemsize)
+                    weight_map[hf] = file
+                shard.close()
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        hf_config = config.to_hf_config()
+        hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _hf_blocks(reader, fqn, hf, shape, config, dtype, block_bytes, cache):
+    """HF tensor `hf` (made from our `ours`) as consecutive blocks along its first dimension."""
+    match = match_ours(fqn.split("/", 1)[1])
+    if match.rule.kind == "qkv":  # q, k and v of one layer: convert the fused tensor once
+        if fqn not in cache:
+            cache.clear()
+            cache[fqn] = to_hf(match, reader.read(fqn, dtype=dtype), config)
+        yield dict(cache[fqn])[hf]
+        return
+    stored = reader.shape(fqn)  # dim 0 of ours is dim 0 of HF (vocabulary rows, experts, rows)
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    step = max(1, block_bytes // max(1, row_bytes))
+    for start in range(0, stored[0], step):
+        rows = min(step, stored[0] - start)
+        box = Box((start, *[0] * (len(stored) - 1)), (rows, *stored[1:]))
+        block = reader.read(fqn, box, dtype=dtype)
+        ((_, converted),) = to_hf(match, block, config)
+        yield converted

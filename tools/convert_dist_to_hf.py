@@ -1,0 +1,74 @@
+"""Convert a sharded checkpoint of any layout (`megatron_gptoss.checkpoint.distributed`, or the output of
+tools/convert_hf_to_dist.py) into an HF GPT-OSS directory: bf16 safetensors shards, index.json and
+config.json, loadable by transformers and vLLM.
+
+    python tools/convert_dist_to_hf.py /run/checkpoints/step_001000 /export/gpt-oss-120b-step1000
+    python tools/convert_dist_to_hf.py /run/checkpoints /export/latest     # the newest verified checkpoint
+
+A checkpoint root (a directory with `latest`) resolves to its newest checkpoint whose checksums verify.
+`--verify` checks every file's checksum of a step directory first. Streams tensor by tensor in blocks
+(peak host memory about 4 x --block-mb plus the stored chunks a block overlaps); prints a progress bar
+and, at the end, bytes, seconds, GB/s and the peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_gptoss.checkpoint.dist_convert import dist_to_hf
+from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("checkpoint", help="a checkpoint directory, or a root holding `latest`")
+    parser.add_argument("out", help="output HF directory (must not exist)")
+    parser.add_argument("--module", default="model", help="module group to export (model, reference)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="HF dtype")
+    parser.add_argument("--shard-gb", type=float, default=4.0, help="largest safetensors file, GiB")
+    parser.add_argument("--block-mb", type=int, default=256, help="largest block in memory, MiB")
+    parser.add_argument("--verify", action="store_true", help="check every file's sha256 first")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    path = Path(args.checkpoint)
+    if (path / LATEST).is_file():
+        found = CheckpointManager(path).find_resumable()
+        if found is None:
+            raise SystemExit(f"{path} holds no complete, verified checkpoint")
+        path = found
+    elif args.verify:
+        CheckpointManager.verify(path)
+    start = time.perf_counter()
+    out = dist_to_hf(
+        path,
+        args.out,
+        dtype=getattr(torch, args.dtype),
+        max_shard_bytes=int(args.shard_gb * 2**30),
+        block_bytes=args.block_mb << 20,
+        prefix=args.module,
+        progress=not args.no_progress,
+    )
+    seconds = time.perf_counter() - start
+    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    report = {
+        "checkpoint": str(path),
+        "out": str(out),
+        "bytes_written": written,
+        "seconds": round(seconds, 2),
+        "GB_per_s": round(written / seconds / 1e9, 3),
+        "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+    }
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
