@@ -115,7 +115,13 @@ def _build(parallel: dict, shard: bool, fresh: bool):
         init_parallel(models, config, dims, seed=99)
     models = [apply_data_parallel(m, dims) for m in models]
     opt = DistributedOptimizer(models, OPTIM, dims, total_steps=STEPS, shard=shard)
-    return config, dims, models, opt, PipelineRunner(models, plans, dims, chunk_size=16)
+    # a frozen reference policy (RL with a KL term keeps one): layout-independent random weights
+    reference = [parallelize(build_stage_model(config, plan), dims, cfg) for plan in plans]
+    init_parallel(reference, config, dims, seed=7 if fresh else 8)
+    for m in reference:
+        m.requires_grad_(False)
+    modules = {"model": models, "reference": reference}
+    return config, dims, modules, opt, PipelineRunner(models, plans, dims, chunk_size=16)
 
 
 def _checkpointer(root: str, dims, config) -> DistributedCheckpointer:
@@ -154,14 +160,14 @@ def run_case(parallel: dict, shard: bool, root: str, stop: int, options: dict) -
     after which to save), shuffle (data order from the global generator), async_at, slow_writes."""
     torch.manual_seed(1234)
     fresh = not options.get("resume")
-    config, dims, models, opt, runner = _build(parallel, shard, fresh)
+    config, dims, modules, opt, runner = _build(parallel, shard, fresh)
     ckpt = _checkpointer(root, dims, config)
     logs = _capture_logs()
     if options.get("slow_writes"):
         _patch_writes(lambda: time.sleep(options["slow_writes"]))
     start, out = 0, {"loss": [], "rank": dims.rank}
     if options.get("resume"):
-        loaded = ckpt.resume(options["resume"], {"model": models}, opt)
+        loaded = ckpt.resume(options["resume"], modules, opt)
         assert loaded is not None
         start = loaded.run.step
         out.update(resumed=str(loaded.path), same_layout=loaded.same_layout, data=loaded.run.data)
@@ -170,9 +176,9 @@ def run_case(parallel: dict, shard: bool, root: str, stop: int, options: dict) -
         if step + 1 == options.get("hang_in_save_at"):
             _patch_writes(_announce_and_hang)
         if step + 1 in options.get("save_at", ()):
-            ckpt.save(step + 1, {"model": models}, opt, RunState(step + 1, data={"next": step + 1}))
+            ckpt.save(step + 1, modules, opt, RunState(step + 1, data={"next": step + 1}))
         if step + 1 == options.get("async_at"):
-            ckpt.save_async(step + 1, {"model": models}, opt, RunState(step + 1, data={"next": step + 1}))
+            ckpt.save_async(step + 1, modules, opt, RunState(step + 1, data={"next": step + 1}))
             out["busy_after_start"] = ckpt.busy()
         if options.get("async_at") and step + 1 == options["async_at"] + 1:
             out["busy_after_next_step"] = ckpt.busy()
@@ -180,7 +186,9 @@ def run_case(parallel: dict, shard: bool, root: str, stop: int, options: dict) -
         out["async_path"] = str(ckpt.wait())
     _patch_writes(None)
     out["log"] = logs.getvalue()
-    out["params"] = _full_params(models, dims, config.vocab_size)
+    out["params"] = _full_params(modules["model"], dims, config.vocab_size)
+    out["reference"] = _full_params(modules["reference"], dims, config.vocab_size)
+    models = modules["model"]
     out["specs_agree"] = all(
         get_shard(p) == shard_spec_of(n, dims.tp) for m in models for n, p in m.named_parameters()
     )
@@ -251,15 +259,19 @@ def test_save_in_one_layout_load_in_another(tmp_path, reference, first, second):
     assert all(not out["same_layout"] and out["data"] == {"next": 2} for out in after)
     compare(before, reference["loss"][:2], {}, 1e-5)
     worst = compare(after, reference["loss"][2:], _real(reference["params"]), 1e-5)
+    frozen = {name: p for out in before for name, p in out["reference"].items()}
+    assert all(torch.equal(p, frozen[n]) for out in after for n, p in out["reference"].items())
     print(f"{first} -> {second}: worst error {worst:.3g}")
 
 
 def _equal_runs(resumed: list[dict], uninterrupted: list[dict], first_step: int) -> None:
-    """Losses from `first_step` on and every final parameter bit for bit, rank by rank."""
+    """Losses from `first_step` on, every final parameter and the reference policy bit for bit, rank by
+    rank."""
     for got, want in zip(resumed, uninterrupted):
         assert torch.equal(torch.stack(got["loss"]), torch.stack(want["loss"][first_step:]))
-        for name, p in got["params"].items():
-            assert torch.equal(p, want["params"][name]), name
+        for kind in ("params", "reference"):
+            for name, p in got[kind].items():
+                assert torch.equal(p, want[kind][name]), (kind, name)
 
 
 def test_resume_auto_in_the_same_layout_is_bitwise(tmp_path):
@@ -300,15 +312,16 @@ def test_background_save_lets_training_go_on_and_writes_the_same_checkpoint(tmp_
     keys = sorted(s.metadata.state_dict_metadata)
     assert keys == sorted(a.metadata.state_dict_metadata)
     for key in keys:
-        if key.startswith(("model/", "optim/")):
-            assert torch.equal(a.read(key), s.read(key)), key
-        else:
+        if key == "run" or key.startswith("rank/"):
             assert str(a.blob(key)) == str(s.blob(key)), key
+        else:
+            assert torch.equal(a.read(key), s.read(key)), key
 
 
 def full_disk_case(root: str) -> dict:
     """Save step 1, then a save of step 2 whose writes fail with ENOSPC on rank 1 only."""
-    config, dims, models, opt, runner = _build(TP2_DP2_EP2, True, fresh=True)
+    config, dims, modules, opt, runner = _build(TP2_DP2_EP2, True, fresh=True)
+    models = modules["model"]
     ckpt = _checkpointer(root, dims, config)
     _train_step(0, dims, runner, opt, shuffle=False)
     ckpt.save(1, {"model": models}, opt, RunState(1))
