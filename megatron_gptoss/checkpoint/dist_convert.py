@@ -52,7 +52,7 @@ from megatron_gptoss.checkpoint.hf import (
     read_config,
 )
 from megatron_gptoss.checkpoint.manager import MANIFEST, CorruptCheckpointError, write_manifest
-from megatron_gptoss.checkpoint.mxfp4 import packed_shapes, unpack_expert_weight
+from megatron_gptoss.checkpoint.mxfp4 import dequantize_mxfp4, packed_shapes
 from megatron_gptoss.checkpoint.names import from_hf, hf_shapes, match_ours, our_names, to_hf
 from megatron_gptoss.config import ModelConfig, ParallelConfig
 from megatron_gptoss.parallel.dims import validate_layout
@@ -82,10 +82,11 @@ class _HFSlices:
                 raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
             return piece[index].clone()
 
-    def _rows(self, name: str, start: int, stop: int, expected: Sequence[int]) -> torch.Tensor:
-        """Rows (dim 0: experts, vocabulary rows) [start, stop) of HF tensor `name`; MXFP4 dequantized."""
+    def _experts(self, kind: str, name: str, start: int, stop: int, expected, dtype) -> torch.Tensor:
+        """Experts [start, stop) of the HF expert weight `name` (bf16, or MXFP4 dequantized) in our layout
+        and `dtype`."""
         if name in self.weight_map or name + BLOCKS not in self.weight_map:
-            return self._read(name, (slice(start, stop),), expected)
+            return experts_from_hf(kind, self._read(name, (slice(start, stop),), expected), dtype)
         shapes = packed_shapes(tuple(expected))
         if shapes is None:
             raise CheckpointError(f"tensor {name + BLOCKS!r}: {name!r} of shape {expected} cannot be MXFP4")
@@ -96,15 +97,23 @@ class _HFSlices:
                 raise CheckpointError(
                     f"tensor {name + part!r} has dtype {tensor.dtype}, expected torch.uint8"
                 )
-        return unpack_expert_weight(blocks, scales, torch.float32)
+        # dequantized [E, out, in] = ours for fc2 ([E, H, I]); fc1's rows are gate/up interleaved
+        weights = dequantize_mxfp4(blocks, scales, dtype)
+        if kind == "fc2":
+            return weights
+        e, rows, width = weights.shape
+        out = torch.empty_like(weights)
+        for j in range(e):
+            out[j].view(2, rows // 2, width).copy_(weights[j].view(rows // 2, 2, width).transpose(0, 1))
+        return out
 
-    def box(self, ours: str, box: Box) -> torch.Tensor:
-        """Box `box` of our tensor `ours` (unpadded full coordinates), in the HF dtype (fp32 for MXFP4)."""
+    def box(self, ours: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
+        """Box `box` of our tensor `ours` (unpadded full coordinates) in `dtype`."""
         match = match_ours(ours)
         kind, expected = match.rule.kind, hf_shapes(match, self.config)
         if kind in ("same", "vocab"):  # our layout is HF's: slice every dimension
             index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
-            return self._read(match.hf[0], index, expected[0])
+            return self._read(match.hf[0], index, expected[0]).to(dtype)
         if kind == "qkv":  # whole KV groups covering the rows, then the rows
             per, d = self.config.num_attention_heads // self.config.num_query_groups, self.config.head_dim
             size = (per + 2) * d
@@ -118,12 +127,44 @@ class _HFSlices:
                     "num_query_groups": g1 - g0,
                 }
             )
-            full = from_hf(match, parts, local)
+            full = from_hf(match, parts, local).to(dtype)
             return _narrow(full, box, (g0 * size, *[0] * (len(box.sizes) - 1)))
         # fc1 / fc1_bias / fc2: experts [e0, e1) whole, re-laid out, then the box
-        e0 = box.offsets[0]
-        experts = self._rows(match.hf[0], e0, e0 + box.sizes[0], expected[0])
-        return _narrow(from_hf(match, [experts], self.config), box, (e0, *[0] * (len(box.sizes) - 1)))
+        e0, e1 = box.offsets[0], box.offsets[0] + box.sizes[0]
+        if kind == "fc1_bias":
+            experts = from_hf(match, [self._read(match.hf[0], (slice(e0, e1),), expected[0])], self.config)
+        else:
+            experts = self._experts(kind, match.hf[0], e0, e1, expected[0], dtype)
+        return _narrow(experts.to(dtype), box, (e0, *[0] * (len(box.sizes) - 1)))
+
+
+def experts_from_hf(kind: str, hf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`names.from_hf` of an expert weight, expert by expert (2-D transposes): HF gate_up_proj [E, H, 2I]
+    (gate, up interleaved) -> fc1 [E, 2I, H] as [gate; up]; HF down_proj [E, I, H] -> fc2 [E, H, I]."""
+    e, width, rows = hf.shape
+    out = torch.empty(e, rows, width, dtype=dtype)
+    row = torch.empty(rows, width, dtype=dtype)
+    for j in range(e):
+        if kind == "fc2":
+            out[j].copy_(hf[j].t())
+        else:
+            row.copy_(hf[j].t())  # [2I, H], gate and up rows interleaved
+            out[j].view(2, rows // 2, width).copy_(row.view(rows // 2, 2, width).transpose(0, 1))
+    return out
+
+
+def experts_to_hf(kind: str, ours: torch.Tensor) -> torch.Tensor:
+    """The inverse of `experts_from_hf` (`names.to_hf` of an expert weight), expert by expert."""
+    e, rows, width = ours.shape
+    out = torch.empty(e, width, rows, dtype=ours.dtype)
+    row = torch.empty(rows, width, dtype=ours.dtype)
+    for j in range(e):
+        if kind == "fc2":
+            out[j].copy_(ours[j].t())
+        else:
+            row.view(rows // 2, 2, width).copy_(ours[j].view(2, rows // 2, width).transpose(0, 1))
+            out[j].copy_(row.t())
+    return out
 
 
 def _fields(config: ModelConfig) -> dict:
@@ -196,7 +237,7 @@ def hf_to_dist(
 
 
 def _reader(source: _HFSlices, name: str, box: Box, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
-    return lambda: source.box(name, box).to(dtype).contiguous()
+    return lambda: source.box(name, box, dtype).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -329,5 +370,8 @@ def _hf_blocks(reader, fqn, hf, shape, config, dtype, block_bytes, cache):
         rows = min(step, stored[0] - start)
         box = Box((start, *[0] * (len(stored) - 1)), (rows, *stored[1:]))
         block = reader.read(fqn, box, dtype=dtype)
+        if match.rule.kind in ("fc1", "fc2"):
+            yield experts_to_hf(match.rule.kind, block)
+            continue
         ((_, converted),) = to_hf(match, block, config)
         yield converted
