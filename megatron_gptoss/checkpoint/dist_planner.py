@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -54,6 +55,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from megatron_gptoss.checkpoint.convert import CheckpointError
 from megatron_gptoss.checkpoint.dist_boxes import Box, narrow
+from megatron_gptoss.checkpoint.manager import CorruptCheckpointError
 
 
 @dataclass(frozen=True)
@@ -332,20 +334,35 @@ def load_pieces(
     shapes: Mapping[str, tuple[int, ...]],
     blobs: Sequence[str],
     group: dist.ProcessGroup,
+    problems: Sequence[str] = (),
 ) -> dict[str, object]:
     """Collective over `group`: every rank fills its targets (any layout's chunks, resharded by DCP) and
-    returns its blobs. Problems found on any rank raise one CheckpointError on every rank, naming them."""
-    metadata = read_metadata(path)
+    returns its blobs. Problems found on any rank (and the caller's `problems`) raise one CheckpointError
+    on every rank, naming them; a failed read raises CorruptCheckpointError on every rank."""
     planner = PieceLoadPlanner(targets, blobs)
-    problems = planner.prepare(metadata, shapes)
+    problems = list(problems)
+    try:
+        problems += planner.prepare(read_metadata(path), shapes)
+    except CheckpointError as err:
+        problems.append(str(err))
     gathered: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, problems, group=group)
     found = sorted({p for rank_problems in gathered for p in rank_problems or []})
     if found:
         more = f" (and {len(found) - 5} more)" if len(found) > 5 else ""
         raise CheckpointError(f"{path}: " + "; ".join(found[:5]) + more)
-    dcp.load({}, storage_reader=FileSystemReader(path), planner=planner, process_group=group)
+    try:
+        dcp.load({}, storage_reader=FileSystemReader(path), planner=planner, process_group=group)
+    except CheckpointException as err:
+        raise CorruptCheckpointError(f"{path}: reading failed: {describe_failure(err)}") from None
     return planner.blobs
+
+
+def describe_failure(err: BaseException) -> str:
+    """One line per failed rank of a DCP error (CheckpointException), or the error itself."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
 
 
 class CheckpointReader:

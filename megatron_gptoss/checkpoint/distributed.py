@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_gptoss.checkpoint.convert import CheckpointError
 from megatron_gptoss.checkpoint.dist_boxes import full_shapes
-from megatron_gptoss.checkpoint.dist_planner import Piece, load_pieces, save_pieces
+from megatron_gptoss.checkpoint.dist_planner import Piece, describe_failure, load_pieces, save_pieces
 from megatron_gptoss.checkpoint.dist_state import (
     module_pieces,
     module_targets,
@@ -136,12 +136,6 @@ def check_model(manifest: Mapping[str, Any], config: ModelConfig, path: Path) ->
         raise CheckpointError(f"{path} holds a model of another shape: " + "; ".join(diffs))
 
 
-def _describe(err: BaseException) -> str:
-    if isinstance(err, CheckpointException):
-        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(err.failures.items()))
-    return f"{type(err).__name__}: {err}"
-
-
 class DistributedCheckpointer:
     """Save / load / resume of this rank's part of a parallel run (module docstring). `run_config` (the
     run's whole config as a dict) goes into the manifest; `max_chunk_bytes` bounds every stored chunk."""
@@ -227,17 +221,37 @@ class DistributedCheckpointer:
         return self._outcome.get("path")
 
     def _prepare(self, step, modules, optimizer, run, rank_state, stage: bool):
-        """Collective: rank 0 opens the partial directory; every rank lists its pieces and blobs."""
+        """Collective: every rank lists its pieces and blobs (an error on any rank stops the save on all,
+        before any file is written), then rank 0 opens the partial directory."""
+        pieces: list[Piece] = []
+        blobs: dict[str, object] = {}
+        error = None
+        try:
+            pieces, blobs = self._collect(modules, optimizer, run, rank_state, stage)
+        except Exception as err:  # agreed on below: no rank may enter the save's collectives alone
+            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        errors = self._all_errors(error)
         opened = None
-        if self.rank == 0:
+        if self.rank == 0 and not errors:
             try:
-                opened = ("ok", str(self.manager.begin(step)))
+                opened = str(self.manager.begin(step))
             except OSError as err:
-                opened = ("error", f"rank 0: {type(err).__name__}: {err}")
-        opened = self._broadcast(opened)
-        if opened[0] == "error":
-            raise CheckpointSaveError(f"checkpoint of step {step} not saved: {opened[1]}")
-        partial = Path(opened[1])
+                errors = [f"rank 0: {type(err).__name__}: {err}"]
+        errors, opened = self._broadcast([errors, opened])
+        if errors:
+            raise CheckpointSaveError(f"checkpoint of step {step} not saved: " + "; ".join(errors))
+        partial = Path(opened)
+        meta = {
+            "format": FORMAT,
+            "model": dataclasses.asdict(self.config),
+            "layout": self._layout(optimizer),
+            "contents": {"modules": sorted(modules), "optimizer": optimizer is not None},
+            "config": self.run_config,
+        }
+        return partial, meta, pieces, blobs
+
+    def _collect(self, modules, optimizer, run, rank_state, stage: bool):
+        """This rank's pieces (host copies when `stage`) and blobs."""
         names = {prefix: param_names(models) for prefix, models in modules.items()}
         pieces: list[Piece] = []
         for prefix, models in modules.items():
@@ -261,14 +275,13 @@ class DistributedCheckpointer:
                 dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True), owned=True)  # type: ignore[union-attr]
                 for p in pieces
             ]
-        meta = {
-            "format": FORMAT,
-            "model": dataclasses.asdict(self.config),
-            "layout": self._layout(optimizer),
-            "contents": {"modules": sorted(modules), "optimizer": optimizer is not None},
-            "config": self.run_config,
-        }
-        return partial, meta, pieces, blobs
+        return pieces, blobs
+
+    def _all_errors(self, error: str | None) -> list[str]:
+        """Collective: the errors of every rank (sorted, without repeats)."""
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, error, group=self.group)
+        return sorted({e for e in gathered if e})
 
     def _write_and_commit(self, step, partial: Path, meta, pieces, blobs) -> Path:
         error = None
@@ -279,7 +292,7 @@ class DistributedCheckpointer:
             if self.rank == 0:
                 checksums[".metadata"] = file_sha256(partial / ".metadata")
         except (Exception, CheckpointException) as err:
-            error = _describe(err)
+            error = f"rank {self.rank}: {describe_failure(err)}"
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (error, checksums), group=self.group)
         errors = sorted({e for e, _ in gathered if e})
@@ -333,20 +346,24 @@ class DistributedCheckpointer:
         if absent:
             raise CheckpointError(f"{path} holds no {absent} (it has {manifest['contents']['modules']})")
         same = manifest["layout"] == self._layout(optimizer)
-        targets = []
-        for prefix, models in modules.items():
-            targets += module_targets(prefix, models, self.coords, self.config.vocab_size)
+        targets: list = []
         install = None
-        with_optimizer = optimizer is not None and manifest["contents"]["optimizer"]
-        if with_optimizer:
-            assert optimizer is not None
-            owner = param_names(modules.get("model") or next(iter(modules.values())))
-            more, install = optimizer_targets(optimizer, owner, self.coords, self.config.vocab_size)
-            targets += more
-        shapes = {t.fqn: self.shapes[t.fqn.split("/", 2)[-1]] for t in targets}
+        problems = []
+        try:
+            with torch.no_grad():
+                for prefix, models in modules.items():
+                    targets += module_targets(prefix, models, self.coords, self.config.vocab_size)
+                if optimizer is not None and manifest["contents"]["optimizer"]:
+                    owner = param_names(modules.get("model") or next(iter(modules.values())))
+                    more, install = optimizer_targets(optimizer, owner, self.coords, self.config.vocab_size)
+                    targets += more
+            shapes = {t.fqn: self.shapes[t.fqn.split("/", 2)[-1]] for t in targets}
+        except Exception as err:  # reported with every rank's problems by load_pieces
+            problems.append(f"rank {self.rank}: {type(err).__name__}: {err}")
+            shapes = {}
         blob_keys = ["run"] + ([f"rank/{self.rank}"] if same else [])
         with torch.no_grad():
-            blobs = load_pieces(path, targets, shapes, blob_keys, self.group)
+            blobs = load_pieces(path, targets, shapes, blob_keys, self.group, problems)
         run_blob = dict(blobs["run"])  # type: ignore[call-overload]
         steps = run_blob.pop("optimizer")
         if install is not None:
@@ -403,11 +420,9 @@ class DistributedCheckpointer:
         try:
             files = sorted(self._manifest(path)["files"])[self.rank :: world]
             self.manager.verify(path, files)
-        except CorruptCheckpointError as err:
+        except (CorruptCheckpointError, OSError, ValueError) as err:
             error = str(err)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, error, group=self.group)
-        return sorted({e for e in gathered if e})
+        return self._all_errors(error)
 
     def resume(
         self,
