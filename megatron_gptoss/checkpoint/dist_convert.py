@@ -26,6 +26,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from megatron_gptoss.checkpoint.dist_boxes import (
     split_box,
     writes_param,
 )
+from megatron_gptoss.checkpoint.dist_experts import experts_from_hf, experts_from_mxfp4, experts_to_hf
 from megatron_gptoss.checkpoint.dist_planner import CheckpointReader, Piece, write_virtual_ranks
 from megatron_gptoss.checkpoint.distributed import FORMAT, RunState, layout_dict
 from megatron_gptoss.checkpoint.hf import (
@@ -52,7 +54,7 @@ from megatron_gptoss.checkpoint.hf import (
     read_config,
 )
 from megatron_gptoss.checkpoint.manager import MANIFEST, CorruptCheckpointError, write_manifest
-from megatron_gptoss.checkpoint.mxfp4 import dequantize_mxfp4, packed_shapes
+from megatron_gptoss.checkpoint.mxfp4 import packed_shapes
 from megatron_gptoss.checkpoint.names import from_hf, hf_shapes, match_ours, our_names, to_hf
 from megatron_gptoss.config import ModelConfig, ParallelConfig
 from megatron_gptoss.parallel.dims import validate_layout
@@ -70,17 +72,20 @@ class _HFSlices:
     def __init__(self, path: Path, config: ModelConfig):
         self.path, self.config = path, config
         self.weight_map = _weight_map(path)
+        self.stack: ExitStack | None = None
 
     def _read(self, name: str, index: tuple[slice, ...], expected: Sequence[int]) -> torch.Tensor:
+        """A slice of HF tensor `name`: a view of the memory-mapped file, valid until `box` returns."""
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
-        with _open(self.path, file) as handle:  # closed at once: its mapped pages are released
-            piece = handle.get_slice(name)
-            shape = tuple(piece.get_shape())
-            if shape != tuple(expected):
-                raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
-            return piece[index].clone()
+        assert self.stack is not None, "read inside box()"
+        handle = self.stack.enter_context(_open(self.path, file))
+        piece = handle.get_slice(name)
+        shape = tuple(piece.get_shape())
+        if shape != tuple(expected):
+            raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
+        return piece[index]
 
     def _experts(self, kind: str, name: str, start: int, stop: int, expected, dtype) -> torch.Tensor:
         """Experts [start, stop) of the HF expert weight `name` (bf16, or MXFP4 dequantized) in our layout
@@ -97,23 +102,22 @@ class _HFSlices:
                 raise CheckpointError(
                     f"tensor {name + part!r} has dtype {tensor.dtype}, expected torch.uint8"
                 )
-        # dequantized [E, out, in] = ours for fc2 ([E, H, I]); fc1's rows are gate/up interleaved
-        weights = dequantize_mxfp4(blocks, scales, dtype)
-        if kind == "fc2":
-            return weights
-        e, rows, width = weights.shape
-        out = torch.empty_like(weights)
-        for j in range(e):
-            out[j].view(2, rows // 2, width).copy_(weights[j].view(rows // 2, 2, width).transpose(0, 1))
-        return out
+        return experts_from_mxfp4(kind, blocks, scales, dtype)
 
     def box(self, ours: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
-        """Box `box` of our tensor `ours` (unpadded full coordinates) in `dtype`."""
+        """Box `box` of our tensor `ours` (unpadded full coordinates) in `dtype`, a tensor of its own
+        (the files are closed again, so their mapped pages are released)."""
+        with ExitStack() as self.stack:
+            out = self._box(ours, box, dtype)
+        self.stack = None
+        return out
+
+    def _box(self, ours: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
         match = match_ours(ours)
         kind, expected = match.rule.kind, hf_shapes(match, self.config)
         if kind in ("same", "vocab"):  # our layout is HF's: slice every dimension
             index = tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))
-            return self._read(match.hf[0], index, expected[0]).to(dtype)
+            return self._read(match.hf[0], index, expected[0]).to(dtype, copy=True)
         if kind == "qkv":  # whole KV groups covering the rows, then the rows
             per, d = self.config.num_attention_heads // self.config.num_query_groups, self.config.head_dim
             size = (per + 2) * d
@@ -136,35 +140,6 @@ class _HFSlices:
         else:
             experts = self._experts(kind, match.hf[0], e0, e1, expected[0], dtype)
         return _narrow(experts.to(dtype), box, (e0, *[0] * (len(box.sizes) - 1)))
-
-
-def experts_from_hf(kind: str, hf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`names.from_hf` of an expert weight, expert by expert (2-D transposes): HF gate_up_proj [E, H, 2I]
-    (gate, up interleaved) -> fc1 [E, 2I, H] as [gate; up]; HF down_proj [E, I, H] -> fc2 [E, H, I]."""
-    e, width, rows = hf.shape
-    out = torch.empty(e, rows, width, dtype=dtype)
-    row = torch.empty(rows, width, dtype=dtype)
-    for j in range(e):
-        if kind == "fc2":
-            out[j].copy_(hf[j].t())
-        else:
-            row.copy_(hf[j].t())  # [2I, H], gate and up rows interleaved
-            out[j].view(2, rows // 2, width).copy_(row.view(rows // 2, 2, width).transpose(0, 1))
-    return out
-
-
-def experts_to_hf(kind: str, ours: torch.Tensor) -> torch.Tensor:
-    """The inverse of `experts_from_hf` (`names.to_hf` of an expert weight), expert by expert."""
-    e, rows, width = ours.shape
-    out = torch.empty(e, width, rows, dtype=ours.dtype)
-    row = torch.empty(rows, width, dtype=ours.dtype)
-    for j in range(e):
-        if kind == "fc2":
-            out[j].copy_(ours[j].t())
-        else:
-            row.view(rows // 2, 2, width).copy_(ours[j].view(2, rows // 2, width).transpose(0, 1))
-            out[j].copy_(row.t())
-    return out
 
 
 def _fields(config: ModelConfig) -> dict:

@@ -188,3 +188,26 @@ def test_errors_name_the_problem(converted, tmp_path):
     (partial / "__1_0.distcp").unlink()
     with pytest.raises(CorruptCheckpointError, match=r"missing: \['__1_0.distcp'\]"):
         dist_to_hf(partial, tmp_path / "y")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_expert_conversions_equal_the_reference_bit_for_bit(dtype):
+    from megatron_gptoss.checkpoint.dist_experts import dequantize, experts_from_hf, experts_to_hf
+    from megatron_gptoss.checkpoint.mxfp4 import dequantize_mxfp4
+    from megatron_gptoss.checkpoint.names import from_hf, match_ours, to_hf
+
+    # every byte under every scale (0: subnormal powers, 255: inf)
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(256, 1).reshape(256, 16, 16)
+    scales = torch.arange(256, dtype=torch.uint8)[:, None].expand(256, 16).contiguous()
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(
+        dequantize(blocks, scales, dtype).view(bits), dequantize_mxfp4(blocks, scales, dtype).view(bits)
+    )
+    config = tiny_config()
+    gen = torch.Generator().manual_seed(0)
+    for kind, shape in (("fc1", (4, 32, 64)), ("fc2", (4, 32, 32))):
+        match = match_ours(f"decoder.layers.0.mlp.experts.linear_{kind}.weight")
+        hf = torch.randn(shape, generator=gen).to(dtype)
+        ours = experts_from_hf(kind, hf, dtype)
+        assert torch.equal(ours, from_hf(match, [hf], config))
+        assert torch.equal(experts_to_hf(kind, ours), to_hf(match, ours, config)[0][1])
