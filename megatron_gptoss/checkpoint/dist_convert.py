@@ -340,9 +340,9 @@ def _hf_blocks(reader, fqn, hf, shape, config, dtype, block_bytes, cache):
         return
     stored = reader.shape(fqn)  # dim 0 of ours is dim 0 of HF (vocabulary rows, experts, rows)
     row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    step = max(1, block_bytes // max(1, row_bytes))
-    for start in range(0, stored[0], step):
-        rows = min(step, stored[0] - start)
+    cuts = reader.row_cuts(fqn)
+    for start, stop in row_blocks(cuts, stored[0], max(1, block_bytes // max(1, row_bytes))):
+        rows = stop - start
         box = Box((start, *[0] * (len(stored) - 1)), (rows, *stored[1:]))
         block = reader.read(fqn, box, dtype=dtype)
         if match.rule.kind in ("fc1", "fc2"):
@@ -350,3 +350,17 @@ def _hf_blocks(reader, fqn, hf, shape, config, dtype, block_bytes, cache):
             continue
         ((_, converted),) = to_hf(match, block, config)
         yield converted
+
+
+def row_blocks(cuts: Sequence[int], rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) blocks covering rows [0, rows), at most `max_rows` each, ending at the stored chunks'
+    row boundaries `cuts` where they can (so each stored chunk is read once)."""
+    ends = sorted({c for c in cuts if 0 < c < rows} | {rows})
+    out: list[tuple[int, int]] = []
+    start = 0
+    while start < rows:
+        fitting = [e for e in ends if start < e <= start + max_rows]
+        stop = fitting[-1] if fitting else min(rows, start + max_rows)
+        out.append((start, stop))
+        start = stop
+    return out

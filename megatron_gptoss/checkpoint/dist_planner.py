@@ -385,6 +385,12 @@ class CheckpointReader:
         assert isinstance(md, TensorStorageMetadata)
         return md.properties.dtype
 
+    def row_cuts(self, fqn: str) -> list[int]:
+        """The dim-0 boundaries of the stored chunks of tensor `fqn`."""
+        md = self.metadata.state_dict_metadata[fqn]
+        assert isinstance(md, TensorStorageMetadata)
+        return sorted({int(c.offsets[0]) + int(c.sizes[0]) for c in md.chunks if len(c.offsets)})
+
     def has(self, fqn: str) -> bool:
         return fqn in self.metadata.state_dict_metadata
 
