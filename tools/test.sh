@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh dev
-python3 -m ruff check megatron_gptoss tests tools
-python3 -m ruff format --check megatron_gptoss tests tools
+python3 -m ruff check megatron_gptoss tests tools launch
+python3 -m ruff format --check megatron_gptoss tests tools launch
 python3 -m mypy megatron_gptoss
 python3 -m pytest -q -ra --durations=15 "$@"

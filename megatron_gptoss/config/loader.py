@@ -85,6 +85,21 @@ def _check_fields(section: str, cls: Any, values: dict[str, Any]) -> None:
                 values[name] = float(value)
             except ValueError:
                 raise ConfigError(f"{section}.{name}={value!r} is not a number") from None
+        elif fields[name].type in ("list[int]", list[int]):
+            values[name] = _int_list(section, name, value)
+
+
+def _int_list(section: str, name: str, value: Any) -> list[int]:
+    """A list of ints from YAML (`[5, 6]`) or a comma-separated string (`5,6`)."""
+    items: Any = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, int) and not isinstance(items, bool):
+        items = [items]
+    try:
+        if isinstance(items, bool) or any(isinstance(item, bool) for item in items):
+            raise TypeError
+        return [int(item) for item in items]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{section}.{name}={value!r} is not a list of integers") from None
 
 
 def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:

@@ -28,6 +28,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     # Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer / ZeRO-1).
     use_distributed_optimizer: bool = False
+    # Layers per (virtual) pipeline stage in stage order, e.g. [8, 10, 10, 8] (the first and last stages
+    # also hold the embedding and the output layer); empty splits evenly, lighter at both ends.
+    pipeline_layers: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
         for name in (
@@ -38,6 +41,14 @@ class ParallelConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
+        if self.pipeline_layers:
+            stages = self.pipeline_model_parallel_size * self.virtual_pipeline_model_parallel_size
+            if len(self.pipeline_layers) != stages:
+                raise ConfigError(
+                    f"parallel.pipeline_layers has {len(self.pipeline_layers)} counts, the layout has "
+                    f"{stages} (virtual) stages (pipeline {self.pipeline_model_parallel_size} x virtual "
+                    f"{self.virtual_pipeline_model_parallel_size})"
+                )
 
 
 @dataclass
@@ -203,6 +214,8 @@ class RunConfig:
     keep_last: int = 2
     # Resume: "" starts fresh, "auto" takes the newest complete checkpoint in output_dir, or a path.
     resume: str = ""
+    # Write checkpoints in a background thread (host copies first) so training goes on during the write.
+    async_save: bool = False
     # Seed of model initialisation and sampling.
     seed: int = 0
     # Start from an HF GPT-OSS directory instead of a random initialisation.

@@ -275,7 +275,9 @@ class PipelineRunner:
     # packing ------------------------------------------------------------------------------------
     def pack(self, input_ids: Tensor, targets: Tensor, valid: Tensor, token_budget: int) -> PackedBatch:
         """`pack_micro_batches` with the same number of micro-batches on every data-parallel rank (expert
-        parallelism exchanges tokens across them) and, for the interleaved schedule, a multiple of pp."""
+        parallelism exchanges tokens across them), at least pp of them (the 1F1B schedules need a
+        micro-batch per stage; the extra ones are filler) and, for the interleaved schedule, a multiple
+        of pp."""
         if self.dims.sequence_parallel and token_budget % self.dims.tp:
             raise ConfigError(
                 f"token budget {token_budget} must be a multiple of tp={self.dims.tp} (sequence parallel)"
@@ -284,7 +286,8 @@ class PipelineRunner:
         count = torch.tensor([local], dtype=torch.long, device=self._comm_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
         multiple = self.dims.pp if self.dims.vpp > 1 else 1
-        return pack_micro_batches(input_ids, targets, valid, token_budget, int(count), multiple)
+        least = max(int(count), self.dims.pp)
+        return pack_micro_batches(input_ids, targets, valid, token_budget, least, multiple)
 
     # passes -------------------------------------------------------------------------------------
     def forward_backward(self, packed: PackedBatch, loss_fn: LossFn, temperature: float = 1.0) -> Tensor:

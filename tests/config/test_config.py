@@ -64,3 +64,14 @@ def test_yaml_overrides_and_errors(tmp_path):
         load_config(path, ["ppo.loss_agg_mode=sum"])
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(path, ["steps=3"])
+
+
+def test_pipeline_layers_from_yaml_or_commas(tmp_path):
+    path = tmp_path / "pp.yaml"
+    path.write_text("parallel:\n  pipeline_model_parallel_size: 2\n  pipeline_layers: [1, 3]\n")
+    assert load_config(path).parallel.pipeline_layers == [1, 3]
+    assert load_config(path, ["parallel.pipeline_layers=3,1"]).parallel.pipeline_layers == [3, 1]
+    with pytest.raises(ConfigError, match=r"has 3 counts, the layout has 2 \(virtual\) stages"):
+        load_config(path, ["parallel.pipeline_layers=1,1,2"])
+    with pytest.raises(ConfigError, match=r"parallel.pipeline_layers='a,b' is not a list of integers"):
+        load_config(path, ["parallel.pipeline_layers=a,b"])
