@@ -69,8 +69,11 @@ class WeightExporter:
             dist.all_gather_object(gathered, mine)
             layout, holdings = dims.layout, {r: infos or [] for r, infos in enumerate(gathered)}
         sent = None if dtype is None else str(dtype).removeprefix("torch.")
-        self.plan = plan_transfers(layout, engine, holdings, config, bucket_bytes, dst, sent)
+        self.plan = self._make_plan(layout, engine, holdings, bucket_bytes, sent)
         self.rank = 0 if dims is None else dims.rank
+
+    def _make_plan(self, layout, engine, holdings, bucket_bytes: int, dtype: str | None) -> list[Transfer]:
+        return plan_transfers(layout, engine, holdings, self.config, bucket_bytes, self.dst, dtype)
 
     def buckets(self) -> Iterator[Pairs]:
         """One list of (HF name or expert-slice name, tensor) per bucket on `dst` (empty lists elsewhere);
@@ -89,21 +92,28 @@ class WeightExporter:
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
+    def _assemble(self, t: Transfer, params: dict[str, nn.Parameter]) -> Pairs:
+        """The transfer's HF tensors on its root (fresh memory); [] on every other rank. Collective over the
+        transfer's sources."""
+        if self.rank not in t.sources:
+            return []
+        local = params[t.ours].detach()
+        if t.experts is not None:
+            offset = self._first_local_expert(local)
+            local = local[t.experts[0] - offset : t.experts[1] - offset]
+        full = self._gather(t, local)
+        if self.rank != t.root:
+            return []
+        assert full is not None
+        return self._to_hf(t, full.to(getattr(torch, t.dtype)), local)
+
+    @torch.no_grad()
     def _run(self, t: Transfer, params: dict[str, nn.Parameter]) -> Pairs:
         rank, dst = self.rank, self.dst
         if rank not in t.sources and rank != dst:
             return []
         dtype = getattr(torch, t.dtype)
-        pairs: Pairs = []
-        if rank in t.sources:
-            local = params[t.ours].detach()
-            if t.experts is not None:
-                offset = self._first_local_expert(local)
-                local = local[t.experts[0] - offset : t.experts[1] - offset]
-            full = self._gather(t, local)
-            if rank == t.root:
-                assert full is not None
-                pairs = self._to_hf(t, full.to(dtype), local)
+        pairs = self._assemble(t, params)
         if t.root == dst:
             return pairs
         if rank == t.root:

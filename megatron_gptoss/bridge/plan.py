@@ -18,6 +18,13 @@ aligned, as `rollout.buckets` packs them); a transfer larger than the bucket tra
 engine takes expert slices, each expert-parallel owner sends its own experts as ranges cut at the
 learner's and the engine's expert-parallel boundaries and to at most `bucket_bytes` (one expert at least),
 so the experts are never gathered over ep.
+
+Fan-out (`plan_fanout`): the engine's workers are the learner's ranks (engine worker w runs on learner rank
+w, a colocated engine of its own layout). There is no dst: each transfer's root sends its HF tensors to the
+transfer's `receivers` directly. Dense tensors go from their root to every worker (a broadcast); an expert
+slice goes to the workers whose engine ep part holds it, each from a learner rank that holds those experts:
+the worker itself where it does (a local conversion, no communication), else the slice's first-replica
+owner. A receiver gets each name it needs exactly once.
 """
 
 from __future__ import annotations
@@ -114,6 +121,40 @@ def plan_transfers(
     planned = _assign_buckets(dense, 0, bucket_bytes)
     first = planned[-1].bucket + 1 if planned else 0
     return planned + _assign_buckets(experts, first, bucket_bytes)
+
+
+def plan_fanout(
+    layout: Layout,
+    engine: EngineLayout,
+    holdings: Mapping[int, Sequence[ParamInfo]],
+    config: ModelConfig,
+    bucket_bytes: int,
+    dtype: str | None = None,
+) -> list[Transfer]:
+    """Every transfer of one weight sync into a colocated engine whose worker w is learner rank w
+    (`engine.workers` == the learner's world, expert slices). Buckets as `plan_transfers`; an expert slice
+    needed by several workers becomes one transfer per sending rank, in the same bucket."""
+    if engine.workers != layout.world or not engine.expert_slices:
+        raise ValueError(
+            f"fan-out needs an engine of the learner's {layout.world} workers that takes expert slices, "
+            f"got {engine}"
+        )
+    held = {rank: {info.name for info in infos} for rank, infos in holdings.items()}
+    out = []
+    for t in plan_transfers(layout, engine, holdings, config, bucket_bytes, dst=-1, dtype=dtype):
+        if t.phase == "dense":
+            out.append(t)
+            continue
+        (owner,) = t.sources
+        part = layout.coords(owner)["ep"]
+        senders: dict[int, list[int]] = {}
+        for worker in t.receivers:
+            local = t.ours in held.get(worker, ()) and layout.coords(worker)["ep"] == part
+            senders.setdefault(worker if local else owner, []).append(worker)
+        out.extend(
+            replace(t, sources=(src,), root=src, receivers=tuple(workers)) for src, workers in senders.items()
+        )
+    return out
 
 
 def buckets_of(plan: Sequence[Transfer]) -> list[list[Transfer]]:

@@ -14,8 +14,12 @@ class KVCache:
     row's cache holds exactly the keys the training forward would compute for the same positions.
     """
 
-    def __init__(self, config: ModelConfig, batch: int, max_tokens: int, dtype, device):
-        shape = (batch, max_tokens, config.num_query_groups, config.head_dim)
+    def __init__(
+        self, config: ModelConfig, batch: int, max_tokens: int, dtype, device, kv_heads: int | None = None
+    ):
+        # kv_heads: the KV heads this instance computes (a tensor-parallel rank holds num_query_groups / tp)
+        heads = config.num_query_groups if kv_heads is None else kv_heads
+        shape = (batch, max_tokens, heads, config.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)]
         self.max_tokens = max_tokens

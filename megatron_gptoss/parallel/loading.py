@@ -10,6 +10,8 @@ vocabulary are zero padding); `qkv` slices whole KV groups, read as the q, k and
 `fc1` / `fc2` / `fc1_bias` slice experts (dim 0; fc1 and fc2 also the hidden dimension); MXFP4 expert
 weights slice the experts of their `_blocks` and `_scales`. No process ever reads a whole sharded tensor,
 so gpt-oss-120b never sits whole in one process; peak memory is this rank's parameters plus one slice.
+`HFTensors` reads full HF tensors already in memory (the bridge's stream into a sharded rollout engine)
+through the same slicing: `shard_of_hf` is this rank's chunk of one parameter from its HF tensor(s).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -96,12 +98,58 @@ class _Reader:
         return tensor
 
 
+class HFTensors:
+    """Full HF tensors in memory, read like a checkpoint: `read` returns a view of the slice."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = tensors
+        self.bytes_read = 0
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, name: str, index: tuple[slice, ...], expected: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"missing tensor {name!r}")
+        tensor = self.tensors[name]
+        if tuple(tensor.shape) != tuple(expected):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(expected)}"
+            )
+        piece = tensor[index]
+        self.bytes_read += piece.numel() * piece.element_size()
+        return piece
+
+
+def shard_of_hf(
+    tensors: Mapping[str, torch.Tensor],
+    param: torch.Tensor,
+    name: str,
+    config: ModelConfig,
+    dims: ParallelDims,
+) -> torch.Tensor:
+    """This rank's chunk of our parameter `name` (shaped and tagged like `param`) from its full HF tensors
+    (`tensors`: every HF name of its rule, e.g. q, k and v for the fused QKV). Only this rank's rows or
+    columns are converted; the result may be a view of the inputs."""
+    value = _read_param(HFTensors(tensors), match_ours(name), get_shard(param), param.shape, config, dims)
+    if tuple(value.shape) != tuple(param.shape):
+        raise CheckpointError(
+            f"{name}: the HF tensors give shape {tuple(value.shape)}, the model has {tuple(param.shape)}"
+        )
+    return value
+
+
 def _index(ndim: int, dim: int | None, start: int, stop: int) -> tuple[slice, ...]:
     return tuple(slice(start, stop) if d == dim else slice(None) for d in range(ndim))
 
 
 def _read_param(
-    reader: _Reader, match: Match, spec: ShardSpec | None, shape: torch.Size, config: ModelConfig, dims
+    reader: _Reader | HFTensors,
+    match: Match,
+    spec: ShardSpec | None,
+    shape: torch.Size,
+    config: ModelConfig,
+    dims,
 ) -> torch.Tensor:
     """This rank's chunk of our tensor `match.ours` (shape `shape`), built from HF slices."""
     kind = match.rule.kind
@@ -140,7 +188,9 @@ def _read_param(
     )
 
 
-def _read_mxfp4(reader: _Reader, name: str, hf_shape, hf_dim, start: int, stop: int) -> torch.Tensor:
+def _read_mxfp4(
+    reader: _Reader | HFTensors, name: str, hf_shape, hf_dim, start: int, stop: int
+) -> torch.Tensor:
     """Experts [start, stop) of an MXFP4 expert weight, dequantized to fp32 in the HF orientation."""
     if hf_dim not in (None, 0):
         raise CheckpointError(f"{name}: an MXFP4 expert weight is sliced by experts only")

@@ -5,7 +5,9 @@
                      -> rows stop on a stop token or at max_new_tokens
 
 The model and its cache belong to the engine; `update_weights` copies incoming tensors into the
-engine's own parameters, so the learner's memory is never shared with it.
+engine's own parameters, so the learner's memory is never shared with it. `parallel_embedded` runs the
+same loop tensor- and expert-parallel over several ranks (it overrides `_new_cache`, `_logits` and
+`_finished`).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class EmbeddedEngine:
         batch = len(prompts)
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
         longest = int(lengths.max())
-        cache = KVCache(self.config, batch, longest + params.max_new_tokens, self.dtype, self.device)
+        cache = self._new_cache(batch, longest + params.max_new_tokens)
 
         ids = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
         for row, prompt in enumerate(prompts):
@@ -81,16 +83,15 @@ class EmbeddedEngine:
         logprobs_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=self.device)
         done = torch.zeros(batch, dtype=torch.bool, device=self.device)
         n_out = torch.zeros(batch, dtype=torch.long, device=self.device)
-        weight = self.model.output_weight()
         for step in range(params.max_new_tokens):
-            logits = last.float() @ weight.float().t()
+            logits = self._logits(last)
             token, logprob = sample_from_logits(logits, params, generator)
             active = ~done
             tokens_out[:, step] = torch.where(active, token, tokens_out[:, step])
             logprobs_out[:, step] = torch.where(active, logprob, logprobs_out[:, step])
             n_out += active.long()
             done |= active & torch.isin(token, stop)
-            if bool(done.all()) or step + 1 == params.max_new_tokens:
+            if self._finished(done) or step + 1 == params.max_new_tokens:
                 break
             pos = (lengths + step)[:, None]
             last = self.model.hidden_states(token[:, None], position_ids=pos, cache=cache)[:, 0]
@@ -107,3 +108,30 @@ class EmbeddedEngine:
                 )
             )
         return out
+
+    @torch.no_grad()
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_t | tokens_<t) at temperature 1 for t = 1..n-1 of each sequence: one forward over the
+        sequences, right-padded into one batch (causal: padding never reaches a real position)."""
+        if not sequences or any(len(s) < 2 for s in sequences):
+            raise ValueError("every sequence needs at least two tokens")
+        longest = max(len(s) for s in sequences)
+        ids = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(seq, device=self.device)
+        hidden = self.model.hidden_states(ids[:, :-1])
+        logprobs, _ = self.model.token_logprobs(hidden, ids[:, 1:])
+        return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
+
+    # ----------------------------------------------------------------------------------------------
+    def _new_cache(self, batch: int, tokens: int) -> KVCache:
+        return KVCache(self.config, batch, tokens, self.dtype, self.device)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """Last hidden states [B, H] -> fp32 logits [B, vocab_size] of the real vocabulary."""
+        weight = self.model.output_weight()
+        return last.float() @ weight.float().t()
+
+    def _finished(self, done: torch.Tensor) -> bool:
+        """Whether the decode loop may stop: every row of this batch has sampled a stop token."""
+        return bool(done.all())

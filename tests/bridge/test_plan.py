@@ -133,3 +133,38 @@ def test_metadata_errors_are_named():
         plan_transfers(two, EngineLayout(), held, CONFIG, MiB)
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_transfers(layout, EngineLayout(), holdings(layout), CONFIG, 0)
+
+
+def test_fanout_plan_keeps_experts_local_where_layouts_match_and_covers_every_receiver_once():
+    from megatron_gptoss.bridge.plan import plan_fanout
+
+    layout = Layout(world=8, tp=2, pp=2, ep=2)  # stage 0 = ranks 0..3 (ep parts 0 1 0 1), stage 1 = 4..7
+    held = holdings(layout)
+    plan = plan_fanout(layout, EngineLayout(8, 2, True), held, CONFIG, bucket_bytes=MiB)
+    dense = [t for t in plan if t.phase == "dense"]
+    assert sorted(n for t in dense for n in t.names) == sorted(
+        n for n in hf_names(CONFIG) if ".mlp.experts." not in n
+    )
+    assert all(t.receivers == tuple(range(8)) and t.root == t.sources[0] for t in dense)  # broadcast
+    per_receiver: dict[int, list[tuple[str, int]]] = {w: [] for w in range(8)}
+    for t in (t for t in plan if t.phase == "experts"):
+        (src,) = t.sources
+        assert t.root == src and any(i.name == t.ours for i in held[src])  # the sender holds those experts
+        assert layout.coords(src)["ep"] == t.experts[0] * 2 // CONFIG.num_experts
+        for w in t.receivers:
+            per_receiver[w].append((t.names[0], t.layer))
+            assert w % 2 == t.experts[0] * 2 // CONFIG.num_experts  # the worker's engine ep part
+            if any(i.name == t.ours for i in held[w]) and layout.coords(w)["ep"] == layout.coords(src)["ep"]:
+                assert src == w  # held locally: converted on the worker itself
+    for w, got in per_receiver.items():
+        assert len(got) == len(set(got)) == 4 * 4 * 1  # 4 layers x 4 expert tensors x one range each
+        local = [layer for _, layer in got if layer in ((0, 1) if w < 4 else (2, 3))]
+        assert len(local) == 8  # its own stage's layers: every range from itself
+    stage1_to_0 = {
+        t.sources[0] for t in plan if t.phase == "experts" and t.layer in (2, 3) and 0 in t.receivers
+    }
+    assert stage1_to_0 == {4}  # worker 0 takes stage 1's part-0 experts from their first-replica owner
+    with pytest.raises(ValueError, match="fan-out"):
+        plan_fanout(layout, EngineLayout(4, 2, True), held, CONFIG, MiB)
+    with pytest.raises(ValueError, match="fan-out"):
+        plan_fanout(layout, EngineLayout(8, 2, False), held, CONFIG, MiB)

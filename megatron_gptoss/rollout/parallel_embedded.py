@@ -1,0 +1,166 @@
+"""The embedded engine, tensor- and expert-parallel: our model built with the learner's parallel layers over
+the engine's own layout (`ParallelDims` with tp_e, ep_e, pp 1, independent of the learner's), so it serves
+a model that does not fit one GPU.
+
+    every rank:  GPTOSSModel on the meta device -> parallelize(tp_e, ep_e) -> materialize: its shards only
+    generate:    the ranks of a tp group take the same prompts and run in lockstep
+                 prefill / decode: attention on this rank's heads, KV cache of its num_query_groups/tp_e KV
+                 heads; MoE tokens split over tp, dispatched over ep (all-to-all)
+                 last position: vocab-parallel logits [B, P/tp] -> all-gather over tp -> [B, vocab] fp32
+                 -> the same seeded sampler on every tp rank: every rank of the group samples the same token
+    replicas:    ranks linked by a tp or an ep group step together (the expert all-to-all needs every member
+                 in every forward): blocks of lcm(tp_e, ep_e) consecutive ranks. A block holds lcm / tp_e tp
+                 groups, each with prompts of its own (data parallel inside the expert-parallel group); the
+                 decode loop of a block ends when every row of all its tp groups has stopped
+    update:      (HF name, tensor) pairs: full HF tensors (each rank narrows them to its shard with
+                 `parallel.loading.shard_of_hf`, the checkpoint loader's slicing) and expert-range slices
+                 (`rollout.base.expert_slice_name`; a rank keeps the experts of the slice it holds)
+
+Log-probs follow DESIGN's convention exactly as `EmbeddedEngine`: log_softmax(logits / T)[token] of the
+untruncated tempered distribution, fp32. Rank layout (pp 1): rank = tp_rank + tp * dp_rank; ep part of a
+rank = rank % ep (`parallel.dims`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+from megatron_gptoss.checkpoint.convert import CheckpointError
+from megatron_gptoss.checkpoint.names import from_hf, hf_shapes, match_hf, match_ours
+from megatron_gptoss.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_gptoss.model import GPTOSSModel, KVCache
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.loading import materialize, shard_of_hf
+from megatron_gptoss.parallel.vocab_parallel import gather_logits
+from megatron_gptoss.rollout.base import parse_expert_slice
+from megatron_gptoss.rollout.embedded import EmbeddedEngine
+
+
+def lockstep_blocks(world: int, tp: int, ep: int) -> list[list[int]]:
+    """The ranks that must step together (linked by tp or ep groups): blocks of lcm(tp, ep) ranks."""
+    size = math.lcm(tp, ep)
+    return [list(range(start, start + size)) for start in range(0, world, size)]
+
+
+class ParallelEmbeddedEngine(EmbeddedEngine):
+    """This rank's part of a tensor- and expert-parallel embedded engine. `dims`: the engine's own layout
+    (pipeline parallel 1), built over the processes that host it; every call is collective over the rank's
+    lockstep block (`generate`, `sequence_logprobs`) or local (`update_weights`, sleep / wake)."""
+
+    accepts_expert_slices = True
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dims: ParallelDims,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        seed=0,
+    ):
+        if dims.pp != 1 or dims.vpp != 1:
+            raise ConfigError(f"the embedded engine runs without pipeline stages, got pp={dims.pp}")
+        if dims.sequence_parallel:
+            raise ConfigError("the embedded engine decodes one token per row: sequence_parallel must be off")
+        self.config, self.dims = config, dims
+        self.dtype, self.device = dtype, torch.device(device)
+        parallel = ParallelConfig(
+            tensor_model_parallel_size=dims.tp,
+            expert_model_parallel_size=dims.ep,
+        )
+        model = GPTOSSModel(config, dtype=dtype, device="meta")
+        parallelize(model, dims, parallel)  # modules swapped in place (no compile: the same object)
+        materialize(model, self.device)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()  # padded vocabulary rows stay zero; the rest arrives by update_weights
+        self.model = model.eval()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.asleep = False
+        self.weight_version = 0
+        self.tp_group = dims.group("tp") if dims.tp > 1 else None
+        self.block_group = None
+        for block in lockstep_blocks(dims.layout.world, dims.tp, dims.ep):  # collective: every rank, in order
+            group = dist.new_group(block) if len(block) > dims.tp else None
+            if dims.rank in block:
+                self.block_group = group
+
+    # ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
+        """Copy the parameters' shards out of (HF name or expert-slice name, tensor) pairs. Full HF tensors
+        are narrowed to this rank's shard; a slice's experts outside this rank's are skipped. With `strict`,
+        every element of every parameter of this rank must arrive."""
+        if self.asleep:
+            raise RuntimeError("update_weights called while the engine sleeps; call wake_up() first")
+        params = dict(self.model.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        written: set[str] = set()
+        experts: dict[str, torch.Tensor] = {}  # our expert parameter -> which local experts arrived
+        for name, tensor in tensors:
+            sliced = parse_expert_slice(name)
+            match = match_hf(sliced[0] if sliced else name)
+            if match is None or match.ours not in params:
+                raise CheckpointError(f"unexpected tensor {name!r}: not a parameter of this model")
+            param = params[match.ours]
+            if sliced is not None:
+                got = experts.setdefault(match.ours, torch.zeros(param.shape[0], dtype=torch.bool))
+                self._load_slice(param, match, tensor, sliced[1], sliced[2], got)
+                continue
+            parts = pending.setdefault(match.ours, {})
+            parts[name] = tensor
+            if len(parts) == len(match.hf):
+                param.copy_(shard_of_hf(pending.pop(match.ours), param, match.ours, self.config, self.dims))
+                written.add(match.ours)
+        if pending:
+            raise CheckpointError(f"missing tensors {sorted(n for o in pending for n in match_ours(o).hf)}")
+        written |= {ours for ours, got in experts.items() if bool(got.all())}
+        if strict and set(params) - written:
+            absent = sorted(set(params) - written)
+            raise CheckpointError(f"missing tensors (or experts) of {absent}")
+        self.weight_version += 1
+
+    def _load_slice(
+        self, param, match, tensor: torch.Tensor, start: int, stop: int, got: torch.Tensor
+    ) -> None:
+        """Experts [start, stop) in HF layout -> the ones this rank holds, converted, into `param`."""
+        full = hf_shapes(match, self.config)[0]
+        if stop > full[0] or tuple(tensor.shape) != (stop - start, *full[1:]):
+            raise CheckpointError(
+                f"expert slice [{start}:{stop}] of {match.hf[0]!r} has shape {tuple(tensor.shape)}, "
+                f"expected {(stop - start, *full[1:])} of {full[0]} experts"
+            )
+        first = self.dims.coord("ep") * param.shape[0]  # experts split evenly over ep, in ep-rank order
+        lo, hi = max(start, first), min(stop, first + param.shape[0])
+        if lo < hi:
+            param[lo - first : hi - first].copy_(
+                from_hf(match, [tensor[lo - start : hi - start]], self.config)
+            )
+            got[lo - first : hi - first] = True
+
+    # ----------------------------------------------------------------------------------------------
+    def _new_cache(self, batch: int, tokens: int) -> KVCache:
+        kv_heads = self.config.num_query_groups // self.dims.tp
+        return KVCache(self.config, batch, tokens, self.dtype, self.device, kv_heads=kv_heads)
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """[B, H] -> [B, vocab_size] fp32 on every rank of the tp group: local rows, then all-gathered."""
+        if self.tp_group is None:
+            return super()._logits(last)
+        head = self.model.output_layer
+        assert head is not None
+        local = last.float() @ head.weight.float().t()
+        return gather_logits(local, self.tp_group, self.config.vocab_size)
+
+    def _finished(self, done: torch.Tensor) -> bool:
+        """Every row of every tp group of the lockstep block has stopped (one all-reduce where the block is
+        wider than the tp group; tp ranks hold the same rows and tokens)."""
+        if self.block_group is None:
+            return bool(done.all())
+        running = torch.tensor([int(not bool(done.all()))], device=self.device)
+        dist.all_reduce(running, group=self.block_group)
+        return int(running) == 0
