@@ -160,10 +160,14 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", type=str, default=None, help="YAML file of overrides")
+    parser.add_argument(
+        "--resume", default=None, help='"auto" (newest complete checkpoint), a checkpoint directory or ""'
+    )
     parser.add_argument("overrides", nargs="*", help="section.field=value pairs applied after the file")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = load_config(args.config, args.overrides)
+    overrides = list(args.overrides) + ([f"run.resume={args.resume!r}"] if args.resume is not None else [])
+    cfg = load_config(args.config, overrides)
     result = run(cfg)
     log.info("final evaluation: %s", json.dumps(result))
     print(json.dumps({"final": result, "output_dir": cfg.run.output_dir}))
