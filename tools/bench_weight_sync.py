@@ -5,31 +5,41 @@ GPUs (NCCL), exported through the bridge into a colocated receiver, on 1, 2 or 4
     torchrun --nproc_per_node 4 tools/bench_weight_sync.py
     torchrun --nproc_per_node 2 tools/bench_weight_sync.py --tiny      # a CPU check of the logic (gloo)
 
-Two paths are timed, each after one untimed warm-up pass:
+Three paths are timed, each after one untimed warm-up pass:
   (b) gathered  WeightExporter (whole experts, EngineLayout()) -> sync_in_process -> the embedded engine on
                 GPU 0 (rank 0 = dst: it receives every byte of the model; the other ranks send their experts
                 over NCCL gathers). The engine is a full single-GPU model: it takes whole HF tensors only.
   (a) local     each rank turns its own experts into HF layout with the bridge's name table (`to_hf` on
-                expert-range slices of at most --bucket-mb, as the exporter does for expert slices whose
-                root is dst) and copies them into receiver-owned tensors of the engine's HF layout on the same
-                GPU: what an engine whose expert layout matches the learner's costs per GPU (no transfer).
-Before timing, the gathered path is checked: after one sync every engine parameter equals the learner's
-(all its expert shards gathered onto rank 0), bit for bit. Peak extra memory = max_memory_allocated during
-the pass minus memory_allocated before it (the engine's and the receivers' own parameters excluded).
+                expert-range slices of at most --bucket-mb) and copies them into receiver-owned tensors on
+                the same GPU: the conversion alone, without an engine's load path.
+  (c) fan-out   FanoutExporter -> a ParallelEmbeddedEngine with a shard on every GPU (engine world = learner
+                world): dense tensors broadcast from their root to every GPU, each engine rank narrows them
+                to its shard; expert slices converted on the GPU that holds them where the engine's expert
+                layout matches, else sent point to point to the GPU whose engine shard takes them. Two
+                engine layouts: ep = #GPUs (experts match the learner's) and tp2 x ep #GPUs/2 (another
+                layout: half or all of a GPU's experts come from other GPUs). Timed as a whole and per pass
+                (dense, experts); GB/s per GPU = the bytes its engine shard takes / seconds.
+Before timing, each path is checked bit for bit: (b) every engine parameter equals the learner's (expert
+shards gathered onto rank 0); (c) every engine shard equals the learner's tensor narrowed to that shard
+(dense: against the rank's replicated learner copy; experts: against each owner's broadcast). Peak extra
+memory = max_memory_allocated during the pass minus memory_allocated before it (the engines' and the
+receivers' own parameters excluded).
 
 Projection for the full gpt-oss-120b (36 layers, vocabulary 201088) with the learner at pp4 x ep8 on 32
 and 64 H100s (8 GPUs a node; a pipeline stage spans whole nodes, so 3/4 of what a GPU receives comes from
 other nodes). Bytes (bf16): X = all expert tensors, D = all dense tensors (attention, norms, router, sinks,
-embedding, output layer).
-    (a) matching expert layout: a GPU keeps its learner experts, X / (pp ep), converted at r_local, and
-        receives every dense tensor:            t_a = X / (pp ep) / r_local + D (1/4 / r_recv + 3/4 / r_net)
+embedding, output layer). Every GPU hosts an engine shard and receives in parallel (path (c)).
+    (a) matching expert layout: a GPU keeps its learner experts, X / (pp ep), converted into its engine
+        shard at r_local, and receives every dense tensor:
+                                  t_a = X / (pp ep) / r_local + D (1/4 / r_dense + 3/4 / min(r_dense, net))
     (b) any other layout, e.g. one engine per node with experts split over its 8 GPUs (ep_e = 8) or over 2
-        nodes (ep_e = 16), dense replicated:    t_b = B (1/4 / r_recv + 3/4 / r_net),  B = X / ep_e + D
-    r_local: median per-GPU rate of path (a); r_recv: the dst's receive rate of path (b) on this run's GPUs;
-    r_net = min(r_recv, --link-gbs), the per-GPU inter-node bandwidth (assumed, not measured: 400 Gb/s
-    InfiniBand per GPU = 50 GB/s). Both assume every GPU receives in parallel (a receiver per GPU); the
-    bridge today has one dst per export: the whole model through one GPU takes (X + D) (1/4 / r_recv +
-    3/4 / r_net) (printed as "one dst"; it cannot hold the model either).
+        nodes (ep_e = 16), dense replicated:
+                                  t_b = X / ep_e (1/4 / r_recv + 3/4 / min(r_recv, net)) + the dense term
+    r_local: (c) with matching experts, experts GB per GPU / experts-pass seconds; r_dense: its dense GB per
+    GPU / dense-pass seconds; r_recv: (c) with the other layout, experts GB per GPU / experts-pass seconds
+    (on one GPU, where there is no other layout: the dst rate of (b)); net = --link-gbs, the per-GPU
+    inter-node bandwidth (assumed, not measured: 400 Gb/s InfiniBand per GPU = 50 GB/s). "one dst": the
+    whole model through one GPU, (X + D) (1/4 / r_dst + 3/4 / min(r_dst, net)), r_dst the (b) rate.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_gptoss.bridge.export import WeightExporter
-from megatron_gptoss.bridge.plan import EngineLayout
+from megatron_gptoss.bridge.fanout import FanoutExporter
+from megatron_gptoss.bridge.plan import EngineLayout, buckets_of
 from megatron_gptoss.bridge.transport import sync_in_process
 from megatron_gptoss.checkpoint.names import hf_shapes, match_ours, our_names, to_hf
 from megatron_gptoss.config import ParallelConfig, gpt_oss_120b
@@ -53,8 +64,9 @@ from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, materialize
 from megatron_gptoss.parallel.pipeline import StagePlan, build_stage_model
-from megatron_gptoss.parallel.sharding import get_shard
+from megatron_gptoss.parallel.sharding import get_shard, local_shard
 from megatron_gptoss.rollout import EmbeddedEngine
+from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
 GB = 1e9
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
@@ -159,6 +171,12 @@ def local_pass(model, config, receivers, bucket_bytes: int) -> int:
     return moved
 
 
+def gather_rows(row: torch.Tensor, world: int) -> list[list[float]]:
+    rows = [torch.empty_like(row) for _ in range(world)]
+    dist.all_gather(rows, row)
+    return [r.tolist() for r in rows]
+
+
 def timed(fn, device, dims, warmup: int, iters: int):
     """Median seconds (max over ranks), last pass's result and peak extra memory of `fn`."""
     times, peaks = [], []
@@ -178,28 +196,115 @@ def timed(fn, device, dims, warmup: int, iters: int):
     return float(t), result, max(peaks)
 
 
-def projection(r_local: float, r_recv: float, link: float) -> list[dict]:
+def fanout_layouts(world: int) -> list[tuple[str, int, int]]:
+    """(name, tp, ep) of the engines path (c) feeds: experts matching the learner's, and another layout."""
+    out = [(f"ep{world}", 1, world)]
+    if world >= 2:
+        out.append((f"tp2xep{world // 2}" if world > 2 else "tp2", 2, world // 2))
+    return out
+
+
+@torch.no_grad()
+def check_fanout(model, engine, config, dims, edims) -> int:
+    """Engine tensors of this rank that differ from the learner's narrowed to its engine shard: dense ones
+    against this rank's learner copy (tp1: dense is replicated), experts against each owner's broadcast."""
+    wrong = 0
+    theirs = dict(engine.model.named_parameters())
+    padded = config.padded_vocab_size(edims.tp)
+    for name, p in model.named_parameters():
+        mine = theirs[name]
+        if get_shard(p) is None:
+            if not torch.equal(mine, local_shard(p.detach(), get_shard(mine), edims, padded)):
+                wrong += 1
+                print(f"MISMATCH rank {dims.rank} {name}", flush=True)
+            continue
+        per, first = p.shape[0], edims.coord("ep") * mine.shape[0]
+        for owner in range(dims.ep):  # learner tp1 pp1: rank = ep rank
+            theirs_owner = p.detach() if dims.rank == owner else torch.empty_like(p)
+            if dims.ep > 1:
+                dist.broadcast(theirs_owner, src=owner)
+            lo, hi = max(owner * per, first), min((owner + 1) * per, first + mine.shape[0])
+            if lo < hi and not torch.equal(
+                mine[lo - first : hi - first], theirs_owner[lo - owner * per : hi - owner * per]
+            ):
+                wrong += 1
+                print(f"MISMATCH rank {dims.rank} {name} experts [{lo}, {hi})", flush=True)
+    return wrong
+
+
+def fanout_bytes(plan, rank: int, element: int = 2) -> dict[str, int]:
+    """What this rank's engine worker receives: dense tensors, experts converted locally, experts received."""
+    out = {"dense": 0, "local": 0, "remote": 0}
+    for t in plan:
+        if rank in t.receivers:
+            n = sum(torch.Size(s).numel() for s in t.shapes) * element
+            out["dense" if t.phase == "dense" else "local" if t.root == rank else "remote"] += n
+    return out
+
+
+def fanout_stream(exporter, device, marks: dict):
+    """The exporter's pairs, marking when the experts pass starts (after the dense pass completes)."""
+    phases = [b[0].phase for b in buckets_of(exporter.plan)]
+    buckets = exporter.buckets()
+    for phase in phases:
+        if phase == "experts" and "experts" not in marks:
+            sync(device)
+            marks["experts"] = time.perf_counter()
+        yield from next(buckets)
+    next(buckets, None)
+
+
+def timed_fanout(exporter, engine, device, warmup: int, iters: int):
+    """Median seconds (max over ranks) of the whole sync, its dense pass and its experts pass; peak extra."""
+    times, peaks = [], []
+    for it in range(warmup + iters):
+        dist.barrier()
+        sync(device)
+        marks: dict = {}
+        with Peak(device) as peak:
+            start = time.perf_counter()
+            engine.update_weights(fanout_stream(exporter, device, marks))
+            sync(device)
+            end = time.perf_counter()
+        if it >= warmup:
+            split = marks.get("experts", end)
+            times.append((end - start, split - start, end - split))
+            peaks.append(peak.extra)
+    t = torch.tensor(
+        [statistics.median(x[i] for x in times) for i in range(3)], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist(), max(peaks)
+
+
+def projection(rates: dict[str, float], link: float) -> list[dict]:
     """The formula of the module docstring for the full gpt-oss-120b, learner pp4 x ep8."""
     full = gpt_oss_120b()
     x, d = hf_bytes(full)
     pp, ep, remote = 4, 8, 3 / 4
-    r_net = min(r_recv, link)
 
-    def over_net(b: float) -> float:
-        return b * ((1 - remote) / r_recv + remote / r_net)
+    def over_net(b: float, rate: float) -> float:
+        return b * ((1 - remote) / rate + remote / min(rate, link))
 
+    dense = over_net(d, rates["dense"])
     rows = []
     for gpus in (32, 64):
         mine = x / (pp * ep)
         rows.append(
             dict(
-                gpus=gpus, case="(a) matching experts", received=d, local=mine, s=mine / r_local + over_net(d)
+                gpus=gpus,
+                case="(a) matching experts",
+                received=d,
+                local=mine,
+                s=mine / rates["local"] + dense,
             )
         )
         for ep_e in (8, 16) if gpus == 64 else (8,):
-            b = x / ep_e + d
-            rows.append(dict(gpus=gpus, case=f"(b) engine ep{ep_e}", received=b, local=0.0, s=over_net(b)))
-    rows.append(dict(gpus=32, case="one dst (bridge today)", received=x + d, local=0.0, s=over_net(x + d)))
+            b = x / ep_e
+            s_b = over_net(b, rates["recv"]) + dense
+            rows.append(dict(gpus=gpus, case=f"(b) engine ep{ep_e}", received=b + d, local=0.0, s=s_b))
+    one = over_net(x + d, rates["dst"])
+    rows.append(dict(gpus=32, case="one dst (gathered path)", received=x + d, local=0.0, s=one))
     return rows
 
 
@@ -263,9 +368,7 @@ def main() -> None:
     )
 
     row = torch.tensor([moved_b, peak_b, moved_a, peak_a], dtype=torch.float64, device=device)
-    rows = [torch.empty_like(row) for _ in range(world)]
-    dist.all_gather(rows, row)
-    per_rank = [r.tolist() for r in rows]
+    per_rank = gather_rows(row, world)
     r_recv = total / t_b
     r_local = statistics.median(r[2] for r in per_rank) / t_a
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
@@ -281,11 +384,64 @@ def main() -> None:
         role = "recv" if rank == 0 else "send"
         log(f"| {rank} | {mb / GB:.2f} {role} | {mb / GB / t_b:.1f} | {pb / 2**30:.2f} | {ma / GB:.2f} | "
             f"{ma / GB / t_a:.1f} | {pa / 2**30:.2f} |")  # fmt: skip
+    engine = exporter = receivers = None  # free the single-GPU engine before the sharded ones
+    if cuda:
+        torch.cuda.empty_cache()
 
-    proj = projection(r_local, r_recv, args.link_gbs * GB)
+    # (c) fan-out into the sharded embedded engine colocated with the learner, one engine layout at a time
+    fanout = {}
+    for label, tp_e, ep_e in fanout_layouts(world):
+        ecfg = ParallelConfig(tensor_model_parallel_size=tp_e, expert_model_parallel_size=ep_e)
+        edims = ParallelDims.build(ecfg, config)
+        shard = ParallelEmbeddedEngine(config, edims, dtype=torch.bfloat16, device=device)
+        fan = FanoutExporter([model], config, dims, EngineLayout(world, ep_e, True), bucket)
+        shard.update_weights(fan.pairs())
+        bad = torch.tensor([check_fanout(model, shard, config, dims, edims)], device=device)
+        dist.all_reduce(bad)
+        log(f"\n(c) engine {label}: bitwise check after one sync: {int(bad)} tensors differ", flush=True)
+        if int(bad):
+            raise SystemExit(f"the {label} engine's shards differ from the learner's")
+        (t_all, t_dense, t_exp), peak_c = timed_fanout(fan, shard, device, args.warmup, args.iters)
+        got = fanout_bytes(fan.plan, dims.rank)
+        rows_c = gather_rows(
+            torch.tensor(
+                [got["dense"], got["local"], got["remote"], peak_c], dtype=torch.float64, device=device
+            ),
+            world,
+        )
+        fanout[label] = dict(seconds=t_all, dense_s=t_dense, experts_s=t_exp, per_rank=rows_c)
+        log(
+            f"(c) fan-out into engine {label} (tp{tp_e} ep{ep_e}) on every GPU: {t_all:.3f} s "
+            f"(dense pass {t_dense:.3f} s, experts pass {t_exp:.3f} s)\n"
+            "| rank | dense GB (broadcast) | experts GB local | experts GB received | GB/s per GPU | "
+            "dense GB/s | experts GB/s | peak extra GiB |\n|---|---|---|---|---|---|---|---|"
+        )
+        for rank, (dn, lo, rm, pk) in enumerate(rows_c):
+            log(f"| {rank} | {dn / GB:.2f} | {lo / GB:.2f} | {rm / GB:.2f} | "
+                f"{(dn + lo + rm) / GB / t_all:.1f} | {dn / GB / t_dense:.1f} | "
+                f"{(lo + rm) / GB / t_exp:.1f} | {pk / 2**30:.2f} |")  # fmt: skip
+        del shard, fan
+        if cuda:
+            torch.cuda.empty_cache()
+
+    match = fanout[f"ep{world}"]
+    dense_bytes = match["per_rank"][0][0]
+    rates = {
+        "local": statistics.median(r[1] for r in match["per_rank"]) / match["experts_s"],
+        "dense": dense_bytes / match["dense_s"],
+        "dst": r_recv,
+    }
+    other = [v for k, v in fanout.items() if k != f"ep{world}"]
+    rates["recv"] = (
+        min((r[1] + r[2]) for r in other[0]["per_rank"]) / other[0]["experts_s"] if other else r_recv
+    )
+    proj = projection(rates, args.link_gbs * GB)
     log(
-        f"\nprojection, gpt-oss-120b, learner pp4 x ep8 (formula in the docstring): r_local "
-        f"{r_local / GB:.1f} GB/s, r_recv {r_recv / GB:.1f} GB/s, r_net min(r_recv, {args.link_gbs:g} GB/s)\n"
+        "\nprojection, gpt-oss-120b, learner pp4 x ep8 (formula in the docstring), measured per GPU: "
+        f"r_local {rates['local'] / GB:.1f}, r_dense {rates['dense'] / GB:.1f}, "
+        f"r_recv {rates['recv'] / GB:.1f}"
+        f"{'' if other else ' (one GPU: the gathered dst rate)'}, r_dst {r_recv / GB:.1f} GB/s; "
+        f"r_net = min(rate, {args.link_gbs:g} GB/s)\n"
         "| GPUs | engine layout | GB received per GPU | GB kept local per GPU | seconds | target |\n"
         "|---|---|---|---|---|---|"
     )
@@ -298,7 +454,7 @@ def main() -> None:
     result = dict(
         device=name, gpus=world, layers=config.num_layers, vocab=config.vocab_size, model_gb=total / GB,
         gathered_s=t_b, local_s=t_a, r_recv_gbs=r_recv / GB, r_local_gbs=r_local / GB, per_rank=per_rank,
-        projection=proj,
+        fanout=fanout, rates_gbs={k: v / GB for k, v in rates.items()}, projection=proj,
     )  # fmt: skip
     if dims.rank == 0:
         print(json.dumps(result), flush=True)

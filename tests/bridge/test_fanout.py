@@ -5,9 +5,12 @@ the single-process model's narrowed to its shard, bit for bit; its log-probs of 
 seeded sampled generations equal the single-process `EmbeddedEngine`'s (tp groups of one lockstep block
 generate from different prompts and stop at different steps); a k/v-swapped stream gives other log-probs."""
 
+import ctypes
+from pathlib import Path
+
 import pytest
 import torch
-from bridge_layouts import LAYOUTS, POOL_TIMEOUT, _stages
+from bridge_layouts import LAYOUTS, POOL_TIMEOUT, _rss, _stages
 from harness import pool
 from vllm_helpers import CORRUPTIONS, max_delta
 
@@ -161,3 +164,56 @@ def test_fanout_into_parallel_engines_equals_the_single_process_engine(reference
         assert swapped > 100 * TOLERANCE
     mixed = MIXED_BLOCK[world]  # its lockstep blocks hold two tp groups with prompt sets 0 and 1
     assert {g[2] for r in results for g in r[mixed]["greedy"]} == {"stop", "length"}
+
+
+MEMORY_CONFIG = gpt_oss_tiny(
+    vocab_size=1024, hidden_size=256, intermediate_size=256, head_dim=64, num_layers=4, num_experts=8
+)
+
+
+def measure_fanout_on_ranks(parallel: dict, engine_layout: dict, bucket_bytes: int) -> dict[str, int]:
+    """(Every rank) peak RSS growth of one fan-out sync into this rank's engine shard, after a warm-up sync
+    (the engine's own parameters exist before); allocations of 64 KiB and more are mmapped so that freed
+    tensors leave the resident set at once. Also the largest transfer this rank roots and receives."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
+    config = MEMORY_CONFIG
+    state = {n: p.detach() for n, p in build_model(config, seed=0).named_parameters()}
+    chunks, dims = _stages(config, state, parallel)
+    del state
+    pcfg = ParallelConfig(
+        tensor_model_parallel_size=engine_layout.get("tp", 1),
+        expert_model_parallel_size=engine_layout.get("ep", 1),
+    )
+    edims = ParallelDims.build(pcfg, config)
+    engine = ParallelEmbeddedEngine(config, edims)
+    target = EngineLayout(workers=dims.layout.world, ep=edims.ep, expert_slices=True)
+    exporter = FanoutExporter(chunks, config, dims, target, bucket_bytes)
+    engine.update_weights(exporter.pairs())  # warm-up
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _rss()["VmRSS"]
+    engine.update_weights(exporter.pairs())
+    peak = _rss()["VmHWM"] - before
+    rank = dims.rank
+    return {
+        "rank": rank,
+        "peak": peak,
+        "rooted": max((t.nbytes for t in exporter.plan if t.root == rank), default=0),
+        "received": max((t.nbytes for t in exporter.plan if rank in t.receivers), default=0),
+    }
+
+
+def test_fanout_peak_extra_memory_per_rank_is_bounded_by_the_bucket():
+    bucket = 1 << 20
+    world, parallel = LAYOUTS["tp2xep2xpp2"]
+    per_rank = pool(world).run(
+        measure_fanout_on_ranks, parallel, dict(tp=2, ep=4), bucket, timeout=POOL_TIMEOUT
+    )
+    model_bytes = 4 * MEMORY_CONFIG.param_counts()["total"]
+    slack = 2 << 20  # allocator and gloo bookkeeping
+    for m in per_rank:
+        # a bucket received + a bucket rooted (kept until its sends complete) + the transfer in flight (a tp
+        # gather and its HF copy) + the engine's conversion of one received transfer
+        bound = 2 * bucket + 3 * m["rooted"] + m["received"] + slack
+        print(f"fan-out rank {m['rank']}: peak {m['peak'] / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
+        assert m["peak"] <= bound, m
+        assert bound < model_bytes / 2, (bound, model_bytes)
