@@ -65,7 +65,7 @@ from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, materialize
 from megatron_gptoss.parallel.pipeline import StagePlan, build_stage_model
 from megatron_gptoss.parallel.sharding import get_shard, local_shard
-from megatron_gptoss.rollout import EmbeddedEngine
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
 GB = 1e9
@@ -196,6 +196,36 @@ def timed(fn, device, dims, warmup: int, iters: int):
     return float(t), result, max(peaks)
 
 
+@torch.no_grad()
+def engine_outputs(engine, config) -> dict:
+    """Log-probs of two fixed sequences, 8 greedy tokens of two prompts (collective for a sharded engine)."""
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(0, config.vocab_size, (2, 24), generator=gen).tolist()
+    outs = engine.generate([s[:8] for s in seqs], SamplingParams(top_k=1, max_new_tokens=8))
+    return {
+        "logprobs": engine.sequence_logprobs(seqs),
+        "tokens": [o.token_ids for o in outs],
+        "token_logprobs": [o.logprobs for o in outs],
+    }
+
+
+def compare_outputs(ours: dict, ref: dict) -> dict:
+    """Max |log-prob delta| of the sequences, greedy tokens equal before the first divergence, and the max
+    |delta| of the sampled tokens' log-probs over that common prefix."""
+    seq = max(abs(a - b) for ra, rb in zip(ours["logprobs"], ref["logprobs"]) for a, b in zip(ra, rb))
+    same, gen = 0, 0.0
+    for ta, tb, la, lb in zip(ours["tokens"], ref["tokens"], ours["token_logprobs"], ref["token_logprobs"]):
+        n = next((i for i, (a, b) in enumerate(zip(ta, tb)) if a != b), len(ta))
+        same += n
+        gen = max([gen, *(abs(a - b) for a, b in zip(la[: n + 1], lb[: n + 1]))])
+    return {
+        "seq_delta": seq,
+        "greedy_equal": same,
+        "greedy_total": sum(len(t) for t in ref["tokens"]),
+        "gen_delta": gen,
+    }
+
+
 def fanout_layouts(world: int) -> list[tuple[str, int, int]]:
     """(name, tp, ep) of the engines path (c) feeds: experts matching the learner's, and another layout."""
     out = [(f"ep{world}", 1, world)]
@@ -318,6 +348,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--link-gbs", type=float, default=50.0, help="assumed inter-node GB/s per GPU")
+    parser.add_argument(
+        "--generate", action=argparse.BooleanOptionalAction, default=True,
+        help="compare each sharded engine's log-probs and greedy tokens with the single-GPU engine's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+        help="learner and engines (the projection assumes bf16 bytes)",
+    )  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny widths on the CPU (gloo)")
     parser.add_argument("--watchdog", type=int, default=0, help="dump stacks and exit after N s (0: off)")
     parser.add_argument("--out", default="", help="append the result as a JSON line to this file")
@@ -337,11 +375,12 @@ def main() -> None:
     log = print if dims.rank == 0 else (lambda *a, **k: None)
     bucket = args.bucket_mb << 20
 
-    stage = build_stage_model(config, StagePlan(0, 1, range(config.num_layers)), torch.bfloat16, "meta")
+    dtype = getattr(torch, args.dtype)
+    stage = build_stage_model(config, StagePlan(0, 1, range(config.num_layers)), dtype, "meta")
     model = parallelize(stage, dims, pcfg)
     materialize(model, device)
     init_parallel([model], config, dims, seed=0)
-    engine = EmbeddedEngine(config, dtype=torch.bfloat16, device=device) if dims.rank == 0 else None
+    engine = EmbeddedEngine(config, dtype=dtype, device=device) if dims.rank == 0 else None
     exporter = WeightExporter([model], config, dims, EngineLayout(), bucket, dst=0)
     receivers = local_receivers(model, config, device)
 
@@ -353,6 +392,8 @@ def main() -> None:
     log(f"bitwise check after one sync: {n_params - int(wrong)}/{n_params} tensors equal", flush=True)
     if int(wrong):
         raise SystemExit("the engine's weights differ from the learner's")
+    reference = [engine_outputs(engine, config) if engine is not None else None]
+    dist.broadcast_object_list(reference, src=0)
 
     # (b) gathered into the engine on GPU 0
     total = sum(t.nbytes for t in exporter.plan)
@@ -374,7 +415,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     log(
         f"\n{name} x {world}, learner ep{world} tp1 pp1, {config.num_layers} layers x {config.num_experts} "
-        f"experts, hidden {config.hidden_size}, vocab {config.vocab_size}, bf16, "
+        f"experts, hidden {config.hidden_size}, vocab {config.vocab_size}, {args.dtype}, "
         f"bucket {args.bucket_mb} MiB; model {total / GB:.2f} GB (HF tensors)\n"
         f"(b) gathered into the engine on GPU 0: {t_b:.3f} s   (a) local experts to HF layout: {t_a:.3f} s\n"
         "| rank | (b) GB moved | (b) GB/s | (b) peak extra GiB | (a) GB | (a) GB/s | (a) peak extra GiB |\n"
@@ -393,7 +434,7 @@ def main() -> None:
     for label, tp_e, ep_e in fanout_layouts(world):
         ecfg = ParallelConfig(tensor_model_parallel_size=tp_e, expert_model_parallel_size=ep_e)
         edims = ParallelDims.build(ecfg, config)
-        shard = ParallelEmbeddedEngine(config, edims, dtype=torch.bfloat16, device=device)
+        shard = ParallelEmbeddedEngine(config, edims, dtype=dtype, device=device)
         fan = FanoutExporter([model], config, dims, EngineLayout(world, ep_e, True), bucket)
         shard.update_weights(fan.pairs())
         bad = torch.tensor([check_fanout(model, shard, config, dims, edims)], device=device)
@@ -402,7 +443,7 @@ def main() -> None:
         if int(bad):
             raise SystemExit(f"the {label} engine's shards differ from the learner's")
         (t_all, t_dense, t_exp), peak_c = timed_fanout(fan, shard, device, args.warmup, args.iters)
-        got = fanout_bytes(fan.plan, dims.rank)
+        got = fanout_bytes(fan.plan, dims.rank, dtype.itemsize)
         rows_c = gather_rows(
             torch.tensor(
                 [got["dense"], got["local"], got["remote"], peak_c], dtype=torch.float64, device=device
@@ -420,6 +461,16 @@ def main() -> None:
             log(f"| {rank} | {dn / GB:.2f} | {lo / GB:.2f} | {rm / GB:.2f} | "
                 f"{(dn + lo + rm) / GB / t_all:.1f} | {dn / GB / t_dense:.1f} | "
                 f"{(lo + rm) / GB / t_exp:.1f} | {pk / 2**30:.2f} |")  # fmt: skip
+        if args.generate:
+            agree = compare_outputs(engine_outputs(shard, config), reference[0])
+            fanout[label]["vs_single_gpu_engine"] = agree
+            log(
+                f"(c) engine {label} against the single-GPU embedded engine ({args.dtype}): sequence "
+                f"log-probs max |delta| {agree['seq_delta']:.3g}; greedy tokens equal "
+                f"{agree['greedy_equal']}/{agree['greedy_total']} (until a divergence), their log-probs "
+                f"max |delta| {agree['gen_delta']:.3g}",
+                flush=True,
+            )
         del shard, fan
         if cuda:
             torch.cuda.empty_cache()
