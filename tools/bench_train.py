@@ -116,6 +116,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="tiny widths on the CPU (gloo)")
     parser.add_argument("--out", default="", help="append the result as a JSON line to this file")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step")
+    parser.add_argument("--trace", default="", help="with --profile: write the step's Chrome trace here")
     args = parser.parse_args()
 
     cuda = torch.cuda.is_available() and not args.small
@@ -233,9 +234,19 @@ def main() -> None:
 
         zero()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
             runner.forward_backward(packed, loss_fn)
             sync(device)
-        log(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+            wall = time.perf_counter() - start
+        if args.trace and dims.rank == 0:
+            prof.export_chrome_trace(args.trace)
+        events = prof.key_averages()
+        kernels = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") / 1e3
+        log(events.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=60))
+        log(
+            f"profiled step: {wall * 1e3:.1f} ms wall (profiler on), {kernels:.1f} ms of GPU kernels",
+            flush=True,
+        )
 
     flops = step_flops(config, docs)
     result = {

@@ -3,6 +3,11 @@ logits exists at a time, in the forward and in the backward (which recomputes ea
 
 Convention (DESIGN): logprob_t = log_softmax(logits_t / T)[token_t] with T the sampling temperature,
 before any top-k/top-p truncation; entropy_t is that of softmax(logits_t / T). Computed in fp32.
+
+GEMMs of bf16/fp16 hidden states and weights on CUDA run on the half-precision tensor cores with fp32
+accumulation and fp32 output: the logits are those of the fp32 GEMM (products of half values are exact
+in fp32). The backward's fp32 logit gradient is split into two half-precision terms (hi + lo, relative
+residual below 2^-17) for its two GEMMs; elsewhere every GEMM runs in fp32.
 """
 
 from __future__ import annotations
@@ -10,9 +15,26 @@ from __future__ import annotations
 import torch
 
 
+def _half_gemms(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [n, H] @ weight[V, H]^T in fp32."""
+    if _half_gemms(h) and weight.dtype == h.dtype:
+        return torch.mm(h, weight.t(), out_dtype=torch.float32)
+    return h.float() @ weight.float().t()
+
+
+def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 dz -> (hi, lo) in dtype with hi + lo = dz up to a relative 2^-17."""
+    hi = dz.to(dtype)
+    return hi, (dz - hi.float()).to(dtype)
+
+
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
     """One chunk: (log_softmax [n, V], softmax [n, V], logprob of target [n], entropy [n]), fp32."""
-    logp = (h.float() @ weight.float().t()).mul_(inv_temp)
+    logp = _logits(h, weight).mul_(inv_temp)
     logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
     p = torch.exp(logp)
     entropy = -(p * logp).sum(-1)
@@ -40,13 +62,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        wf = weight.float()
+        half = _half_gemms(hidden) and weight.dtype == hidden.dtype
+        wf = torch.cat([weight, weight]) if half else weight.float()
         for s in range(0, hidden.shape[0], chunk):
             dz = _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad_entropy)
             dz.mul_(inv_temp)
+            h = hidden[s : s + chunk]
+            if half:  # dz @ W = [hi, lo] @ [W; W] and dz^T @ h = [hi; lo]^T @ [h; h]: fp32 accumulation
+                hi, lo = _split(dz, hidden.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[s : s + chunk] = torch.mm(torch.cat([hi, lo], 1), wf, out_dtype=torch.float32)
+                grad_weight += torch.mm(torch.cat([hi, lo]).t(), torch.cat([h, h]), out_dtype=torch.float32)
+                continue
             if grad_hidden is not None:
                 grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
-            grad_weight.addmm_(dz.t(), hidden[s : s + chunk].float())
+            grad_weight.addmm_(dz.t(), h.float())
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None
 
@@ -80,7 +110,9 @@ def token_logprobs(
     t = targets.reshape(-1)
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
+    if t.numel() and t.is_cuda:  # checked on the device: no host sync (a violation fails the assert)
+        torch._assert_async(((t >= 0) & (t < weight.shape[0])).all(), "targets outside the vocabulary")
+    elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
         raise ValueError(f"targets outside the vocabulary [0, {weight.shape[0]})")
     logprobs, entropy = _ChunkedLogprobs.apply(h, weight, t, 1.0 / temperature, chunk_size)
     logprobs = logprobs.view(lead)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.ops import fused_moe
 
 
 class Router(nn.Module):
@@ -42,11 +43,12 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], backend: str) -> torch.Tensor:
-    """Rows of x sorted by expert (counts per expert) times weight[e]^T; weight [E, out, in]."""
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, backend: str) -> torch.Tensor:
+    """Rows of x sorted by expert (expert e: rows [bounds[e], bounds[e + 1])) times weight[e]^T; weight
+    [E, out, in]. `grouped_mm` reads the bounds on the device; `loop` reads them on the host."""
     if backend == "grouped_mm":
-        offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=bounds[1:])
+    counts = (bounds[1:] - bounds[:-1]).tolist()
     pieces = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
     # With no rows at all, an empty product still ties the output to `weight`, so it gets a (zero)
     # gradient like any expert without tokens (an expert-parallel rank can receive no token).
@@ -58,6 +60,12 @@ class Experts(nn.Module):
 
     E is `num_experts`: all of the config's experts by default; expert parallelism builds instances
     holding a contiguous slice of them and reuses `compute` on the tokens dispatched to it.
+
+    Backends (`expert_backend`): `grouped_mm` (auto on CUDA) sorts the tokens on the device, runs the
+    GEMMs as `torch._grouped_mm` (a loop over experts on the CPU) and the permutation, bias + SwiGLU and
+    router weighting as fused Triton kernels (`megatron_gptoss.ops.fused_moe`; on the CPU under
+    TRITON_INTERPRET=1): no host sync. `loop` (auto on the CPU) is the eager reference: a loop over
+    experts with the per-expert counts read on the host.
     """
 
     def __init__(self, config: ModelConfig, dtype=None, device=None, num_experts: int | None = None):
@@ -69,35 +77,42 @@ class Experts(nn.Module):
         self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device)
         self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device)
 
-    def _backend(self, x: torch.Tensor) -> str:
+    def fused(self, x: torch.Tensor) -> bool:
+        """Whether the fused kernels run (the `grouped_mm` backend) for input x."""
         if self.backend != "auto":
-            return self.backend
-        return "grouped_mm" if x.is_cuda and hasattr(torch, "_grouped_mm") else "loop"
+            return self.backend == "grouped_mm"
+        return x.is_cuda and hasattr(torch, "_grouped_mm") and fused_moe.triton_available()
 
-    def compute(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows x [M, H] sorted by expert (`counts[e]` rows for this instance's expert e) -> the experts'
-        outputs [M, H], not yet weighted by the router."""
-        backend = self._backend(x)
-        expert = torch.repeat_interleave(
-            torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device)
-        )
-        h = grouped_linear(x, self.linear_fc1.weight, counts, backend)
-        if self.linear_fc1.bias is not None:
-            h = h + self.linear_fc1.bias[expert]
+    def compute(self, x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+        """Rows x [M, H] sorted by expert (this instance's expert e: rows [bounds[e], bounds[e + 1]),
+        bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if self.fused(x):
+            gemm = "grouped_mm" if x.is_cuda else "loop"
+            h = fused_moe.swiglu_bias(
+                grouped_linear(x, fc1.weight, bounds, gemm), fc1.bias, bounds, self.limit, self.alpha
+            )
+            y = grouped_linear(h, fc2.weight, bounds, gemm)
+            return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
+        expert = fused_moe.expert_of_rows(bounds, x.shape[0])
+        h = grouped_linear(x, fc1.weight, bounds, "loop")
+        if fc1.bias is not None:
+            h = h + fc1.bias[expert]
         h = swiglu_clamped(h, self.limit, self.alpha)
-        y = grouped_linear(h, self.linear_fc2.weight, counts, backend)
-        if self.linear_fc2.bias is not None:
-            y = y + self.linear_fc2.bias[expert]
+        y = grouped_linear(h, fc2.weight, bounds, "loop")
+        if fc2.bias is not None:
+            y = y + fc2.bias[expert]
         return y
 
     def forward(self, x: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """x [N, H], probs/indices [N, k] -> [N, H]."""
         k = indices.shape[1]
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        slot_rows, bounds, order = fused_moe.sort_by_expert(indices, self.num_experts)
+        if self.fused(x):
+            rows = self.compute(fused_moe.permute(x, slot_rows, k), bounds)
+            return fused_moe.unpermute(rows, probs, slot_rows)
         token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        y = self.compute(x[token], counts)
+        y = self.compute(x[token], bounds)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 

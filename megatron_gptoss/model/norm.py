@@ -1,14 +1,18 @@
-"""RMSNorm computed in fp32 (weight applied in fp32, result cast back), as in GPT-OSS."""
+"""RMSNorm computed in fp32 (weight applied in fp32, result cast back), as in GPT-OSS. On CUDA (with
+Triton) one fused kernel forward and one backward (`megatron_gptoss.ops.rms_norm`); eager elsewhere."""
 
 from __future__ import annotations
 
 import torch
 
+from megatron_gptoss.ops.fused_moe import triton_available
+from megatron_gptoss.ops.rms_norm import fused_rms_norm, rms_norm_reference
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
+    if x.is_cuda and triton_available():
+        return fused_rms_norm(x, weight, eps)
+    return rms_norm_reference(x, weight, eps)
 
 
 class RMSNorm(torch.nn.Module):

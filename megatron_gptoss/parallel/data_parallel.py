@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 _GROUP_ATTR = "_megatron_gptoss_grad_group"
 _HOOKED_ATTR = "_megatron_gptoss_main_grad_hook"
+# Set by zero_grad on non-fp32 parameters: the next gradient is copied into `main_grad`, not added.
+_FRESH_ATTR = "_megatron_gptoss_main_grad_fresh"
 # Parameter offsets inside a buffer are multiples of this many elements (aligned kernels' operands).
 _ALIGN = 64
 
@@ -196,6 +198,7 @@ class DistributedOptimizer:
             b.grad.zero_()
             for p in b.params:
                 p.grad = p.main_grad if p.dtype == torch.float32 else None  # type: ignore[attr-defined]
+                setattr(p, _FRESH_ATTR, p.dtype != torch.float32)
 
     def _check_grads(self) -> None:
         for b in self.buckets:
@@ -306,6 +309,11 @@ def _own_range(b: _Bucket, size: int) -> tuple[int, int]:
 
 
 def _accumulate_main_grad(param: Tensor) -> None:
-    """Post-accumulate hook of a non-fp32 parameter: add its gradient to the fp32 `main_grad`."""
-    param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
+    """Post-accumulate hook of a non-fp32 parameter: add its gradient to the fp32 `main_grad` (the first
+    gradient after `zero_grad` is copied: the same values, one read of `main_grad` fewer)."""
+    if getattr(param, _FRESH_ATTR, False):
+        param.main_grad.copy_(param.grad)  # type: ignore[attr-defined]
+        setattr(param, _FRESH_ATTR, False)
+    else:
+        param.main_grad.add_(param.grad)  # type: ignore[attr-defined]
     param.grad = None

@@ -3,9 +3,10 @@
     x [B, T, H]: replicated over tp (tp > 1 without SP: each tp rank takes its chunk of the B x T
                  tokens, uneven chunks allowed) or already this rank's tokens (SP, or tp == 1)
     └ router       replicated weights; top-k of the logits, softmax over the k (as the model)
-    └ dispatch     sort the (token, slot) pairs by expert; experts [r * E/ep, (r+1) * E/ep) live on ep
-                   rank r, so the sorted rows are already grouped by destination; exchange the counts
-                   per (rank, local expert), then the rows (all-to-all, uneven splits)
+    └ dispatch     sort the (token, slot) pairs by expert on the device; experts [r * E/ep, (r+1) * E/ep)
+                   live on ep rank r, so the sorted rows are already grouped by destination; exchange
+                   the counts per (rank, local expert), read the split sizes on the host (the layer's
+                   one sync), then the rows (all-to-all, uneven splits)
     └ experts      regroup the received rows by local expert; fc1 -> clamped SwiGLU -> fc2 (+ biases)
     └ combine      all-to-all back, weight by the router probabilities (fp32), sum the k slots per token
     └ out          tp > 1 without SP: all-gather the tokens so the output is replicated again
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.moe import Experts, MoE, Router
+from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.parallel.collectives import (
     all_to_all,
     gather_to_replicated,
@@ -81,29 +83,54 @@ class ExpertParallelExperts(Experts):
 
     def forward(self, x: Tensor, probs: Tensor, indices: Tensor) -> Tensor:
         k, local = indices.shape[1], self.num_experts
-        flat = indices.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        send = torch.bincount(flat, minlength=self.total_experts).view(self.ep, local)
+        slot_rows, bounds, order = fused_moe.sort_by_expert(indices, self.total_experts)
+        send = (bounds[1:] - bounds[:-1]).view(self.ep, local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()  # one host sync
-        send_splits, recv_splits, local_counts = (
-            sizes[: self.ep],
-            sizes[self.ep : 2 * self.ep],
-            sizes[2 * self.ep :],
-        )
-        rows = all_to_all(x[token], self.group, recv_splits, send_splits)
+        sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the one host sync of the layer
+        send_splits, recv_splits = sizes[: self.ep], sizes[self.ep :]
+        fused = self.fused(x)
+        if fused:
+            rows = fused_moe.permute(x, slot_rows, k)
+        else:
+            rows = x[order // k]
+        rows = all_to_all(rows, self.group, recv_splits, send_splits)
         # received rows are grouped by (source rank, local expert); compute wants (local expert, source)
         segment = (
             torch.arange(local, device=x.device)[None, :] * self.ep
             + torch.arange(self.ep, device=x.device)[:, None]
         )
-        perm = torch.argsort(torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1)), stable=True)
-        y = self.compute(rows[perm], local_counts)[torch.argsort(perm)]
+        received = sum(recv_splits)
+        perm = torch.argsort(
+            torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1), output_size=received), stable=True
+        )
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(received, device=x.device)
+        local_bounds = torch.zeros(local + 1, dtype=torch.int32, device=x.device)
+        local_bounds[1:] = recv.sum(0).cumsum(0)
+        y = _GatherRows.apply(
+            self.compute(_GatherRows.apply(rows, perm, inverse), local_bounds), inverse, perm
+        )
         y = all_to_all(y, self.group, send_splits, recv_splits)
+        if fused:
+            return fused_moe.unpermute(y, probs, slot_rows)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
+        return torch.zeros_like(x).index_add_(0, order // k, y)
+
+
+class _GatherRows(torch.autograd.Function):
+    """x [M, ...] -> x[perm] for a permutation `perm` with inverse `inverse`; the backward is the inverse
+    gather (no scatter, no accumulation)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 class ParallelMoE(nn.Module):

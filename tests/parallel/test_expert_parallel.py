@@ -54,8 +54,9 @@ def test_tp2_ep2_training_equals_single_process(sp):
     print(f"tp2 x ep2 sp={sp}: {len(per_rank[0])} tensors, worst error {worst:.2e}")
 
 
-def _dispatch_to_one_rank_errors() -> dict[str, float]:
-    """One MoE block whose router sends every token to experts 0 and 1 (both on ep rank 0)."""
+def _dispatch_to_one_rank_errors(backend: str) -> dict[str, float]:
+    """One MoE block whose router sends every token to experts 0 and 1 (both on ep rank 0), against the
+    single-process eager block; `backend` is the sharded block's expert backend."""
     config = tiny_config()
     _, dims = build_dims(config, expert_model_parallel_size=2)
     torch.manual_seed(0)
@@ -65,8 +66,9 @@ def _dispatch_to_one_rank_errors() -> dict[str, float]:
             p.copy_(0.3 * torch.randn(p.shape))
         ref.router.bias.copy_(torch.tensor([50.0, 40.0, -50.0, -50.0]))
     xs = [torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(d)) for d in range(2)]
-    wrapper = nn.ModuleDict({"mlp": MoE(config)})
-    apply_expert_parallel(wrapper, config, dims)
+    sharded = tiny_config(expert_backend=backend)
+    wrapper = nn.ModuleDict({"mlp": MoE(sharded)})
+    apply_expert_parallel(wrapper, sharded, dims)
     full = dict(ref.named_parameters())
     with torch.no_grad():
         for name, p in wrapper["mlp"].named_parameters():
@@ -83,8 +85,10 @@ def _dispatch_to_one_rank_errors() -> dict[str, float]:
     return result
 
 
-def test_ep2_dispatch_with_a_rank_that_receives_no_token():
-    assert_all_close(pool(2).run(_dispatch_to_one_rank_errors, timeout=POOL_TIMEOUT))
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_ep2_dispatch_with_a_rank_that_receives_no_token(backend):
+    """`grouped_mm` on the CPU: device-side dispatch and the fused kernels under the Triton interpreter."""
+    assert_all_close(pool(2).run(_dispatch_to_one_rank_errors, backend, timeout=POOL_TIMEOUT))
 
 
 def _load_balancing_errors(coeff: float) -> dict[str, float]:
