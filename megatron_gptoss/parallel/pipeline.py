@@ -283,7 +283,7 @@ class PipelineRunner:
                 f"token budget {token_budget} must be a multiple of tp={self.dims.tp} (sequence parallel)"
             )
         local = pack_micro_batches(input_ids, targets, valid, token_budget).num_micro_batches
-        count = torch.tensor([local], dtype=torch.long, device=self._comm_device())
+        count = torch.tensor([local], dtype=torch.long, device=self.comm_device())
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
         multiple = self.dims.pp if self.dims.vpp > 1 else 1
         least = max(int(count), self.dims.pp)
@@ -312,7 +312,7 @@ class PipelineRunner:
             schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)  # type: ignore[attr-defined]
         finally:
             self._loss = None
-        total = torch.zeros((), dtype=torch.float32, device=self._comm_device())
+        total = torch.zeros((), dtype=torch.float32, device=self.comm_device())
         if losses:
             total += torch.stack([x.detach().float() for x in losses]).sum().to(total.device)
         return self._from_last(total)
@@ -330,14 +330,15 @@ class PipelineRunner:
             args, kwargs = self._inputs(packed)
             out = schedule.step(*args, **kwargs)  # type: ignore[attr-defined]
             shape = (packed.num_micro_batches, packed.token_budget)
-            lp = out[0] if out is not None else torch.zeros(shape, device=self._comm_device())
-            ent = out[1] if out is not None else torch.zeros(shape, device=self._comm_device())
-            both = self._from_last(torch.stack([lp.float(), ent.float()]).to(self._comm_device()))
+            lp = out[0] if out is not None else torch.zeros(shape, device=self.comm_device())
+            ent = out[1] if out is not None else torch.zeros(shape, device=self.comm_device())
+            both = self._from_last(torch.stack([lp.float(), ent.float()]).to(self.comm_device()))
             lp, ent = both[0], both[1]
         return packed.unpack(lp), packed.unpack(ent)
 
     # internals ----------------------------------------------------------------------------------
-    def _comm_device(self) -> torch.device:
+    def comm_device(self) -> torch.device:
+        """Where this rank's small collectives live (the parameters' device; the CPU for meta)."""
         return self.device if self.device.type != "meta" else torch.device("cpu")
 
     def _set_temperature(self, temperature: float) -> None:
@@ -407,7 +408,7 @@ class PipelineRunner:
             module,
             module.plan.index,
             module.plan.num_stages,
-            self._comm_device(),
+            self.comm_device(),
             input_args=inputs,
             output_args=outputs,
             group=self.dims.group("pp"),

@@ -10,6 +10,8 @@ computed before the first update are used and clipping engages.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_gptoss.config import PPOConfig
@@ -17,7 +19,10 @@ from megatron_gptoss.rl.advantages import grpo_advantages
 from megatron_gptoss.rl.batch import RolloutBatch, packed_logprobs
 from megatron_gptoss.rl.correction import rollout_correction
 from megatron_gptoss.rl.optim import MasterWeightAdamW
-from megatron_gptoss.rl.ppo_loss import compute_total_loss, loss_denominators
+from megatron_gptoss.rl.ppo_loss import LossNormalizer, compute_total_loss, loss_denominators
+
+# batch -> per-token log-probs [B, T] of its targets (0 at padding)
+LogprobFn = Callable[[RolloutBatch], torch.Tensor]
 
 
 def is_on_policy(cfg: PPOConfig) -> bool:
@@ -29,9 +34,23 @@ def prepare(
     policy, batch: RolloutBatch, cfg: PPOConfig, temperature: float, group_size: int, reference=None
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Advantages, old and reference log-probs, and rollout-correction weights (mask updated for MIS)."""
+    ref = None if reference is None else (lambda b: packed_logprobs(reference, b, temperature)[0])
+    return prepare_with(lambda b: packed_logprobs(policy, b, temperature)[0], ref, batch, cfg, group_size)
+
+
+@torch.no_grad()
+def prepare_with(
+    logprobs_of: LogprobFn,
+    ref_logprobs_of: LogprobFn | None,
+    batch: RolloutBatch,
+    cfg: PPOConfig,
+    group_size: int,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """`prepare` with the log-probs of the whole batch from `logprobs_of(batch)` (a single model, or a
+    parallel policy whose ranks each compute their rows)."""
     advantages = grpo_advantages(batch.rewards, group_size, cfg.norm_adv_by_std, cfg.adv_eps)
-    old, _ = packed_logprobs(policy, batch, temperature)
-    ref = packed_logprobs(reference, batch, temperature)[0] if reference is not None else None
+    old = logprobs_of(batch)
+    ref = ref_logprobs_of(batch) if ref_logprobs_of is not None else None
     weights, mask, metrics = rollout_correction(
         old,
         batch.rollout_logprobs,
@@ -46,6 +65,45 @@ def prepare(
     return prepared, {k: float(v) for k, v in metrics.items()}
 
 
+class MetricTotals:
+    """Metrics of micro-batches combined into the mini-batch's: loss shares add up, extremes combine,
+    the rest are token-weighted means (weights: each micro-batch's `pg/tokens`)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0.0
+
+    @staticmethod
+    def kind(key: str) -> str:
+        if key.startswith("loss/") or key == "pg/loss" or key == "pg/tokens":
+            return "sum"
+        if key.endswith("_max"):
+            return "max"
+        if key.endswith("_min"):
+            return "min"
+        return "mean"
+
+    def add(self, metrics: dict) -> None:
+        n = float(metrics["pg/tokens"])
+        self.tokens += n
+        for key, value in metrics.items():
+            kind, value = self.kind(key), float(value)
+            if kind == "max":
+                self.sums[key] = max(self.sums.get(key, float("-inf")), value)
+            elif kind == "min":
+                self.sums[key] = min(self.sums.get(key, float("inf")), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * (n if kind == "mean" else 1.0)
+
+    def result(self) -> dict[str, float]:
+        """The combined metrics (means divided by the tokens, `pg/tokens` their total)."""
+        out = dict(self.sums)
+        for key in out:
+            if self.kind(key) == "mean":
+                out[key] /= max(self.tokens, 1.0)
+        return out
+
+
 def accumulate_gradients(
     policy, mini_batch: RolloutBatch, cfg: PPOConfig, temperature: float, on_policy: bool, dp_group=None
 ) -> dict[str, float]:
@@ -55,42 +113,39 @@ def accumulate_gradients(
         mini_batch.select(idx) for idx in torch.arange(len(mini_batch)).chunk(cfg.num_micro_batches)
     ]
     denom = loss_denominators([m.loss_mask for m in micro_batches], dp_group)
-    totals: dict[str, float] = {}
-    tokens = 0.0
+    totals = MetricTotals()
     for micro in micro_batches:
-        if micro.advantages is None or (micro.old_logprobs is None and not on_policy):
-            raise ValueError("accumulate_gradients needs a batch from prepare() (advantages, old log-probs)")
         logprobs, entropy = packed_logprobs(policy, micro, temperature)
-        old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
-        advantages = micro.advantages[:, None].expand_as(logprobs)
-        loss, metrics = compute_total_loss(
-            logprobs,
-            old,
-            advantages,
-            micro.loss_mask,
-            cfg,
-            denom,
-            ref_logprobs=micro.ref_logprobs,
-            entropy=entropy,
-            is_weights=micro.is_weights,
-        )
+        loss, metrics = micro_loss(micro, logprobs, entropy, cfg, denom, on_policy)
         loss.backward()
-        n = float(metrics["pg/tokens"])
-        tokens += n
-        for key, value in metrics.items():
-            if key.startswith("loss/") or key == "pg/loss":
-                totals[key] = totals.get(key, 0.0) + float(value)  # shares of the mini-batch value: add
-            elif key.endswith("_max"):
-                totals[key] = max(totals.get(key, float("-inf")), float(value))
-            elif key.endswith("_min"):
-                totals[key] = min(totals.get(key, float("inf")), float(value))
-            elif key != "pg/tokens":
-                totals[key] = totals.get(key, 0.0) + float(value) * n  # token-weighted means
-    for key in list(totals):
-        if not (key.startswith("loss/") or key == "pg/loss" or key.endswith(("_max", "_min"))):
-            totals[key] /= max(tokens, 1.0)
-    totals["pg/tokens"] = tokens
-    return totals
+        totals.add(metrics)
+    return totals.result()
+
+
+def micro_loss(
+    micro: RolloutBatch,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    cfg: PPOConfig,
+    denom: LossNormalizer,
+    on_policy: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The PPO loss of a micro-batch's rows given their current log-probs and entropy [R, T]."""
+    if micro.advantages is None or (micro.old_logprobs is None and not on_policy):
+        raise ValueError("the PPO loss needs a batch from prepare() (advantages, old log-probs)")
+    old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
+    advantages = micro.advantages[:, None].expand_as(logprobs)
+    return compute_total_loss(
+        logprobs,
+        old.to(logprobs.device),
+        advantages.to(logprobs.device),
+        micro.loss_mask.to(logprobs.device),
+        cfg,
+        denom,
+        ref_logprobs=None if micro.ref_logprobs is None else micro.ref_logprobs.to(logprobs.device),
+        entropy=entropy,
+        is_weights=None if micro.is_weights is None else micro.is_weights.to(logprobs.device),
+    )
 
 
 def update(
@@ -102,14 +157,30 @@ def update(
     generator=None,
 ) -> dict[str, float]:
     """PPO epochs over shuffled mini-batches; one optimizer step per mini-batch. Returns averaged metrics."""
+
+    def step(mini: RolloutBatch, on_policy: bool) -> dict[str, float]:
+        metrics = accumulate_gradients(policy, mini, cfg, temperature, on_policy)
+        metrics.update(optimizer.step())
+        return metrics
+
+    return run_epochs(batch, cfg, generator, step)
+
+
+def run_epochs(
+    batch: RolloutBatch,
+    cfg: PPOConfig,
+    generator,
+    step: Callable[[RolloutBatch, bool], dict[str, float]],
+) -> dict[str, float]:
+    """`cfg.ppo_epochs` passes over `batch` in `cfg.num_mini_batches` mini-batches (shuffled by `generator`
+    unless on-policy); `step(mini_batch, on_policy)` trains on one and returns its metrics. Returns the
+    metrics averaged over the mini-batches (ratio extremes over all of them)."""
     on_policy = is_on_policy(cfg)
     history: list[dict[str, float]] = []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(len(batch), generator=generator) if not on_policy else torch.arange(len(batch))
         for idx in order.chunk(cfg.num_mini_batches):
-            metrics = accumulate_gradients(policy, batch.select(idx), cfg, temperature, on_policy)
-            metrics.update(optimizer.step())
-            history.append(metrics)
+            history.append(step(batch.select(idx), on_policy))
     out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
     out["pg/ratio_max"] = max(h["pg/ratio_max"] for h in history)
     out["pg/ratio_min"] = min(h["pg/ratio_min"] for h in history)

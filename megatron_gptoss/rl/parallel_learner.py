@@ -1,0 +1,158 @@
+"""The learner's side of a PPO step on the parallel policy (pipeline stages, tensor / sequence / expert
+parallel, data parallel with the distributed optimizer): the same step as `rl.learner`, rows split over
+the data-parallel replicas.
+
+    every rank holds the whole rollout batch (token ids and rewards are small)
+    prepare:  advantages on the whole batch (GRPO groups stay whole); replica d computes the old and
+              reference log-probs of its rows (contiguous blocks, `torch.tensor_split`), packed into
+              micro-batches; a sum over the dp group gives every rank the whole [B, T] (adding zeros is
+              exact), and the rollout correction runs on the whole batch, identically everywhere
+    update:   `learner.run_epochs`; per mini-batch, replica d packs its block of the mini-batch's rows,
+              the loss of each micro-batch is normalised by the mini-batch's denominators over all
+              replicas (`loss_denominators` with the dp group), gradients are summed over dp by the
+              distributed optimizer, one optimizer step
+
+Metrics are the single-process ones: each micro-batch's metrics (on the last pipeline stage) are combined
+as `learner.MetricTotals` does, over micro-batches and replicas, then sent to every rank of the pp group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_gptoss.config import PPOConfig
+from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
+from megatron_gptoss.rl.batch import RolloutBatch
+from megatron_gptoss.rl.learner import MetricTotals, micro_loss, prepare_with, run_epochs
+from megatron_gptoss.rl.ppo_loss import loss_denominators
+
+
+class ParallelPolicy:
+    """The policy's stage models on this rank (`runner`), their optimizer (None for a frozen reference
+    policy) and the layout. `token_budget`: tokens per packed micro-batch (0: the longest row, or the
+    replica's tokens over `ppo.num_micro_batches` when larger; the maximum over the replicas)."""
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        dims: ParallelDims,
+        optimizer: DistributedOptimizer | None = None,
+        token_budget: int = 0,
+    ):
+        self.runner, self.dims, self.optimizer, self.token_budget = runner, dims, optimizer, token_budget
+
+    # ----------------------------------------------------------------------------------------------
+    def my_rows(self, rows: int) -> torch.Tensor:
+        """This replica's contiguous block of `rows` rows (possibly empty)."""
+        return torch.tensor_split(torch.arange(rows), self.dims.dp)[self.dims.coord("dp")]
+
+    def pack(self, batch: RolloutBatch, micro_batches: int = 1) -> PackedBatch:
+        budget = self.token_budget
+        if not budget:
+            lengths = batch.valid.sum(1)
+            longest = int(lengths.max()) if len(batch) else 1
+            budget = max(longest, -(-int(lengths.sum()) // micro_batches))
+            top = torch.tensor([budget], dtype=torch.long, device=self.runner.comm_device())
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
+            budget = int(top)
+        if self.dims.sequence_parallel:
+            budget = -(-budget // self.dims.tp) * self.dims.tp
+        return self.runner.pack(batch.input_ids, batch.targets, batch.valid, budget)
+
+    @torch.no_grad()
+    def logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """Per-token log-probs [B, T] fp32 of the whole batch on every rank (each replica computes its
+        block of rows)."""
+        rows = self.my_rows(len(batch))
+        mine = batch.select(rows)
+        lp, _ = self.runner.logprobs(self.pack(mine), temperature)
+        full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=lp.device)
+        full[rows.to(lp.device)] = lp.float()
+        if self.dims.dp > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.dims.group("dp"))
+        return full.cpu()
+
+    # ----------------------------------------------------------------------------------------------
+    def accumulate_gradients(
+        self, mini_batch: RolloutBatch, cfg: PPOConfig, temperature: float, on_policy: bool
+    ) -> dict[str, float]:
+        """Forward and backward of this replica's rows of `mini_batch`; the mini-batch's metrics."""
+        mine = mini_batch.select(self.my_rows(len(mini_batch)))
+        denom = loss_denominators([mine.loss_mask], self.dims.group("dp"))
+        packed = self.pack(mine, cfg.num_micro_batches)
+        totals = MetricTotals()
+
+        def loss_fn(rows: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
+            if not len(rows):  # a filler micro-batch: a zero tied to the graph, no metrics
+                return logprobs.sum() * 0.0
+            loss, metrics = micro_loss(mine.select(rows), logprobs, entropy, cfg, denom, on_policy)
+            totals.add(metrics)
+            return loss
+
+        self.runner.forward_backward(packed, loss_fn, temperature)
+        return self._combine(totals)
+
+    def _combine(self, totals: MetricTotals) -> dict[str, float]:
+        """Micro-batch metrics of every replica combined (last stage), then sent over the pp group."""
+        result: dict[str, float] | None = None
+        if self.runner.has_last:
+            keys = sorted(totals.sums)
+            kinds = [MetricTotals.kind(k) for k in keys]
+            device = self.runner.comm_device()
+            values = torch.tensor([totals.sums[k] for k in keys], dtype=torch.float64, device=device)
+            group = self.dims.group("dp")
+
+            def where(kind: set[str], fill: float) -> torch.Tensor:
+                return torch.where(torch.tensor([k in kind for k in kinds], device=device), values, fill)
+
+            sums, highs, lows = where({"sum", "mean"}, 0.0), where({"max"}, -1e300), where({"min"}, 1e300)
+            if self.dims.dp > 1:
+                dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+                dist.all_reduce(highs, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(lows, op=dist.ReduceOp.MIN, group=group)
+            merged = MetricTotals()
+            for i, (key, kind) in enumerate(zip(keys, kinds)):
+                merged.sums[key] = float({"max": highs, "min": lows}.get(kind, sums)[i])
+            merged.tokens = merged.sums.get("pg/tokens", 0.0)
+            result = merged.result()
+        if self.dims.pp > 1:
+            box = [result]
+            last = self.dims.members["pp"][-1]
+            dist.broadcast_object_list(box, src=last, group=self.dims.group("pp"))
+            result = box[0]
+        assert result is not None
+        return result
+
+
+@torch.no_grad()
+def prepare(
+    policy: ParallelPolicy,
+    batch: RolloutBatch,
+    cfg: PPOConfig,
+    temperature: float,
+    group_size: int,
+    reference: ParallelPolicy | None = None,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank."""
+    ref = None if reference is None else (lambda b: reference.logprobs(b, temperature))
+    return prepare_with(lambda b: policy.logprobs(b, temperature), ref, batch, cfg, group_size)
+
+
+def update(
+    policy: ParallelPolicy, batch: RolloutBatch, cfg: PPOConfig, temperature: float, generator=None
+) -> dict[str, float]:
+    """`learner.update` on the parallel policy: PPO epochs over mini-batches (the same shuffle on every
+    rank: `generator` seeded alike), one distributed-optimizer step each. Metrics on every rank."""
+    if policy.optimizer is None:
+        raise ValueError("update needs a ParallelPolicy with an optimizer")
+    optimizer = policy.optimizer
+
+    def step(mini: RolloutBatch, on_policy: bool) -> dict[str, float]:
+        metrics = policy.accumulate_gradients(mini, cfg, temperature, on_policy)
+        metrics.update(optimizer.step())
+        return metrics
+
+    return run_epochs(batch, cfg, generator, step)
