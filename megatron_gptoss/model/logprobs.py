@@ -12,11 +12,23 @@ residual below 2^-17) for its two GEMMs; elsewhere every GEMM runs in fp32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
+@functools.cache
+def _mm_out_dtype_supported() -> bool:
+    """Whether this torch has `torch.mm(a, b, out_dtype)` for half inputs on CUDA."""
+    try:
+        a = torch.zeros(1, 1, dtype=torch.bfloat16, device="cuda")
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _half_gemms(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_supported()
 
 
 def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
