@@ -148,8 +148,12 @@ class RolloutConfig:
     prompts_per_step: int = 16
     # Size of one weight-sync bucket in MiB.
     bucket_size_mb: int = 512
-    # Tensor parallel size of the vLLM engine (independent of the learner's layout).
+    # Tensor parallel size of the engine (vLLM, or the embedded engine of the colocated parallel loop),
+    # independent of the learner's layout.
     tensor_parallel_size: int = 1
+    # Expert parallel size of the embedded engine in the colocated parallel loop (carved from its replicas
+    # x tensor parallel ranks, as the learner's).
+    expert_parallel_size: int = 1
     # Parameter dtype inside the engine: "float32" or "bfloat16".
     dtype: str = "float32"
 
@@ -160,8 +164,10 @@ class RolloutConfig:
             raise ConfigError(f"rollout.temperature must be > 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.tensor_parallel_size < 1 or self.bucket_size_mb < 1:
-            raise ConfigError("rollout.tensor_parallel_size and rollout.bucket_size_mb must be >= 1")
+        if min(self.tensor_parallel_size, self.expert_parallel_size, self.bucket_size_mb) < 1:
+            raise ConfigError(
+                "rollout.tensor_parallel_size, expert_parallel_size and bucket_size_mb must be >= 1"
+            )
         if self.engine == "vllm" and (self.top_k or self.top_p < 1.0):
             raise ConfigError(
                 "rollout.engine='vllm' returns log_softmax(logits / T) only without truncation: set "
