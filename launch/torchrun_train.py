@@ -14,11 +14,11 @@ own and packs them into micro-batches of `--token-budget` tokens. Rank 0 prints 
 (loss, gradient norm, lr, skipped, tokens, seconds, tokens/s per GPU, peak GiB) and logs it to
 `run.output_dir/metrics.jsonl` (and TensorBoard).
 
-Checkpoints (`checkpoint.distributed`): every `run.save_every` steps and at the end, under
-`run.output_dir/checkpoints` (the newest `run.keep_last` kept; `run.async_save` writes in the background),
-each rank writing what it owns. `--resume auto` continues from the newest complete checkpoint (exactly:
-the documents of a step depend only on the step and the seed), `--resume DIR` from that one; the layout
-may differ from the checkpoint's. A graceful stop (SIGTERM or SIGUSR1 to the ranks, or the file
+Checkpoints (`checkpoint.distributed`): every `run.save_every` steps and at the end (none when negative),
+under `run.output_dir/checkpoints` (the newest `run.keep_last` kept; `run.async_save` writes in the
+background), each rank writing what it owns. `--resume auto` continues from the newest complete checkpoint
+(exactly: the documents of a step depend only on the step and the seed), `--resume DIR` from that one; the
+layout may differ from the checkpoint's. A graceful stop (SIGTERM or SIGUSR1 to the ranks, or the file
 `--stop-file` appearing, which launch/slurm_train.sbatch creates before the time limit) saves a
 checkpoint at the end of the current step and exits 0.
 """
@@ -205,7 +205,8 @@ def main() -> None:
             print(json.dumps({"step": step, **logger.log(step, line)}), flush=True)
         step += 1
         stopping = stop.agreed()
-        if step == cfg.run.steps or stopping or (cfg.run.save_every and step % cfg.run.save_every == 0):
+        periodic = cfg.run.save_every > 0 and step % cfg.run.save_every == 0
+        if periodic or stopping or (step == cfg.run.steps and cfg.run.save_every >= 0):
             save(step)
         if stopping:
             if dims.rank == 0:

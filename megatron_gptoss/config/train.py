@@ -214,7 +214,8 @@ class RunConfig:
     dtype: str = "float32"
     # Directory of metrics, plots and checkpoints.
     output_dir: str = "outputs/run"
-    # Save a resumable checkpoint every this many steps (0: only at the end).
+    # Save a resumable checkpoint every this many steps (0: only at the end; negative: never, for benchmarks
+    # of the parallel loops).
     save_every: int = 0
     # Resumable checkpoints kept (the newest complete ones).
     keep_last: int = 2

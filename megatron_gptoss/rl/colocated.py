@@ -15,10 +15,10 @@
                   whose engine and learner owners match stay on their rank)
       log         rank 0: metrics.jsonl, TensorBoard, the time of each phase; plots at the end
 
-Checkpoints: `checkpoint.distributed` every `run.save_every` steps and at the end (`--resume auto` continues
-exactly: prompts and shuffles depend only on the step, the engine's weights come from the learner's).
-The engine's sampler is seeded by (run.seed, replica, step), so a run is reproducible for a given engine
-layout.
+Checkpoints: `checkpoint.distributed` every `run.save_every` steps and at the end (none when negative, for
+benchmarks); `--resume auto` continues exactly (prompts and shuffles depend only on the step, the engine's
+weights come from the learner's). The engine's sampler is seeded by (run.seed, replica, step), so a run
+is reproducible for a given engine layout.
 """
 
 from __future__ import annotations
@@ -232,6 +232,11 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         t3 = time.perf_counter()
         setup.sync()
         t4 = time.perf_counter()
+        if cuda:  # the largest peak of any rank over the step (learner and engine together)
+            peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 1024**3], device=device)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            metrics["perf/peak_gib"] = float(peak)
+            torch.cuda.reset_peak_memory_stats(device)
         metrics.update(
             {
                 "reward/train_mean": float(batch.rewards.mean()),
@@ -251,7 +256,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
             bar.set_postfix(
                 reward=f"{metrics['reward/train_mean']:.3f}", acc=f"{evaluation['eval/accuracy']:.2f}"
             )
-        if cfg.run.save_every and step % cfg.run.save_every == 0 or step == cfg.run.steps:
+        periodic = cfg.run.save_every > 0 and step % cfg.run.save_every == 0
+        if periodic or (step == cfg.run.steps and cfg.run.save_every >= 0):
             checkpointer.save(
                 step, setup.modules(), setup.optimizer, RunState(step, data={"next_step": step + 1})
             )

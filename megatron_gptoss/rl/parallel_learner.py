@@ -81,7 +81,7 @@ class ParallelPolicy:
     ) -> dict[str, float]:
         """Forward and backward of this replica's rows of `mini_batch`; the mini-batch's metrics."""
         mine = mini_batch.select(self.my_rows(len(mini_batch)))
-        denom = loss_denominators([mine.loss_mask], self.dims.group("dp"))
+        denom = loss_denominators([mine.loss_mask.to(self.runner.comm_device())], self.dims.group("dp"))
         packed = self.pack(mine, cfg.num_micro_batches)
         totals = MetricTotals()
 
