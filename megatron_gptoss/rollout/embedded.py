@@ -63,6 +63,7 @@ class EmbeddedEngine:
             raise RuntimeError("generate called while the engine sleeps; call wake_up() first")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        self._check_request(prompts, params)
         generator = self.generator
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -115,6 +116,7 @@ class EmbeddedEngine:
         sequences, right-padded into one batch (causal: padding never reaches a real position)."""
         if not sequences or any(len(s) < 2 for s in sequences):
             raise ValueError("every sequence needs at least two tokens")
+        self._check_request(sequences, None)
         longest = max(len(s) for s in sequences)
         ids = torch.zeros(len(sequences), longest, dtype=torch.long, device=self.device)
         for row, seq in enumerate(sequences):
@@ -124,6 +126,9 @@ class EmbeddedEngine:
         return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 
     # ----------------------------------------------------------------------------------------------
+    def _check_request(self, prompts: list[list[int]], params: SamplingParams | None) -> None:
+        """Where several ranks serve one request together, that they were given the same (a no-op here)."""
+
     def _new_cache(self, batch: int, tokens: int) -> KVCache:
         return KVCache(self.config, batch, tokens, self.dtype, self.device)
 

@@ -11,7 +11,9 @@ a model that does not fit one GPU.
     replicas:    ranks linked by a tp or an ep group step together (the expert all-to-all needs every member
                  in every forward): blocks of lcm(tp_e, ep_e) consecutive ranks. A block holds lcm / tp_e tp
                  groups, each with prompts of its own (data parallel inside the expert-parallel group); the
-                 decode loop of a block ends when every row of all its tp groups has stopped
+                 decode loop of a block ends when every row of all its tp groups has stopped. Each call
+                 checks (one small all-reduce per group) that a tp group was given one request and a block
+                 one max_new_tokens, and raises on every member alike otherwise
     update:      (HF name, tensor) pairs: full HF tensors (each rank narrows them to its shard with
                  `parallel.loading.shard_of_hf`, the checkpoint loader's slicing) and expert-range slices
                  (`rollout.base.expert_slice_name`; a rank keeps the experts of the slice it holds)
@@ -37,7 +39,7 @@ from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
 from megatron_gptoss.parallel.vocab_parallel import gather_logits
-from megatron_gptoss.rollout.base import parse_expert_slice
+from megatron_gptoss.rollout.base import SamplingParams, parse_expert_slice
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 
@@ -117,7 +119,8 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
                 param.copy_(shard_of_hf(pending.pop(match.ours), param, match.ours, self.config, self.dims))
                 written.add(match.ours)
         if pending:
-            raise CheckpointError(f"missing tensors {sorted(n for o in pending for n in match_ours(o).hf)}")
+            absent = [n for ours, parts in pending.items() for n in match_ours(ours).hf if n not in parts]
+            raise CheckpointError(f"missing tensors {sorted(absent)}")
         written |= {ours for ours, got in experts.items() if bool(got.all())}
         if strict and set(params) - written:
             absent = sorted(set(params) - written)
@@ -143,6 +146,28 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             got[lo - first : hi - first] = True
 
     # ----------------------------------------------------------------------------------------------
+    def _check_request(self, prompts: list[list[int]], params: SamplingParams | None) -> None:
+        """The ranks of a tp group must pass the same prompts and sampling parameters, and a lockstep block
+        the same number of decode steps (else collectives would pair up wrongly or wait forever): one small
+        all-reduce per group compares a fingerprint; every member raises alike on a mismatch."""
+        checksum = sum((i + 1) * t for p in prompts for i, t in enumerate(p)) % (1 << 31)
+        steps = -1 if params is None else params.max_new_tokens
+        sampling = [] if params is None else [
+            round(params.temperature * 1e6), round(params.top_p * 1e6), params.top_k,
+            -1 if params.seed is None else params.seed,
+        ]  # fmt: skip
+        request = [len(prompts), sum(len(p) for p in prompts), checksum, *sampling, steps]
+        for group, values, what in (
+            (self.tp_group, request, "prompts and sampling parameters across its tensor-parallel group"),
+            (self.block_group, [steps], "max_new_tokens across its lockstep block"),
+        ):
+            if group is None:
+                continue
+            both = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+            if not torch.equal(both[: len(values)], -both[len(values) :]):
+                raise ValueError(f"every rank of the engine must pass the same {what}")
+
     def _new_cache(self, batch: int, tokens: int) -> KVCache:
         kv_heads = self.config.num_query_groups // self.dims.tp
         return KVCache(self.config, batch, tokens, self.dtype, self.device, kv_heads=kv_heads)

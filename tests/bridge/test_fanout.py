@@ -10,24 +10,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_layouts import LAYOUTS, POOL_TIMEOUT, _rss, _stages
+from bridge_layouts import LAYOUTS, _rss, _stages
 from harness import pool
 from vllm_helpers import CORRUPTIONS, max_delta
 
 from megatron_gptoss.bridge.fanout import FanoutExporter
 from megatron_gptoss.bridge.plan import EngineLayout
-from megatron_gptoss.checkpoint.convert import iter_hf_tensors
+from megatron_gptoss.checkpoint.convert import CheckpointError, iter_hf_tensors
 from megatron_gptoss.checkpoint.names import hf_shapes, match_ours, our_names
 from megatron_gptoss.config import ParallelConfig, gpt_oss_tiny
 from megatron_gptoss.model import build_model
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import get_shard, local_shard
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout.base import expert_slice_name
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
 CONFIG = gpt_oss_tiny(vocab_size=90, num_experts=8)  # 90 rows: padding differs between tp1 and tp2
 BUCKET = 8 * 1024  # several buckets per pass; one expert's gate_up_proj is 8 KiB
 TOLERANCE = 1e-5
+TIMEOUT = 180.0  # seconds per pool call: a rank that fails leaves the others waiting in a collective
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
 ENGINES = {
     2: {"tp2": dict(tp=2), "ep2": dict(ep=2), "tp1": dict()},
@@ -100,6 +102,7 @@ def sync_engines_on_ranks(state, parallel, engines, params):
             "logprobs": engine.sequence_logprobs(SEQUENCES),
             "prompt_set": edims.coord("dp") % 2,
             **{k: generations(engine.generate(prompts, sp)) for k, sp in params.items()},
+            "one_row": generations(engine.generate(PROMPT_SETS[0][:1], params["greedy"])),  # a tp rank idles
         }
         engine.update_weights(CORRUPTIONS["k_v_swapped"](exporter.pairs()))
         result["k_v_swapped"] = engine.sequence_logprobs(SEQUENCES)
@@ -129,6 +132,7 @@ def reference():
             out = {"state": state, "params": params, "logprobs": engine.sequence_logprobs(SEQUENCES)}
             for k, sp in params.items():
                 out[k] = [generations(engine.generate(prompts, sp)) for prompts in PROMPT_SETS]
+            out["one_row"] = generations(engine.generate(PROMPT_SETS[0][:1], params["greedy"]))
             cache[seed] = out
         return cache[seed]
 
@@ -142,7 +146,7 @@ def test_fanout_into_parallel_engines_equals_the_single_process_engine(reference
     ref = reference(seed)
     engines = ENGINES[world]
     results = pool(world).run(
-        sync_engines_on_ranks, ref["state"], parallel, engines, ref["params"], timeout=POOL_TIMEOUT
+        sync_engines_on_ranks, ref["state"], parallel, engines, ref["params"], timeout=TIMEOUT
     )
     for name in engines:
         worst, swapped = 0.0, float("inf")
@@ -152,8 +156,8 @@ def test_fanout_into_parallel_engines_equals_the_single_process_engine(reference
             assert r["received"] == r["share"], (learner, name, rank)  # its shard's bytes, each once
             worst = max(worst, max_delta(r["logprobs"], ref["logprobs"]))
             swapped = min(swapped, max_delta(r["k_v_swapped"], ref["logprobs"]))
-            for kind in ("greedy", "sampled"):
-                expected = ref[kind][r["prompt_set"]]
+            for kind in ("greedy", "sampled", "one_row"):
+                expected = ref[kind] if kind == "one_row" else ref[kind][r["prompt_set"]]
                 assert [g[0] for g in r[kind]] == [g[0] for g in expected], (learner, name, rank, kind)
                 assert [g[2] for g in r[kind]] == [g[2] for g in expected]
                 delta = max_delta([g[1] for g in r[kind]], [g[1] for g in expected])
@@ -205,9 +209,7 @@ def measure_fanout_on_ranks(parallel: dict, engine_layout: dict, bucket_bytes: i
 def test_fanout_peak_extra_memory_per_rank_is_bounded_by_the_bucket():
     bucket = 1 << 20
     world, parallel = LAYOUTS["tp2xep2xpp2"]
-    per_rank = pool(world).run(
-        measure_fanout_on_ranks, parallel, dict(tp=2, ep=4), bucket, timeout=POOL_TIMEOUT
-    )
+    per_rank = pool(world).run(measure_fanout_on_ranks, parallel, dict(tp=2, ep=4), bucket, timeout=TIMEOUT)
     model_bytes = 4 * MEMORY_CONFIG.param_counts()["total"]
     slack = 2 << 20  # allocator and gloo bookkeeping
     for m in per_rank:
@@ -217,3 +219,65 @@ def test_fanout_peak_extra_memory_per_rank_is_bounded_by_the_bucket():
         print(f"fan-out rank {m['rank']}: peak {m['peak'] / 2**20:.2f} MiB, bound {bound / 2**20:.2f} MiB")
         assert m["peak"] <= bound, m
         assert bound < model_bytes / 2, (bound, model_bytes)
+
+
+def engine_errors_on_ranks(state):
+    """(Every rank) an ep2 engine on 2 ranks: what `update_weights` refuses."""
+    edims = ParallelDims.build(ParallelConfig(expert_model_parallel_size=2), CONFIG)
+    engine = ParallelEmbeddedEngine(CONFIG, edims)
+    model = build_model(CONFIG)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(state[n])
+    full = list(iter_hf_tensors(model, CONFIG))
+    errors = {}
+
+    def attempt(key, pairs):
+        try:
+            engine.update_weights(pairs)
+        except CheckpointError as e:
+            errors[key] = str(e)
+
+    name = "model.layers.1.mlp.experts.down_proj"
+    down = dict(full)[name]
+    rest = [(n, t) for n, t in full if n != name]
+    attempt("no_error", [*rest, (expert_slice_name(name, 0, 8), down)])  # a full-range slice: fine
+    attempt("missing_experts", [*rest, (expert_slice_name(name, 0, 4), down[:4])])  # rank 1's part absent
+    attempt("bad_slice", [*rest, (expert_slice_name(name, 0, 4), down[:3])])
+    attempt("missing_v", [(n, t) for n, t in full if n != "model.layers.0.self_attn.v_proj.weight"])
+    engine.sleep()
+    try:
+        engine.update_weights(full)
+    except RuntimeError as e:
+        errors["asleep"] = str(e)
+    engine.wake_up()
+    engine.update_weights(full)
+    rank = edims.rank
+    try:  # ep2 on 2 ranks: one lockstep block of two tp groups, which must decode as many steps
+        engine.generate([[1, 2]], SamplingParams(max_new_tokens=3 + rank))
+    except ValueError as e:
+        errors["steps"] = str(e)
+    engine.shutdown()
+    tp2 = ParallelEmbeddedEngine(
+        CONFIG, ParallelDims.build(ParallelConfig(tensor_model_parallel_size=2), CONFIG)
+    )
+    try:  # tp ranks must pass the same prompts
+        tp2.generate([[1, 2 + rank]], SamplingParams(max_new_tokens=2))
+    except ValueError as e:
+        errors["prompts"] = str(e)
+    return errors
+
+
+def test_engine_update_errors_are_named():
+    per_rank = pool(2).run(engine_errors_on_ranks, learner_state(5), timeout=TIMEOUT)
+    for rank, errors in enumerate(per_rank):
+        assert "no_error" not in errors
+        if rank == 0:  # experts 0-3 arrived: rank 0's part is complete
+            assert "missing_experts" not in errors
+        else:
+            assert "layers.1.mlp.experts.linear_fc2.weight" in errors["missing_experts"]
+        assert "has shape (3, 32, 32), expected (4, 32, 32)" in errors["bad_slice"]
+        assert "model.layers.0.self_attn.v_proj.weight" in errors["missing_v"]
+        assert "sleeps" in errors["asleep"]
+        assert "max_new_tokens across its lockstep block" in errors["steps"]
+        assert "prompts and sampling parameters across its tensor-parallel group" in errors["prompts"]
