@@ -231,6 +231,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         )
         t3 = time.perf_counter()
         setup.sync()
+        if cuda:  # the broadcasts are asynchronous: time them to their end
+            torch.cuda.synchronize(device)
         t4 = time.perf_counter()
         if cuda:  # the largest peak of any rank over the step (learner and engine together)
             peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 1024**3], device=device)
