@@ -90,15 +90,8 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         policy.eval()
         engine.update_weights(iter_hf_tensors(policy, cfg.model))  # sync weights
         t_end = time.perf_counter()
-        metrics.update(
-            {
-                "reward/train_mean": float(batch.rewards.mean()),
-                "train/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
-                "response/length_mean": float(batch.loss_mask.sum(1).mean()),
-                "time/generate_s": t_gen - t0,
-                "time/train_and_sync_s": t_end - t_gen,
-            }
-        )
+        metrics.update(rollout_metrics(batch, scores))
+        metrics.update({"time/generate_s": t_gen - t0, "time/train_and_sync_s": t_end - t_gen})
         if cfg.run.eval_every and step % cfg.run.eval_every == 0 or step == cfg.run.steps:
             evaluation = evaluate(engine, task, sampling)  # evaluate
             metrics.update(evaluation)
@@ -142,9 +135,19 @@ def make_engine(cfg: TrainConfig):
     return EmbeddedEngine(cfg.model, dtype=DTYPES[cfg.rollout.dtype], seed=cfg.run.seed + 1)
 
 
+def rollout_metrics(batch, scores: list[dict]) -> dict[str, float]:
+    """Mean reward, exact accuracy and mean response length of a scored rollout batch."""
+    return {
+        "reward/train_mean": float(batch.rewards.mean()),
+        "train/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
+        "response/length_mean": float(batch.loss_mask.sum(1).mean()),
+    }
+
+
 @torch.no_grad()
 def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
-    """Greedy decoding (top-k 1) of the held-out prompts: what the policy knows, without sampling noise."""
+    """Greedy decoding (top-k 1) of the held-out prompts: what the policy knows, without sampling noise.
+    `engine`: anything with the engines' `generate(prompts, params)`."""
     prompts = task.eval_prompts()
     params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0})
     generations = engine.generate([list(p.token_ids) for p in prompts], params)

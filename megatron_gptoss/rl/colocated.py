@@ -50,6 +50,7 @@ from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import build_batch
 from megatron_gptoss.rollout.base import Generation, SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
+from megatron_gptoss.train import evaluate, rollout_metrics
 from megatron_gptoss.utils.metrics import MetricsLogger
 from megatron_gptoss.utils.plot import plot_metrics
 
@@ -136,7 +137,8 @@ class Colocated:
         sync_in_process(self.exporter.buckets(), self.engine, is_dst=True)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """Every row's generation on every rank: replica r generates its block of rows."""
+        """Every row's generation on every rank: replica r generates its block of rows (greedy evaluation
+        goes through here too: `train.evaluate(setup, ...)`)."""
         replicas = self.engine_dims.dp
         if len(prompts) < replicas:
             raise ConfigError(
@@ -239,11 +241,9 @@ def run(cfg: TrainConfig) -> dict[str, float]:
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             metrics["perf/peak_gib"] = float(peak)
             torch.cuda.reset_peak_memory_stats(device)
+        metrics.update(rollout_metrics(batch, scores))
         metrics.update(
             {
-                "reward/train_mean": float(batch.rewards.mean()),
-                "train/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
-                "response/length_mean": float(batch.loss_mask.sum(1).mean()),
                 "time/generate_s": t1 - t0,
                 "time/logprobs_s": t2 - t1,
                 "time/update_s": t3 - t2,
@@ -268,16 +268,3 @@ def run(cfg: TrainConfig) -> dict[str, float]:
         logger.close()
         plot_metrics(out_dir / "metrics.jsonl", out_dir / "metrics.png")
     return evaluation
-
-
-@torch.no_grad()
-def evaluate(setup: Colocated, task, sampling: SamplingParams) -> dict[str, float]:
-    """Greedy decoding of the held-out prompts, split over the engine replicas."""
-    prompts = task.eval_prompts()
-    params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0})
-    generations = setup.generate([list(p.token_ids) for p in prompts], params)
-    scores = [task.score(p, g.token_ids) for p, g in zip(prompts, generations)]
-    return {
-        "eval/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
-        "reward/eval_mean": sum(float(s["reward"]) for s in scores) / len(scores),
-    }
