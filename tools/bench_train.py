@@ -6,7 +6,8 @@ all 128 experts, top-4) on 1, 2 or 4 GPUs with NCCL, bf16 parameters.
     torchrun --nproc_per_node 2 tools/bench_train.py --small      # a CPU smoke test (gloo)
 
 Layout: expert parallel over all GPUs (ep = world, unless --ep), dense parts data parallel, tp --tp.
-Each GPU trains on --tokens tokens: documents of --doc-len tokens packed into one micro-batch. The block
+Each tensor-parallel group trains on --tokens tokens: documents of --doc-len tokens packed into one
+micro-batch (the group's tp GPUs share them: per-GPU rates divide by tp). The block
 is embedding -> 2 layers -> final norm -> output layer of a --vocab vocabulary (the loss needs a head;
 it is small next to the layers and counted in the FLOPs).
 
@@ -15,7 +16,8 @@ data (forward); (2) forward + backward timed; (3) the optimizer step (distribute
 reduce-scatter, global norm, AdamW on fp32 master shards, all-gather) timed separately, when its state
 fits (tools/estimate_memory.py decides); (4) peak memory against the estimate.
 
-Model FLOPs per GPU per step (forward + backward = 3 x forward), per layer and token:
+Model FLOPs per GPU per step (forward + backward = 3 x forward; a tp group's FLOPs over its tp GPUs), per
+layer and token:
     dense   2 * (H (Hq + 2 Hkv) d + Hq d H + E H + k (2 I H + I H))       active parameters, top-k experts
     head    2 * H V (once, not per layer)
     attention 4 * Hq * d * (query-key pairs visible) per document and layer: QK^T and PV; a full layer
@@ -248,16 +250,16 @@ def main() -> None:
             flush=True,
         )
 
-    flops = step_flops(config, docs)
+    flops = step_flops(config, docs) / args.tp  # the tp group's GPUs share its documents
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "gpus": world,
         "layout": f"tp{args.tp} ep{args.ep or world} dp{dims.dp}",
-        "tokens_per_gpu": args.tokens,
+        "tokens_per_gpu": args.tokens // args.tp,
         "doc_len": args.doc_len,
         "fwd_bwd_ms": fwd_bwd * 1e3,
         "optimizer_ms": opt_step * 1e3,
-        "tokens_per_s_per_gpu": args.tokens / fwd_bwd,
+        "tokens_per_s_per_gpu": args.tokens / args.tp / fwd_bwd,
         "model_tflops_per_gpu": flops / fwd_bwd / 1e12,
         "model_tflops_per_gpu_with_optimizer": flops / (fwd_bwd + (opt_step if step_times else 0.0)) / 1e12,
         "peak_gib": peak / GIB,
