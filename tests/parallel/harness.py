@@ -30,7 +30,16 @@ def _worker(rank: int, world: int, init_file: str, tasks, results) -> None:
             results.put((rank, True, fn(*args)))
         except BaseException:  # report every failure to the parent, including assertion errors
             results.put((rank, False, traceback.format_exc()))
+        _destroy_subgroups()
     dist.destroy_process_group()
+
+
+def _destroy_subgroups() -> None:
+    """Free the process groups a task built (each gloo group holds threads that poll: left alive across
+    hundreds of tests they take a good share of the CPU); the world group stays."""
+    for group in list(dist.distributed_c10d._world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 class WorkerPool:
