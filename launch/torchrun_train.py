@@ -37,9 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer, RunState
-from megatron_gptoss.checkpoint.manager import CheckpointManager
 from megatron_gptoss.config import load_config
-from megatron_gptoss.config.loader import config_to_dict
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -47,8 +45,6 @@ from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel, ma
 from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans
 from megatron_gptoss.rl.ppo_loss import loss_denominators
 from megatron_gptoss.utils.metrics import MetricsLogger
-
-log = logging.getLogger("megatron_gptoss.launch")
 
 
 def synthetic_documents(step: int, replica: int, vocab: int, budget: int, micro_batches: int, seed: int):
@@ -127,19 +123,9 @@ def main() -> None:
         models.append(apply_data_parallel(model, dims))
     modules = {"model": models}
     out_dir = Path(cfg.run.output_dir)
-    checkpointer = DistributedCheckpointer(
-        CheckpointManager(out_dir / "checkpoints", keep_last=cfg.run.keep_last),
-        dims,
-        cfg.model,
-        dist.new_group(backend="gloo"),
-        run_config=config_to_dict(cfg),
-        pipeline_layers=counts,
-    )
-    # An explicit checkpoint is verified by `resume`; "auto" verifies while searching.
-    found = checkpointer.find_resumable() if cfg.run.resume == "auto" else None
-    if found is None and cfg.run.resume == "auto" and dims.rank == 0:
-        log.info("no checkpoint to resume in %s; starting fresh", checkpointer.manager.root)
-    if found is None and cfg.run.resume in ("", "auto"):  # a checkpoint overwrites all of it
+    checkpointer = DistributedCheckpointer.for_run(cfg, dims)
+    found = checkpointer.locate(cfg.run.resume)
+    if found is None:  # a checkpoint overwrites all of it
         if cfg.run.init_from_hf:
             load_hf_parallel(models, cfg.run.init_from_hf, dims, cfg.model)
         else:
@@ -147,13 +133,7 @@ def main() -> None:
     optimizer = DistributedOptimizer(
         models, cfg.optim, dims, cfg.run.steps, shard=cfg.parallel.use_distributed_optimizer
     )
-    loaded = None
-    if found is not None:
-        loaded = checkpointer.load(found, modules, optimizer)
-        if dims.rank == 0:
-            log.info("resumed from %s (step %d)", found, loaded.run.step)
-    elif cfg.run.resume not in ("", "auto"):
-        loaded = checkpointer.resume(cfg.run.resume, modules, optimizer)
+    loaded = None if found is None else checkpointer.resume_from(found, modules, optimizer)
     first = loaded.run.step if loaded is not None else 0
     runner = PipelineRunner(models, plans, dims)
     stop = StopRequest(args.stop_file, device)

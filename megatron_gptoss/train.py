@@ -51,13 +51,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
     engine = make_engine(cfg)
     engine.update_weights(iter_hf_tensors(policy, cfg.model))
     optimizer = MasterWeightAdamW(list(policy.parameters()), cfg.optim, cfg.run.steps)
-    sampling = SamplingParams(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=[tokenizer.eos_token_id],
-    )
+    sampling = sampling_params(cfg, tokenizer)
     prompt_rng = random.Random(cfg.env.seed)
     shuffle = torch.Generator().manual_seed(cfg.run.seed)
     state = TrainState(policy, reference, optimizer, engine, prompt_rng, shuffle)
@@ -133,6 +127,17 @@ def make_engine(cfg: TrainConfig):
             bucket_bytes=cfg.rollout.bucket_size_mb << 20,
         )
     return EmbeddedEngine(cfg.model, dtype=DTYPES[cfg.rollout.dtype], seed=cfg.run.seed + 1)
+
+
+def sampling_params(cfg: TrainConfig, tokenizer) -> SamplingParams:
+    """The rollout's sampling parameters (`cfg.rollout`), stopping at the tokenizer's end of sequence."""
+    return SamplingParams(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        top_k=cfg.rollout.top_k,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        stop_token_ids=[tokenizer.eos_token_id],
+    )
 
 
 def rollout_metrics(batch, scores: list[dict]) -> dict[str, float]:

@@ -62,7 +62,7 @@ from megatron_gptoss.checkpoint.manager import (
     CorruptCheckpointError,
     file_sha256,
 )
-from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.config import ModelConfig, TrainConfig, config_to_dict
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 
@@ -164,6 +164,19 @@ class DistributedCheckpointer:
         self.shapes = full_shapes(config)
         self._pending: threading.Thread | None = None
         self._outcome: dict[str, Any] = {}
+
+    @classmethod
+    def for_run(cls, cfg: TrainConfig, dims: ParallelDims) -> DistributedCheckpointer:
+        """The checkpointer of a training run (collective: builds a gloo group over the world): under
+        `run.output_dir/checkpoints`, the newest `run.keep_last` kept, the run's config in the manifest."""
+        return cls(
+            CheckpointManager(Path(cfg.run.output_dir) / "checkpoints", keep_last=cfg.run.keep_last),
+            dims,
+            cfg.model,
+            dist.new_group(backend="gloo"),
+            run_config=config_to_dict(cfg),
+            pipeline_layers=cfg.parallel.pipeline_layers or None,
+        )
 
     # ----------------------------------------------------------------------------------------------
     # Save
@@ -424,28 +437,42 @@ class DistributedCheckpointer:
             error = str(err)
         return self._all_errors(error)
 
+    def locate(self, resume: str) -> Path | None:
+        """The checkpoint `resume` names, verified (collective): "" -> None (start fresh); "auto" -> the
+        newest complete checkpoint whose files match their checksums (None when there is none); a
+        directory -> itself, or CorruptCheckpointError naming its bad files. Callers can build their
+        weights (or skip an initialisation the checkpoint would overwrite) before `resume_from`."""
+        if not resume:
+            return None
+        if resume == "auto":
+            path = self.find_resumable()
+            if path is None and self.rank == 0:
+                log.info("no checkpoint to resume in %s; starting fresh", self.manager.root)
+            return path
+        path = Path(resume)
+        bad = self._verify_shared(path)
+        if bad:
+            raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(bad))
+        return path
+
+    def resume_from(
+        self,
+        path: Path,
+        modules: Mapping[str, Sequence[nn.Module]],
+        optimizer: DistributedOptimizer | None,
+    ) -> Loaded:
+        """`load` of a checkpoint from `locate`, logged."""
+        loaded = self.load(path, modules, optimizer)
+        if self.rank == 0:
+            log.info("resumed from %s (step %d)", path, loaded.run.step)
+        return loaded
+
     def resume(
         self,
         resume: str,
         modules: Mapping[str, Sequence[nn.Module]],
         optimizer: DistributedOptimizer | None,
     ) -> Loaded | None:
-        """`resume`: "" (start fresh: None), "auto" (the newest complete, verified checkpoint of the
-        manager, None when there is none) or a checkpoint directory (verified, then loaded)."""
-        if not resume:
-            return None
-        if resume == "auto":
-            path = self.find_resumable()
-            if path is None:
-                if self.rank == 0:
-                    log.info("no checkpoint to resume in %s; starting fresh", self.manager.root)
-                return None
-        else:
-            path = Path(resume)
-            bad = self._verify_shared(path)
-            if bad:
-                raise CorruptCheckpointError(f"cannot resume from {path}: " + "; ".join(bad))
-        loaded = self.load(path, modules, optimizer)
-        if self.rank == 0:
-            log.info("resumed from %s (step %d)", path, loaded.run.step)
-        return loaded
+        """`locate` then `resume_from`: None when there is nothing to resume."""
+        path = self.locate(resume)
+        return None if path is None else self.resume_from(path, modules, optimizer)

@@ -23,7 +23,6 @@ is reproducible for a given engine layout.
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import time
@@ -37,8 +36,7 @@ from megatron_gptoss.bridge.fanout import FanoutExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.bridge.transport import sync_in_process
 from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer, RunState
-from megatron_gptoss.checkpoint.manager import CheckpointManager
-from megatron_gptoss.config import ConfigError, ParallelConfig, TrainConfig, config_to_dict
+from megatron_gptoss.config import ConfigError, ParallelConfig, TrainConfig
 from megatron_gptoss.envs import make_task
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.parallel.apply import parallelize
@@ -50,11 +48,10 @@ from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import build_batch
 from megatron_gptoss.rollout.base import Generation, SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
-from megatron_gptoss.train import evaluate, rollout_metrics
+from megatron_gptoss.train import evaluate, rollout_metrics, sampling_params
 from megatron_gptoss.utils.metrics import MetricsLogger
 from megatron_gptoss.utils.plot import plot_metrics
 
-log = logging.getLogger("megatron_gptoss.rl.colocated")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -164,38 +161,15 @@ def run(cfg: TrainConfig) -> dict[str, float]:
     setup = Colocated(cfg, device)
     rank = setup.dims.rank
     out_dir = Path(cfg.run.output_dir)
-    checkpointer = DistributedCheckpointer(
-        CheckpointManager(out_dir / "checkpoints", keep_last=cfg.run.keep_last),
-        setup.dims,
-        cfg.model,
-        dist.new_group(backend="gloo"),
-        run_config=config_to_dict(cfg),
-        pipeline_layers=setup.pipeline_layers,
-    )
-    found = checkpointer.find_resumable() if cfg.run.resume == "auto" else None
-    if found is None and cfg.run.resume not in ("", "auto"):
-        found = Path(cfg.run.resume)
+    checkpointer = DistributedCheckpointer.for_run(cfg, setup.dims)
+    found = checkpointer.locate(cfg.run.resume)
     if found is None:
         setup.initialise()
     setup.build_optimizer()
-    start = 0
-    if found is not None:
-        loaded = (checkpointer.load if cfg.run.resume == "auto" else checkpointer.resume)(
-            str(found), setup.modules(), setup.optimizer
-        )
-        assert loaded is not None
-        start = loaded.run.step
-        if rank == 0:
-            log.info("resumed from %s (step %d)", found, start)
+    start = 0 if found is None else checkpointer.resume_from(found, setup.modules(), setup.optimizer).run.step
     setup.sync()
 
-    sampling = SamplingParams(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        top_k=cfg.rollout.top_k,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        stop_token_ids=[tokenizer.eos_token_id],
-    )
+    sampling = sampling_params(cfg, tokenizer)
     logger = (
         MetricsLogger(out_dir, tensorboard=cfg.run.tensorboard, resume_step=start + 1 if start else None)
         if rank == 0
