@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from pathlib import Path
 
 import torch
 
-from megatron_gptoss.checkpoint.dist_convert import dist_to_hf
+from megatron_gptoss.checkpoint.dist_convert import conversion_report, dist_to_hf
 from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager
 
 
@@ -57,15 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         progress=not args.no_progress,
     )
     seconds = time.perf_counter() - start
-    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    report = {
-        "checkpoint": str(path),
-        "out": str(out),
-        "bytes_written": written,
-        "seconds": round(seconds, 2),
-        "GB_per_s": round(written / seconds / 1e9, 3),
-        "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-    }
+    report = conversion_report(out, seconds, checkpoint=str(path))
     print(json.dumps(report))
     return report
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 
 import torch
 
-from megatron_gptoss.checkpoint.dist_convert import hf_to_dist
+from megatron_gptoss.checkpoint.dist_convert import conversion_report, hf_to_dist
 from megatron_gptoss.config import ParallelConfig
 
 
@@ -62,14 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
     )
     seconds = time.perf_counter() - start
-    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
-    report = {
-        "out": str(out),
-        "bytes_written": written,
-        "seconds": round(seconds, 2),
-        "GB_per_s": round(written / seconds / 1e9, 3),
-        "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-    }
+    report = conversion_report(out, seconds)
     print(json.dumps(report))
     return report
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import resource
 import shutil
 import uuid
 from collections.abc import Callable, Sequence
@@ -364,3 +365,17 @@ def row_blocks(cuts: Sequence[int], rows: int, max_rows: int) -> list[tuple[int,
         out.append((start, stop))
         start = stop
     return out
+
+
+def conversion_report(out: Path, seconds: float, **extra: object) -> dict[str, object]:
+    """What a conversion tool prints: `extra`, then the bytes of the files written in `out`, the seconds,
+    the rate (GB/s written) and this process's peak RSS."""
+    written = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
+    return {
+        **extra,
+        "out": str(out),
+        "bytes_written": written,
+        "seconds": round(seconds, 2),
+        "GB_per_s": round(written / seconds / 1e9, 3),
+        "peak_rss_GiB": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
+    }
