@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import MODEL_PRESETS
 from megatron_gptoss.config.reward import RewardConfig
@@ -34,6 +35,7 @@ SECTION_TYPES = {
     "parallel": ParallelConfig,
     "optim": OptimConfig,
     "ppo": PPOConfig,
+    "algorithm": AlgorithmConfig,
     "rollout": RolloutConfig,
     "env": EnvConfig,
     "data": DataConfig,

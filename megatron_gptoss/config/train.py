@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import ModelConfig
 from megatron_gptoss.config.reward import RewardConfig
@@ -384,6 +385,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -397,3 +399,4 @@ class TrainConfig:
             part.validate()
         self.data.validate()
         self.reward.validate()
+        self.algorithm.validate()

@@ -22,7 +22,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # [B, T] float32: targets written by the policy
     rollout_logprobs: torch.Tensor  # [B, T] float32, the engine's log-probs of the targets (0 elsewhere)
     rewards: torch.Tensor  # [B] float32
-    advantages: torch.Tensor | None = None  # [B] float32
+    advantages: torch.Tensor | None = None  # [B] (one per sequence) or [B, T] (per token) float32
     old_logprobs: torch.Tensor | None = None  # [B, T] learner log-probs before the update
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
     is_weights: torch.Tensor | None = None  # [B, T] rollout-correction weights

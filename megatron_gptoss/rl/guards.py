@@ -97,7 +97,8 @@ def drop_nonfinite_groups(batch: RolloutBatch, group_size: int) -> tuple[Rollout
     mask = batch.loss_mask * keep[:, None].to(batch.loss_mask.dtype)
     changes: dict[str, Tensor] = {"rewards": rewards, "loss_mask": mask}
     if batch.advantages is not None:
-        changes["advantages"] = torch.where(keep, batch.advantages, torch.zeros_like(batch.advantages))
+        rows = keep.view(-1, *([1] * (batch.advantages.dim() - 1)))  # [B] or [B, 1]
+        changes["advantages"] = torch.where(rows, batch.advantages, torch.zeros_like(batch.advantages))
     return batch.with_(**changes), kept
 
 

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 
 from megatron_gptoss.config import PPOConfig
-from megatron_gptoss.rl.advantages import grpo_advantages
+from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.rl.advantages import compute_advantages
 from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.correction import rollout_correction
 from megatron_gptoss.rl.ppo_loss import LossNormalizer, compute_total_loss
@@ -38,10 +39,15 @@ def prepare_with(
     batch: RolloutBatch,
     cfg: PPOConfig,
     group_size: int,
+    algorithm: AlgorithmConfig | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`prepare` with the log-probs of the whole batch from `logprobs_of(batch)` (a single model, or a
-    parallel policy whose ranks each compute their rows)."""
-    advantages = grpo_advantages(batch.rewards, group_size, cfg.norm_adv_by_std, cfg.adv_eps)
+    parallel policy whose ranks each compute their rows). `algorithm` picks the advantage estimator (None:
+    the defaults of `AlgorithmConfig`, GRPO)."""
+    algorithm = algorithm if algorithm is not None else AlgorithmConfig()
+    advantages = compute_advantages(
+        algorithm, batch.rewards, batch.loss_mask, group_size, cfg.norm_adv_by_std, cfg.adv_eps
+    )
     old = logprobs_of(batch)
     ref = ref_logprobs_of(batch) if ref_logprobs_of is not None else None
     weights, mask, metrics = rollout_correction(
@@ -109,7 +115,8 @@ def micro_loss(
     if micro.advantages is None or (micro.old_logprobs is None and not on_policy):
         raise ValueError("the PPO loss needs a batch from prepare() (advantages, old log-probs)")
     old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
-    advantages = micro.advantages[:, None].expand_as(logprobs)
+    adv = micro.advantages
+    advantages = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
     return compute_total_loss(
         logprobs,
         old.to(logprobs.device),

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gptoss.config import PPOConfig
+from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
@@ -135,10 +136,11 @@ def prepare(
     temperature: float,
     group_size: int,
     reference: ParallelPolicy | None = None,
+    algorithm: AlgorithmConfig | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank."""
     ref = None if reference is None else (lambda b: reference.logprobs(b, temperature))
-    return prepare_with(lambda b: policy.logprobs(b, temperature), ref, batch, cfg, group_size)
+    return prepare_with(lambda b: policy.logprobs(b, temperature), ref, batch, cfg, group_size, algorithm)
 
 
 def update(

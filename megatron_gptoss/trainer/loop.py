@@ -5,7 +5,7 @@ modes. Every step is collective over the world; every rank holds the whole batch
       prompts    the same on every rank, drawn from a generator seeded by (env.seed, step)
       generate   the rollout engine (`trainer.engines`); row i sampled from the stream (run.seed, step, i)
       score      the task's reward; a group with a non-finite reward is dropped (`rl.guards`)
-      prepare    old (and reference) log-probs through the learner's layout, GRPO advantages, rollout
+      prepare    old (and reference) log-probs through the learner's layout, advantages, rollout
                  correction, engine/learner mismatch metrics (`rl.parallel_learner.prepare`)
       update     PPO epochs and mini-batches, the distributed optimizer (`rl.parallel_learner.update`)
       sync       the learner's weights into the engine through the bridge
@@ -102,7 +102,7 @@ def rl_step(cfg: TrainConfig, setup: Colocated, task, sampling, step: int, devic
         return {"train/skipped": 1.0, **kept.metrics()}
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(
-        setup.policy, batch, cfg.ppo, cfg.rollout.temperature, group, setup.reference_policy
+        setup.policy, batch, cfg.ppo, cfg.rollout.temperature, group, setup.reference_policy, cfg.algorithm
     )
     t2 = time.perf_counter()
     shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
