@@ -13,6 +13,7 @@ from megatron_gptoss.errors import ConfigError
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-tis", "geo-mis")
 KL_ESTIMATORS = ("k1", "k3")
+POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -107,6 +108,10 @@ class OptimConfig:
 class PPOConfig:
     """Policy loss, advantages and rollout correction."""
 
+    # Surrogate: "ppo" (token ratio, clip-higher, dual clip), "gspo" (one length-normalised ratio per
+    # sequence, clipped per sequence) or "gspo_token" (GSPO's ratio value with per-token gradients and
+    # advantages). GSPO's paper clips far tighter than PPO (about 3e-4 / 4e-4): set clip_ratio_low / high.
+    policy_loss: str = "ppo"
     # Lower clip: the ratio is clipped below at 1 - clip_ratio_low.
     clip_ratio_low: float = 0.2
     # Upper clip (clip-higher): the ratio is clipped above at 1 + clip_ratio_high.
@@ -143,6 +148,8 @@ class PPOConfig:
             raise ConfigError(f"ppo.loss_agg_mode={self.loss_agg_mode!r} not in {LOSS_AGG_MODES}")
         if self.correction_mode not in CORRECTION_MODES:
             raise ConfigError(f"ppo.correction_mode={self.correction_mode!r} not in {CORRECTION_MODES}")
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ConfigError(f"ppo.policy_loss={self.policy_loss!r} not in {POLICY_LOSSES}")
         if self.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"ppo.kl_estimator={self.kl_estimator!r} not in {KL_ESTIMATORS}")
         check_positive("ppo", self, "clip_ratio_low", "clip_ratio_high", "correction_threshold")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_gptoss.config.train import KL_ESTIMATORS, LOSS_AGG_MODES, PPOConfig
+from megatron_gptoss.config.train import KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSSES, PPOConfig
 
 
 @dataclass(frozen=True)
@@ -129,14 +129,24 @@ def ppo_policy_loss(
     is_weights: Tensor | None = None,
     max_log_ratio: float = 20.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped PPO surrogate (clip-higher, dual clip) of one micro-batch.
+    """Clipped surrogate of one micro-batch: PPO's (clip-higher, dual clip) or GSPO's (`cfg.policy_loss`).
 
-    Per loss token, with r = exp(logprobs - old_logprobs) and A the advantage:
+    "ppo": per loss token, with r = exp(logprobs - old_logprobs) and A the advantage:
       pg1 = -A r,  pg2 = -A clip(r, 1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
       pg  = max(pg1, pg2)                         (the clipped branch is active where pg2 > pg1)
       pg  = min(pg, -A c) where A < 0             (dual clip, c = cfg.clip_ratio_c; off when c = 0)
       pg  = pg * is_weights                       (rollout correction, detached)
     loss = aggregate(pg, mask, cfg.loss_agg_mode, denom). Active clip branches carry no gradient.
+
+    "gspo": one ratio per sequence, the length-normalised s_i = exp(mean over its loss tokens of
+    (logprobs - old_logprobs)), and one advantage A_i (the mean of its tokens' advantages):
+      l_i = max(-A_i s_i, -A_i clip(s_i, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    set on every loss token of sequence i (times is_weights) and aggregated as above; with
+    "seq-mean-token-mean" the loss is the mean of l_i over the sequences, GSPO's objective.
+    "gspo_token": per token s_{i,t} = sg[s_i] exp(logprobs_t - sg[logprobs_t]) (value s_i) with the token's
+    own advantage, clipped per token; with advantages constant over a sequence its loss and gradient equal
+    "gspo"'s. No dual clip for either. On-policy both give s = 1 and the gradient of
+    aggregate(-A * logprobs, mask, cfg.loss_agg_mode, denom).
 
     The log-ratio is clamped to [-max_log_ratio, max_log_ratio] before exp (ratios beyond e^20 get
     no gradient). On-policy (old_logprobs = logprobs.detach()) the log-ratio is exactly 0, r is
@@ -148,7 +158,7 @@ def ppo_policy_loss(
         old_logprobs: [B, T] log-probs of the policy that the update started from (detached here).
         advantages: [B, T] per-token advantages (see `broadcast_to_tokens`), detached here.
         mask: [B, T] loss mask.
-        cfg: clip_ratio_low, clip_ratio_high, clip_ratio_c and loss_agg_mode are read.
+        cfg: policy_loss, clip_ratio_low, clip_ratio_high, clip_ratio_c and loss_agg_mode are read.
         denom: mini-batch denominators.
         is_weights: optional [B, T] per-token rollout-correction weights (detached here).
         max_log_ratio: bound of the log-ratio before exp.
@@ -157,9 +167,10 @@ def ppo_policy_loss(
         (loss, metrics): loss is this micro-batch's 0-dim share of the mini-batch loss, in at least
         float32. metrics are detached 0-dim float32 tensors, means over this call's loss tokens:
           pg/loss            the returned loss (detached)
-          pg/clipfrac        fraction of tokens where the clipped branch is active
+          pg/clipfrac        fraction of tokens where the clipped branch is active (gspo: tokens of
+                             clipped sequences)
           pg/dual_clipfrac   fraction of tokens where the dual clip is active
-          pg/ratio_mean, pg/ratio_max, pg/ratio_min
+          pg/ratio_mean, pg/ratio_max, pg/ratio_min   (gspo*: the sequence ratio on each token)
           pg/approx_kl_k1    mean of old - new          (KL(old || new) on the old policy's samples)
           pg/approx_kl_k3    mean of r - 1 - log r
           pg/tokens          number of loss tokens in this call (to weight means across calls)
@@ -172,23 +183,30 @@ def ppo_policy_loss(
         mask=mask,
         is_weights=is_weights,
     )
+    if cfg.policy_loss not in POLICY_LOSSES:
+        raise ValueError(
+            f"ppo_policy_loss: unknown policy loss {cfg.policy_loss!r}; expected one of {POLICY_LOSSES}"
+        )
     m = mask.bool()
     logprobs = _float(logprobs)
     adv = _float(advantages.detach())
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     log_ratio = torch.where(m, logprobs - _float(old_logprobs.detach()), zero)
     log_ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio)
-    ratio = torch.exp(log_ratio)
-
-    pg1 = -adv * ratio
-    pg2 = -adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
-    clipped = pg2 > pg1
-    pg = torch.where(clipped, pg2, pg1)
-    if cfg.clip_ratio_c:
-        pg3 = -adv * cfg.clip_ratio_c
-        dual = (adv < 0) & (pg > pg3)
-        pg = torch.where(dual, pg3, pg)
+    if cfg.policy_loss == "ppo":
+        ratio = torch.exp(log_ratio)
+        pg1 = -adv * ratio
+        pg2 = -adv * ratio.clamp(1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+        clipped = pg2 > pg1
+        pg = torch.where(clipped, pg2, pg1)
+        if cfg.clip_ratio_c:
+            pg3 = -adv * cfg.clip_ratio_c
+            dual = (adv < 0) & (pg > pg3)
+            pg = torch.where(dual, pg3, pg)
+        else:
+            dual = torch.zeros_like(m)
     else:
+        ratio, pg, clipped = _gspo(logprobs, log_ratio, adv, m, cfg, max_log_ratio)
         dual = torch.zeros_like(m)
     if is_weights is not None:
         pg = pg * _float(is_weights.detach())
@@ -208,6 +226,28 @@ def ppo_policy_loss(
             "pg/tokens": count,
         }
     return loss, {k: v.detach().float() for k, v in metrics.items()}
+
+
+def _gspo(
+    logprobs: Tensor, log_ratio: Tensor, adv: Tensor, m: Tensor, cfg: PPOConfig, max_log_ratio: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """GSPO's per-token ratio, loss and clip flags [B, T] (see `ppo_policy_loss`)."""
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    n_s = m.sum(dim=-1, keepdim=True).clamp(min=1).to(logprobs.dtype)
+    seq_log_ratio = (log_ratio.sum(dim=-1, keepdim=True) / n_s).clamp(-max_log_ratio, max_log_ratio)
+    low, high = 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high
+    if cfg.policy_loss == "gspo":
+        seq_adv = torch.where(m, adv, zero).sum(dim=-1, keepdim=True) / n_s
+        seq_ratio = torch.exp(seq_log_ratio)
+        pg1, pg2 = -seq_adv * seq_ratio, -seq_adv * seq_ratio.clamp(low, high)
+        seq_clipped = pg2 > pg1
+        seq_pg = torch.where(seq_clipped, pg2, pg1)
+        return seq_ratio.expand_as(logprobs), seq_pg.expand_as(logprobs), seq_clipped.expand_as(m)
+    own = torch.where(m, logprobs, zero)  # masked positions may hold inf / nan
+    ratio = torch.exp(seq_log_ratio.detach() + own - own.detach())
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(low, high)
+    clipped = pg2 > pg1
+    return ratio, torch.where(clipped, pg2, pg1), clipped
 
 
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, max_log_ratio: float = 20.0) -> Tensor:
