@@ -12,7 +12,7 @@ from megatron_gptoss.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-tis", "geo-mis")
-KL_ESTIMATORS = ("k1", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 DTYPES = ("float32", "bfloat16")
 
@@ -122,8 +122,11 @@ class PPOConfig:
     loss_agg_mode: str = "token-mean"
     # Coefficient of the KL penalty to the reference policy (0: no reference model kept).
     kl_coef: float = 0.0
-    # KL estimator: "k1" (log ratio) or "k3" (Schulman's unbiased, non-negative).
+    # KL estimator: "k1" (log ratio), "k2" (half the squared log ratio: its gradient is that of the KL) or
+    # "k3" (Schulman's unbiased, non-negative).
     kl_estimator: str = "k3"
+    # Upper bound of the per-token k3 estimate (0: none); tames tokens the reference finds very unlikely.
+    kl_k3_max: float = 10.0
     # Entropy bonus coefficient (the loss subtracts coef x entropy).
     entropy_coef: float = 0.0
     # GRPO: divide advantages by the group's reward standard deviation.
@@ -158,7 +161,9 @@ class PPOConfig:
                 f"ppo.clip_ratio_low={self.clip_ratio_low} must be < 1 (the ratio is clipped below at "
                 "1 - clip_ratio_low)"
             )
-        check_at_least("ppo", self, 0, "clip_ratio_c", "kl_coef", "adv_eps", "correction_threshold_low")
+        check_at_least(
+            "ppo", self, 0, "clip_ratio_c", "kl_coef", "kl_k3_max", "adv_eps", "correction_threshold_low"
+        )
         if (
             self.correction_mode.endswith("-mis")
             and self.correction_threshold_low >= self.correction_threshold

@@ -22,6 +22,7 @@ from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.rl.advantages import compute_advantages
 from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.correction import rollout_correction
+from megatron_gptoss.rl.kl_control import reward_kl_penalty
 from megatron_gptoss.rl.ppo_loss import LossNormalizer, compute_total_loss
 
 # batch -> per-token log-probs [B, T] of its targets (0 at padding)
@@ -40,16 +41,27 @@ def prepare_with(
     cfg: PPOConfig,
     group_size: int,
     algorithm: AlgorithmConfig | None = None,
+    kl_reward_coef: float | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`prepare` with the log-probs of the whole batch from `logprobs_of(batch)` (a single model, or a
-    parallel policy whose ranks each compute their rows). `algorithm` picks the advantage estimator (None:
-    the defaults of `AlgorithmConfig`, GRPO)."""
+    parallel policy whose ranks each compute their rows). `algorithm` picks the advantage estimator and the
+    KL penalty in the reward (None: the defaults of `AlgorithmConfig`: GRPO, no penalty); `kl_reward_coef`
+    is the penalty's coefficient now (None: `algorithm.kl_in_reward_coef`; an adaptive controller's value)."""
     algorithm = algorithm if algorithm is not None else AlgorithmConfig()
-    advantages = compute_advantages(
-        algorithm, batch.rewards, batch.loss_mask, group_size, cfg.norm_adv_by_std, cfg.adv_eps
-    )
+    coef = algorithm.kl_in_reward_coef if kl_reward_coef is None else kl_reward_coef
     old = logprobs_of(batch)
     ref = ref_logprobs_of(batch) if ref_logprobs_of is not None else None
+    penalty: torch.Tensor | None = None
+    penalty_metrics: dict[str, float] = {}
+    if algorithm.kl_in_reward_coef:
+        if ref is None:
+            raise ValueError("algorithm.kl_in_reward_coef > 0 needs reference log-probs (a reference policy)")
+        penalty, penalty_metrics = reward_kl_penalty(
+            old, ref, batch.loss_mask, coef, algorithm.kl_in_reward_estimator, cfg.kl_k3_max
+        )
+    advantages = compute_advantages(
+        algorithm, batch.rewards, batch.loss_mask, group_size, cfg.norm_adv_by_std, cfg.adv_eps, penalty
+    )
     weights, mask, metrics = rollout_correction(
         old,
         batch.rollout_logprobs,
@@ -61,7 +73,7 @@ def prepare_with(
     prepared = batch.with_(
         advantages=advantages, old_logprobs=old, ref_logprobs=ref, is_weights=weights, loss_mask=mask.float()
     )
-    return prepared, {k: float(v) for k, v in metrics.items()}
+    return prepared, {**{k: float(v) for k, v in metrics.items()}, **penalty_metrics}
 
 
 class MetricTotals:

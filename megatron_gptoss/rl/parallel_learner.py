@@ -137,10 +137,12 @@ def prepare(
     group_size: int,
     reference: ParallelPolicy | None = None,
     algorithm: AlgorithmConfig | None = None,
+    kl_reward_coef: float | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank."""
     ref = None if reference is None else (lambda b: reference.logprobs(b, temperature))
-    return prepare_with(lambda b: policy.logprobs(b, temperature), ref, batch, cfg, group_size, algorithm)
+    logprobs_of = lambda b: policy.logprobs(b, temperature)  # noqa: E731
+    return prepare_with(logprobs_of, ref, batch, cfg, group_size, algorithm, kl_reward_coef)
 
 
 def update(

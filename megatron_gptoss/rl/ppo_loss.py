@@ -250,19 +250,28 @@ def _gspo(
     return ratio, torch.where(clipped, pg2, pg1), clipped
 
 
-def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, max_log_ratio: float = 20.0) -> Tensor:
+def kl_penalty(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: str,
+    max_log_ratio: float = 20.0,
+    k3_max: float = 0.0,
+) -> Tensor:
     """Per-token estimate of KL(policy || reference) on the policy's own samples.
 
     With d = ref_logprobs - logprobs:
       k1 = -d = logprobs - ref_logprobs                 (unbiased, can be negative)
+      k2 = d^2 / 2                                      (biased, >= 0; its gradient is KL's in expectation)
       k3 = exp(d) - d - 1                               (unbiased, >= 0)
     For k3, d is clamped to [-max_log_ratio, max_log_ratio] first, so k3 <= e^20 - 21 and its
-    gradient stay finite in float32 (a token beyond the bound gets no gradient).
+    gradient stay finite in float32 (a token beyond the bound gets no gradient); then, when k3_max > 0,
+    k3 is clamped to at most k3_max (a token above it gets no gradient).
 
     Args:
         logprobs: [B, T] current policy log-probs (may require grad).
         ref_logprobs: [B, T] reference policy log-probs (detached here).
-        estimator: "k1" or "k3".
+        estimator: "k1", "k2" or "k3".
+        k3_max: upper bound of k3 (0: none).
 
     Returns:
         [B, T] in at least float32; reduce with `aggregate` and a mask.
@@ -273,8 +282,11 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str, max_log_r
     d = _float(ref_logprobs.detach()) - _float(logprobs)
     if estimator == "k1":
         return -d
+    if estimator == "k2":
+        return 0.5 * d.square()
     d = d.clamp(-max_log_ratio, max_log_ratio)
-    return torch.exp(d) - d - 1.0
+    k3 = torch.exp(d) - d - 1.0
+    return k3.clamp(max=k3_max) if k3_max > 0 else k3
 
 
 def entropy_bonus(entropy: Tensor, mask: Tensor, mode: str, denom: LossNormalizer) -> Tensor:
@@ -320,7 +332,8 @@ def compute_total_loss(
         raise ValueError(f"compute_total_loss: ppo.entropy_coef={cfg.entropy_coef} needs entropy, got None")
     loss, metrics = ppo_policy_loss(logprobs, old_logprobs, advantages, mask, cfg, denom, is_weights)
     if ref_logprobs is not None:
-        kl = aggregate(kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator), mask, cfg.loss_agg_mode, denom)
+        per_token = kl_penalty(logprobs, ref_logprobs, cfg.kl_estimator, k3_max=cfg.kl_k3_max)
+        kl = aggregate(per_token, mask, cfg.loss_agg_mode, denom)
         metrics["loss/kl"] = kl.detach().float()
         if cfg.kl_coef:
             loss = loss + cfg.kl_coef * kl

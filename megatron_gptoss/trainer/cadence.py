@@ -35,6 +35,7 @@ from megatron_gptoss.config import TrainConfig, config_to_dict
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.parallel.watchdog import GracefulStop
 from megatron_gptoss.rl.guards import DivergenceGuard
+from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.session import Session, from_rank0
 from megatron_gptoss.utils.metrics import MetricsLogger
@@ -67,6 +68,7 @@ class Cadence:
         self.guard = DivergenceGuard(
             run.max_consecutive_skips, run.max_loss, run.max_grad_norm, run.max_update_ratio
         )
+        self.kl_ctrl = KLController(cfg.algorithm)  # the reward's KL coefficient travels with checkpoints
         self.rank, self.out_dir = setup.dims.rank, Path(cfg.run.output_dir)
         if self.rank == 0:
             config = {"run_id": self.claim.run_id, **config_to_dict(cfg)}
@@ -82,6 +84,8 @@ class Cadence:
             self.start = loaded.run.step
             if "guard" in loaded.run.data:
                 self.guard.load_state_dict(loaded.run.data["guard"])
+            if "kl_ctrl" in loaded.run.data:
+                self.kl_ctrl.load_state_dict(loaded.run.data["kl_ctrl"])
             if "task" in loaded.run.data:  # the prompt stream's position
                 task.load_state_dict(loaded.run.data["task"])
         setup.sync()
@@ -136,7 +140,12 @@ class Cadence:
         self.stopping = self.stop.should_stop() and not last
         periodic = run.save_every > 0 and step % run.save_every == 0
         if periodic or self.stopping or (last and run.save_every >= 0):
-            data = {"next_step": step + 1, "guard": self.guard.state_dict(), "task": self.task.state_dict()}
+            data = {
+                "next_step": step + 1,
+                "guard": self.guard.state_dict(),
+                "task": self.task.state_dict(),
+                "kl_ctrl": self.kl_ctrl.state_dict(),
+            }
             state = RunState(step, data=data)
             if run.async_save and not last and not self.stopping:
                 self.checkpointer.save_async(step, self.setup.modules(), self.setup.optimizer, state)

@@ -1,5 +1,6 @@
 """What every rank hosts: its learner shard (stage models of the `parallel` layout, the optimizer, the frozen
-reference policy when KL is on) and its part of the rollout engine, with the bridge between them.
+reference policy when a KL loss or a KL penalty in the reward is on) and its part of the rollout engine,
+with the bridge between them.
 
     stage models   meta device -> tensor / sequence / expert parallel (`parallel.apply.parallelize`)
                    -> materialize -> data parallel; one model per (virtual) pipeline stage of this rank
@@ -38,7 +39,8 @@ class Colocated:
         self.dims = dims = ParallelDims.build(cfg.parallel, cfg.model)
         self.plans = stage_plans(dims, cfg.model.num_layers, cfg.parallel.pipeline_layers or None)
         self.models = [self._stage(plan) for plan in self.plans]
-        self.reference = [self._stage(plan) for plan in self.plans] if cfg.ppo.kl_coef else []
+        with_reference = bool(cfg.ppo.kl_coef or cfg.algorithm.kl_in_reward_coef)
+        self.reference = [self._stage(plan) for plan in self.plans] if with_reference else []
         for model in self.reference:
             model.requires_grad_(False)
         self.host = make_engine_host(cfg, self.models, dims, device) if with_engine else None

@@ -37,6 +37,7 @@ from megatron_gptoss.hf.io import check_hf_config
 from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch
 from megatron_gptoss.rl.guards import drop_nonfinite_groups
+from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
@@ -71,7 +72,7 @@ def run(cfg: TrainConfig) -> dict[str, float]:
                 last: dict[str, float] = {}
                 for step in cadence.steps(evaluation):
                     if cfg.run.mode == "rl":
-                        last = rl_step(cfg, setup, task, sampling, step, device)
+                        last = rl_step(cfg, setup, task, sampling, step, device, cadence.kl_ctrl)
                     else:
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
                         last = parallel_learner.supervised_step(setup.policy, batch, cfg.sft.micro_batches)
@@ -79,8 +80,11 @@ def run(cfg: TrainConfig) -> dict[str, float]:
                 return cadence.finish(last)
 
 
-def rl_step(cfg: TrainConfig, setup: Colocated, task, sampling, step: int, device) -> dict[str, float]:
-    """generate -> score -> prepare -> update -> sync; the step's metrics."""
+def rl_step(
+    cfg: TrainConfig, setup: Colocated, task, sampling, step: int, device, kl_ctrl: KLController
+) -> dict[str, float]:
+    """generate -> score -> prepare -> update -> sync; the step's metrics. `kl_ctrl`: the coefficient of
+    the KL penalty in the reward, updated with the step's KL."""
     t0 = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
     prompts = task.sample_prompts(
@@ -102,8 +106,17 @@ def rl_step(cfg: TrainConfig, setup: Colocated, task, sampling, step: int, devic
         return {"train/skipped": 1.0, **kept.metrics()}
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(
-        setup.policy, batch, cfg.ppo, cfg.rollout.temperature, group, setup.reference_policy, cfg.algorithm
+        setup.policy,
+        batch,
+        cfg.ppo,
+        cfg.rollout.temperature,
+        group,
+        setup.reference_policy,
+        cfg.algorithm,
+        kl_ctrl.value,
     )
+    if "kl_reward/kl" in metrics:
+        kl_ctrl.update(metrics["kl_reward/kl"], len(batch))
     t2 = time.perf_counter()
     shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
     metrics.update(parallel_learner.update(setup.policy, batch, cfg.ppo, cfg.rollout.temperature, shuffle))

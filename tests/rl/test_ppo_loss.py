@@ -378,26 +378,37 @@ def test_masked_positions_never_reach_loss_or_gradient():
     assert all(torch.equal(metrics[k], metrics_bad[k]) for k in metrics)
 
 
-@pytest.mark.parametrize("estimator", ["k1", "k3"])
-def test_kl_penalty_matches_reference(estimator):
+@pytest.mark.parametrize("estimator,k3_max", [("k1", 0.0), ("k2", 0.0), ("k3", 0.0), ("k3", 1.5)])
+def test_kl_penalty_matches_reference(estimator, k3_max):
     gen = torch.Generator().manual_seed(71)
     lp = -3.0 * torch.rand(B, T, generator=gen)
     ref_lp = lp + torch.randn(B, T, generator=gen)
     ref_lp[0, 0] = lp[0, 0] + 50.0  # beyond the documented log-ratio bound of 20
-    ours = kl_penalty(lp, ref_lp, estimator)
+    lp.requires_grad_(True)
+    ours = kl_penalty(lp, ref_lp, estimator, k3_max=k3_max)
+    (grad,) = torch.autograd.grad(ours.sum(), lp)
     expected = torch.zeros(B, T, dtype=torch.float64)
+    expected_grad = torch.zeros(B, T, dtype=torch.float64)
     for i in range(B):
         for t in range(T):
-            d = float(ref_lp[i, t]) - float(lp[i, t])
+            d = float(ref_lp[i, t]) - float(lp[i, t].detach())
             if estimator == "k1":
-                expected[i, t] = -d
+                expected[i, t], expected_grad[i, t] = -d, 1.0
+            elif estimator == "k2":
+                expected[i, t], expected_grad[i, t] = 0.5 * d * d, -d
             else:
+                inside = -20.0 <= d <= 20.0
                 d = min(max(d, -20.0), 20.0)
                 expected[i, t] = math.exp(d) - d - 1.0
+                expected_grad[i, t] = (1.0 - math.exp(d)) if inside else 0.0
+                if k3_max and expected[i, t] > k3_max:
+                    expected[i, t], expected_grad[i, t] = k3_max, 0.0
     assert torch.isfinite(ours).all()
-    assert _rel_err(ours, expected) <= 1e-6
-    if estimator == "k3":
+    assert _rel_err(ours, expected) <= 1e-6 and _rel_err(grad, expected_grad) <= 1e-6
+    if estimator != "k1":
         assert (ours >= 0).all()
+    if k3_max:
+        assert ours.max().item() == k3_max and (expected > k3_max - 1e-9).sum() >= 2  # the clamp bit
 
 
 def test_entropy_bonus_is_aggregate():
@@ -421,8 +432,8 @@ def test_bad_inputs_raise_clear_errors():
         aggregate(x, mask, "seq-sum", denom)
     with pytest.raises(ValueError, match="unknown loss aggregation mode 'token-sum'"):
         ppo_policy_loss(x, x, x, mask, PPOConfig(loss_agg_mode="token-sum"), denom)
-    with pytest.raises(ValueError, match="unknown KL estimator 'k2'"):
-        kl_penalty(x, x, "k2")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        kl_penalty(x, x, "k4")
     with pytest.raises(ValueError, match="kl_coef=0.1 needs ref_logprobs"):
         compute_total_loss(x, x, x, mask, PPOConfig(kl_coef=0.1), denom)
     with pytest.raises(ValueError, match="entropy_coef=0.1 needs entropy"):
