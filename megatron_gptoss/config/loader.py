@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import MODEL_PRESETS
 from megatron_gptoss.config.reward import RewardConfig
@@ -36,6 +37,7 @@ SECTION_TYPES = {
     "optim": OptimConfig,
     "ppo": PPOConfig,
     "algorithm": AlgorithmConfig,
+    "dapo": DAPOConfig,
     "rollout": RolloutConfig,
     "env": EnvConfig,
     "data": DataConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import ModelConfig
 from megatron_gptoss.config.reward import RewardConfig
@@ -398,6 +399,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dapo: DAPOConfig = field(default_factory=DAPOConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -412,3 +414,4 @@ class TrainConfig:
         self.data.validate()
         self.reward.validate()
         self.algorithm.validate()
+        self.dapo.validate(self.rollout.max_new_tokens)

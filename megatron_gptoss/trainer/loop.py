@@ -4,7 +4,9 @@ modes. Every step is collective over the world; every rank holds the whole batch
     RL step (`run.mode: rl`)
       prompts    the same on every rank, drawn from a generator seeded by (env.seed, step)
       generate   the rollout engine (`trainer.engines`); row i sampled from the stream (run.seed, step, i)
-      score      the task's reward; a group with a non-finite reward is dropped (`rl.guards`)
+      score      the task's reward (plus DAPO's overlong penalty); DAPO's dynamic sampling drops groups of
+                 equal rewards and generates more (`trainer.rollouts`); a group with a non-finite reward is
+                 dropped (`rl.guards`)
       prepare    old (and reference) log-probs through the learner's layout, advantages, rollout
                  correction, engine/learner mismatch metrics (`rl.parallel_learner.prepare`)
       update     PPO epochs and mini-batches, the distributed optimizer (`rl.parallel_learner.update`)
@@ -28,7 +30,6 @@ import torch.distributed as dist
 
 from megatron_gptoss.config import TrainConfig
 from megatron_gptoss.data.conversations import ConversationSet
-from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.envs import make_task
 from megatron_gptoss.envs.synthetic import progression_documents
 from megatron_gptoss.errors import ConfigError
@@ -41,7 +42,8 @@ from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
-from megatron_gptoss.trainer.session import from_rank0, session
+from megatron_gptoss.trainer.rollouts import collect_rollouts
+from megatron_gptoss.trainer.session import session
 
 
 def run(cfg: TrainConfig) -> dict[str, float]:
@@ -87,19 +89,13 @@ def rl_step(
     the KL penalty in the reward, updated with the step's KL."""
     t0 = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
-    prompts = task.sample_prompts(
-        cfg.rollout.prompts_per_step, random.Random(cfg.env.seed * 1_000_003 + step)
-    )
-    rows = [p for p in prompts for _ in range(group)]
-    prompt_ids = [list(p.token_ids) for p in rows]
-    seed = (cfg.run.seed << 40) + (step << 20)  # row i samples with seed + i (< 2**20 rows)
-    generations = setup.generate(prompt_ids, SamplingParams(**{**sampling.__dict__, "seed": seed}))
-    scores, reward_metrics = score_on_rank0(task, rows, [g.token_ids for g in generations])
+    rollouts, rollout_extra = collect_rollouts(cfg, setup, task, sampling, step)
+    generations = rollouts.generations
     batch = build_batch(
-        prompt_ids,
+        rollouts.prompt_ids,
         [g.token_ids for g in generations],
         [g.logprobs for g in generations],
-        [float(s["reward"]) for s in scores],
+        rollouts.rewards,
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guard)
@@ -123,15 +119,10 @@ def rl_step(
     t3 = time.perf_counter()
     setup.sync()
     metrics.update(step_times(device, t0, t1, t2, t3))
-    metrics.update(rollout_metrics(batch, scores, kept.keep))
-    metrics.update(reward_metrics)
+    metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
+    metrics.update(rollout_extra)
     metrics.update(kept.metrics())
     return metrics
-
-
-def score_on_rank0(task, prompts, responses) -> tuple[list[dict], dict[str, float]]:
-    """The task's scores of every row, computed once on rank 0 (its reward workers) and sent to every rank."""
-    return from_rank0(task.score_batch(prompts, responses) if dist.get_rank() == 0 else None)
 
 
 def supervised_batch(
