@@ -1,5 +1,6 @@
 """Typed configuration: one dataclass per concern, presets as functions, YAML files hold overrides."""
 
+from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.loader import build_config, config_to_dict, load_config
@@ -26,6 +27,8 @@ from megatron_gptoss.errors import ConfigError
 
 __all__ = [
     "AlgorithmConfig",
+    "AgentConfig",
+    "SandboxConfig",
     "ConfigError",
     "DataConfig",
     "EnvConfig",

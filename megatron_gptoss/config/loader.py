@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
@@ -43,6 +44,8 @@ SECTION_TYPES = {
     "data": DataConfig,
     "sft": SFTConfig,
     "reward": RewardConfig,
+    "agent": AgentConfig,
+    "sandbox": SandboxConfig,
     "run": RunConfig,
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
@@ -405,6 +406,8 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def validate(self) -> None:
@@ -415,3 +418,5 @@ class TrainConfig:
         self.reward.validate()
         self.algorithm.validate()
         self.dapo.validate(self.rollout.max_new_tokens)
+        self.agent.validate()
+        self.sandbox.validate()
