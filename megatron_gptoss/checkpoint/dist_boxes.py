@@ -28,6 +28,7 @@ import torch
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.hf.names import match_ours
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.value import VALUE_HEAD
 from megatron_gptoss.parallel.dims import Layout
 from megatron_gptoss.parallel.pipeline import split_layers
 from megatron_gptoss.parallel.sharding import ShardSpec
@@ -47,7 +48,7 @@ class Box:
 
 def is_vocab(name: str) -> bool:
     """Whether parameter `name` has vocabulary rows (padded in the model, unpadded in checkpoints)."""
-    return match_ours(name).rule.kind == "vocab"
+    return name != VALUE_HEAD and match_ours(name).rule.kind == "vocab"
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -160,9 +160,10 @@ def optimizer_pieces(
     shapes: Mapping[str, tuple[int, ...]],
     vocab_size: int,
     max_bytes: int,
+    prefix: str = "optim",
 ) -> list[Piece]:
     """The pieces of the optimizer state this rank writes (views of its buffers; zeros before the first
-    step, when AdamW has no moments yet)."""
+    step, when AdamW has no moments yet), named `prefix/<state>/<parameter>`."""
     out = []
     for run in _runs(opt, names, coords, vocab_size, owned=True):
         master = opt.master[run.bucket]
@@ -173,12 +174,16 @@ def optimizer_pieces(
                 view = torch.zeros(run.box.sizes, dtype=torch.float32)
             else:
                 view = buffer.detach()[run.at : run.at + run.box.numel].view(run.box.sizes)
-            out += _pieces(f"optim/{kind}/{run.name}", shapes[run.name], run.box, view, max_bytes)
+            out += _pieces(f"{prefix}/{kind}/{run.name}", shapes[run.name], run.box, view, max_bytes)
     return out
 
 
 def optimizer_targets(
-    opt: DistributedOptimizer, names: Mapping[int, str], coords: dict[str, int], vocab_size: int
+    opt: DistributedOptimizer,
+    names: Mapping[int, str],
+    coords: dict[str, int],
+    vocab_size: int,
+    prefix: str = "optim",
 ) -> tuple[list[Target], Callable[[Mapping[str, float]], None]]:
     """Load targets for the whole optimizer range of this rank (fresh zeroed buffers) and the function
     that installs them once filled: master weights copied in place, AdamW's moments and step set through
@@ -188,7 +193,7 @@ def optimizer_targets(
     for run in _runs(opt, names, coords, vocab_size, owned=False):
         for kind in OPTIM_STATES:
             view = buffers[run.bucket][kind][run.at : run.at + run.box.numel].view(run.box.sizes)
-            targets.append(Target(f"optim/{kind}/{run.name}", run.box, view))
+            targets.append(Target(f"{prefix}/{kind}/{run.name}", run.box, view))
 
     @torch.no_grad()
     def install(steps: Mapping[str, float]) -> None:

@@ -64,6 +64,7 @@ from megatron_gptoss.checkpoint.manager import (
 )
 from megatron_gptoss.config import ModelConfig, TrainConfig, config_to_dict
 from megatron_gptoss.errors import CheckpointError, CheckpointSaveError
+from megatron_gptoss.model.value import VALUE_HEAD
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 
@@ -158,7 +159,8 @@ class DistributedCheckpointer:
         self.pipeline_layers = pipeline_layers
         self.max_chunk_bytes = max_chunk_bytes
         self.coords = dims.layout.coords(dims.rank)
-        self.shapes = full_shapes(config)
+        # the policy's parameters, and the value head of a critic (module group "critic")
+        self.shapes = {**full_shapes(config), VALUE_HEAD: (1, config.hidden_size)}
         self._pending: threading.Thread | None = None
         self._outcome: dict[str, Any] = {}
 
@@ -189,11 +191,14 @@ class DistributedCheckpointer:
         optimizer: DistributedOptimizer | None,
         run: RunState,
         rank_state: Mapping[str, Any] | None = None,
+        group_optimizers: Mapping[str, DistributedOptimizer] | None = None,
     ) -> Path:
         """Write the checkpoint of `step` and return its directory. Raises CheckpointSaveError on every
-        rank when any rank fails; the previous checkpoints stay as they were."""
+        rank when any rank fails; the previous checkpoints stay as they were. `group_optimizers`: the
+        optimizers of other module groups (e.g. {"critic": its optimizer}), stored as `optim.<group>/...`."""
         self.wait()
-        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, stage=False)
+        extra = dict(group_optimizers or {})
+        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, False, extra)
         return self._write_and_commit(step, partial, meta, pieces, blobs)
 
     def save_async(
@@ -203,13 +208,15 @@ class DistributedCheckpointer:
         optimizer: DistributedOptimizer | None,
         run: RunState,
         rank_state: Mapping[str, Any] | None = None,
+        group_optimizers: Mapping[str, DistributedOptimizer] | None = None,
     ) -> None:
         """Copy what this rank writes to host memory (one copy of its share: the parameters it writes and
         its part of the optimizer state; each copy is freed once written), then write and commit in a
         background thread; training may go on at once. `wait()` returns the directory (or raises the
         save's error); every other method waits first."""
         self.wait()
-        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, stage=True)
+        extra = dict(group_optimizers or {})
+        partial, meta, pieces, blobs = self._prepare(step, modules, optimizer, run, rank_state, True, extra)
         self._outcome = {}
 
         def work() -> None:
@@ -235,14 +242,14 @@ class DistributedCheckpointer:
             raise self._outcome["error"]
         return self._outcome.get("path")
 
-    def _prepare(self, step, modules, optimizer, run, rank_state, stage: bool):
+    def _prepare(self, step, modules, optimizer, run, rank_state, stage: bool, extra: dict):
         """Collective: every rank lists its pieces and blobs (an error on any rank stops the save on all,
         before any file is written), then rank 0 opens the partial directory."""
         pieces: list[Piece] = []
         blobs: dict[str, object] = {}
         error = None
         try:
-            pieces, blobs = self._collect(modules, optimizer, run, rank_state, stage)
+            pieces, blobs = self._collect(modules, optimizer, run, rank_state, stage, extra)
         except Exception as err:  # agreed on below: no rank may enter the save's collectives alone
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         errors = self._all_errors(error)
@@ -260,12 +267,16 @@ class DistributedCheckpointer:
             "format": FORMAT,
             "model": dataclasses.asdict(self.config),
             "layout": self._layout(optimizer),
-            "contents": {"modules": sorted(modules), "optimizer": optimizer is not None},
+            "contents": {
+                "modules": sorted(modules),
+                "optimizer": optimizer is not None,
+                "group_optimizers": sorted(extra),
+            },
             "config": self.run_config,
         }
         return partial, meta, pieces, blobs
 
-    def _collect(self, modules, optimizer, run, rank_state, stage: bool):
+    def _collect(self, modules, optimizer, run, rank_state, stage: bool, extra: dict):
         """This rank's pieces (host copies when `stage`) and blobs."""
         names = {prefix: param_names(models) for prefix, models in modules.items()}
         pieces: list[Piece] = []
@@ -283,8 +294,13 @@ class DistributedCheckpointer:
                 optimizer, owner, self.coords, self.shapes, self.config.vocab_size, self.max_chunk_bytes
             )
             steps = optimizer_steps(optimizer)
+        group_steps = {}
+        for group, opt in extra.items():
+            shapes, vocab, chunk = self.shapes, self.config.vocab_size, self.max_chunk_bytes
+            pieces += optimizer_pieces(opt, names[group], self.coords, shapes, vocab, chunk, f"optim.{group}")
+            group_steps[group] = optimizer_steps(opt)
         if self.rank == 0:
-            blobs["run"] = {**dataclasses.asdict(run), "optimizer": steps}
+            blobs["run"] = {**dataclasses.asdict(run), "optimizer": steps, "group_optimizers": group_steps}
         if stage:
             pieces = [
                 dataclasses.replace(p, data=p.data.detach().to("cpu", copy=True), owned=True)  # type: ignore[union-attr]
@@ -351,10 +367,13 @@ class DistributedCheckpointer:
         path: str | Path,
         modules: Mapping[str, Sequence[nn.Module]],
         optimizer: DistributedOptimizer | None,
+        group_optimizers: Mapping[str, DistributedOptimizer] | None = None,
     ) -> Loaded:
-        """Fill `modules` (and `optimizer`) from the checkpoint at `path`, saved in any layout. The files'
-        checksums are not verified here (`find_resumable` does). Raises CheckpointError for another
-        model shape, a missing tensor or module group, a shape or coverage mismatch (every rank alike)."""
+        """Fill `modules` (and `optimizer`, and `group_optimizers` as `save` stored them) from the
+        checkpoint at `path`, saved in any layout. The files' checksums are not verified here
+        (`find_resumable` does). Raises CheckpointError for another model shape, a missing tensor or module
+        group, a shape or coverage mismatch (every rank alike)."""
+        extra = dict(group_optimizers or {})
         self.wait()
         path = Path(path)
         manifest = self._manifest(path)
@@ -365,6 +384,7 @@ class DistributedCheckpointer:
         same = manifest["layout"] == self._layout(optimizer)
         targets: list = []
         install = None
+        installs: dict[str, Any] = {}
         problems = []
         try:
             with torch.no_grad():
@@ -373,6 +393,13 @@ class DistributedCheckpointer:
                 if optimizer is not None and manifest["contents"]["optimizer"]:
                     owner = param_names(modules.get("model") or next(iter(modules.values())))
                     more, install = optimizer_targets(optimizer, owner, self.coords, self.config.vocab_size)
+                    targets += more
+                for group in set(extra) & set(manifest["contents"].get("group_optimizers", [])):
+                    names = param_names(modules[group])
+                    prefix = f"optim.{group}"
+                    more, installs[group] = optimizer_targets(
+                        extra[group], names, self.coords, self.config.vocab_size, prefix
+                    )
                     targets += more
             shapes = {t.fqn: self.shapes[t.fqn.split("/", 2)[-1]] for t in targets}
         except Exception as err:  # reported with every rank's problems by load_pieces
@@ -383,6 +410,12 @@ class DistributedCheckpointer:
             blobs = load_pieces(path, targets, shapes, blob_keys, self.group, problems)
         run_blob = dict(blobs["run"])  # type: ignore[call-overload]
         steps = run_blob.pop("optimizer")
+        group_steps = run_blob.pop("group_optimizers", {})
+        for group, opt in extra.items():  # a group optimizer the checkpoint lacks starts from the weights
+            if group in installs:
+                installs[group](group_steps[group])
+            else:
+                reset_optimizer(opt)
         if install is not None:
             install(steps)
         elif optimizer is not None:
@@ -472,9 +505,10 @@ class DistributedCheckpointer:
         path: Path,
         modules: Mapping[str, Sequence[nn.Module]],
         optimizer: DistributedOptimizer | None,
+        group_optimizers: Mapping[str, DistributedOptimizer] | None = None,
     ) -> Loaded:
         """`load` of a checkpoint from `locate`, logged."""
-        loaded = self.load(path, modules, optimizer)
+        loaded = self.load(path, modules, optimizer, group_optimizers)
         if self.rank == 0:
             log.info("resumed from %s (step %d)", path, loaded.run.step)
         return loaded

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from megatron_gptoss.errors import ConfigError
 
 # Sequence-level estimators compare a sample's reward with the other samples of its prompt; token-level
-# ones (reinforce_pp, reinforce_pp_baseline) give every token its own advantage.
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# ones (reinforce_pp, reinforce_pp_baseline, gae) give every token its own advantage.
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
 KL_CONTROLLERS = ("fixed", "adaptive")
 REWARD_KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -21,10 +21,13 @@ class AlgorithmConfig:
     # "grpo": (r - group mean) / (group std + ppo.adv_eps) (ppo.norm_adv_by_std=false drops the division);
     # "dr_grpo": r - group mean; "rloo": r - mean of the other samples of the group;
     # "reinforce_pp": discounted return of every token, whitened over the batch's loss tokens;
-    # "reinforce_pp_baseline": (r - group mean) on every token, whitened over the batch's loss tokens.
+    # "reinforce_pp_baseline": (r - group mean) on every token, whitened over the batch's loss tokens;
+    # "gae": generalised advantage estimation with a learned value model (the `critic` section), whitened.
     advantage: str = "grpo"
-    # Discount factor per policy token (reinforce_pp); tool and environment tokens take no discount step.
+    # Discount factor per policy token (reinforce_pp, gae); tool and environment tokens take no discount step.
     gamma: float = 1.0
+    # GAE's lambda (gae): 1 gives the Monte-Carlo return minus the value, 0 the one-step TD error.
+    lam: float = 1.0
     # KL penalty in the reward: every loss token's reward gets -coef x KL(old policy || reference) at that
     # token (0: off; > 0 keeps a frozen reference policy). With kl_ctrl "adaptive" this is the initial value.
     kl_in_reward_coef: float = 0.0
@@ -41,8 +44,9 @@ class AlgorithmConfig:
     def validate(self) -> None:
         if self.advantage not in ADVANTAGE_ESTIMATORS:
             raise ConfigError(f"algorithm.advantage={self.advantage!r} not in {ADVANTAGE_ESTIMATORS}")
-        if not 0 <= self.gamma <= 1:
-            raise ConfigError(f"algorithm.gamma must be in [0, 1], got {self.gamma}")
+        for name in ("gamma", "lam"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ConfigError(f"algorithm.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.kl_in_reward_coef < 0:
             raise ConfigError(f"algorithm.kl_in_reward_coef must be >= 0, got {self.kl_in_reward_coef}")
         if self.kl_in_reward_estimator not in REWARD_KL_ESTIMATORS:

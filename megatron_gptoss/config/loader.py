@@ -17,6 +17,7 @@ import yaml
 
 from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import MODEL_PRESETS
@@ -39,6 +40,7 @@ SECTION_TYPES = {
     "ppo": PPOConfig,
     "algorithm": AlgorithmConfig,
     "dapo": DAPOConfig,
+    "critic": CriticConfig,
     "rollout": RolloutConfig,
     "env": EnvConfig,
     "data": DataConfig,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.model import ModelConfig
@@ -401,6 +402,7 @@ class TrainConfig:
     ppo: PPOConfig = field(default_factory=PPOConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -420,3 +422,4 @@ class TrainConfig:
         self.dapo.validate(self.rollout.max_new_tokens)
         self.agent.validate()
         self.sandbox.validate()
+        self.critic.validate()

@@ -170,6 +170,20 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     return adv, torch.where(m, adv + v, 0.0)
 
 
+@torch.no_grad()
+def explained_variance(returns: Tensor, values: Tensor, mask: Tensor) -> float:
+    """1 - Var(R - V) / Var(R) over the loss tokens, in float64; 0 when Var(R) = 0 or no loss token
+    (never NaN or infinite)."""
+    m = mask.bool()
+    if int(m.sum()) == 0:
+        return 0.0
+    r, d = returns.double()[m], (returns.double() - values.double())[m]
+    var_r = float(r.var(correction=0))
+    if var_r <= 0.0:
+        return 0.0
+    return 1.0 - float(d.var(correction=0)) / var_r
+
+
 def _check_tokens(fn: str, **tensors: Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     first = next(iter(shapes.values()))

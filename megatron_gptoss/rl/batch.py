@@ -26,6 +26,8 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None  # [B, T] learner log-probs before the update
     ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
     is_weights: torch.Tensor | None = None  # [B, T] rollout-correction weights
+    values: torch.Tensor | None = None  # [B, T] the critic's values before the update (gae)
+    returns: torch.Tensor | None = None  # [B, T] the critic's targets (gae)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -19,7 +19,13 @@ import torch
 
 from megatron_gptoss.config import PPOConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
-from megatron_gptoss.rl.advantages import compute_advantages
+from megatron_gptoss.rl.advantages import (
+    compute_advantages,
+    explained_variance,
+    gae,
+    masked_whiten,
+    token_rewards,
+)
 from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.correction import rollout_correction
 from megatron_gptoss.rl.kl_control import reward_kl_penalty
@@ -42,11 +48,14 @@ def prepare_with(
     group_size: int,
     algorithm: AlgorithmConfig | None = None,
     kl_reward_coef: float | None = None,
+    values_of: LogprobFn | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`prepare` with the log-probs of the whole batch from `logprobs_of(batch)` (a single model, or a
     parallel policy whose ranks each compute their rows). `algorithm` picks the advantage estimator and the
     KL penalty in the reward (None: the defaults of `AlgorithmConfig`: GRPO, no penalty); `kl_reward_coef`
-    is the penalty's coefficient now (None: `algorithm.kl_in_reward_coef`; an adaptive controller's value)."""
+    is the penalty's coefficient now (None: `algorithm.kl_in_reward_coef`; an adaptive controller's value).
+    `values_of(batch)`: the critic's values [B, T], required by gae (the batch then carries `values` and
+    `returns`, and the metrics `critic/explained_var`)."""
     algorithm = algorithm if algorithm is not None else AlgorithmConfig()
     coef = algorithm.kl_in_reward_coef if kl_reward_coef is None else kl_reward_coef
     old = logprobs_of(batch)
@@ -59,9 +68,21 @@ def prepare_with(
         penalty, penalty_metrics = reward_kl_penalty(
             old, ref, batch.loss_mask, coef, algorithm.kl_in_reward_estimator, cfg.kl_k3_max
         )
-    advantages = compute_advantages(
-        algorithm, batch.rewards, batch.loss_mask, group_size, cfg.norm_adv_by_std, cfg.adv_eps, penalty
-    )
+    values = returns = None
+    if algorithm.advantage == "gae":
+        if values_of is None:
+            raise ValueError("algorithm.advantage='gae' needs the critic's values (values_of)")
+        values = values_of(batch)
+        rewards = token_rewards(batch.rewards, batch.loss_mask)
+        if penalty is not None:
+            rewards = rewards + penalty
+        raw, returns = gae(rewards, values, batch.loss_mask, algorithm.gamma, algorithm.lam)
+        advantages = masked_whiten(raw, batch.loss_mask)
+        penalty_metrics["critic/explained_var"] = explained_variance(returns, values, batch.loss_mask)
+    else:
+        advantages = compute_advantages(
+            algorithm, batch.rewards, batch.loss_mask, group_size, cfg.norm_adv_by_std, cfg.adv_eps, penalty
+        )
     weights, mask, metrics = rollout_correction(
         old,
         batch.rollout_logprobs,
@@ -71,7 +92,13 @@ def prepare_with(
         cfg.correction_threshold_low,
     )
     prepared = batch.with_(
-        advantages=advantages, old_logprobs=old, ref_logprobs=ref, is_weights=weights, loss_mask=mask.float()
+        advantages=advantages,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        is_weights=weights,
+        loss_mask=mask.float(),
+        values=values,
+        returns=returns,
     )
     return prepared, {**{k: float(v) for k, v in metrics.items()}, **penalty_metrics}
 
@@ -150,7 +177,7 @@ def run_epochs(
 ) -> dict[str, float]:
     """`cfg.ppo_epochs` passes over `batch` in `cfg.num_mini_batches` mini-batches (shuffled by `generator`
     unless on-policy); `step(mini_batch, on_policy)` trains on one and returns its metrics. Returns the
-    metrics averaged over the mini-batches (ratio extremes over all of them)."""
+    metrics averaged over the mini-batches (extremes, `*_max` / `*_min`, over all of them)."""
     on_policy = is_on_policy(cfg)
     history: list[dict[str, float]] = []
     for _ in range(cfg.ppo_epochs):
@@ -158,6 +185,8 @@ def run_epochs(
         for idx in order.chunk(cfg.num_mini_batches):
             history.append(step(batch.select(idx), on_policy))
     out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
-    out["pg/ratio_max"] = max(h["pg/ratio_max"] for h in history)
-    out["pg/ratio_min"] = min(h["pg/ratio_min"] for h in history)
+    for key in out:
+        if MetricTotals.kind(key) in ("max", "min"):
+            pick = max if MetricTotals.kind(key) == "max" else min
+            out[key] = pick(h[key] for h in history)
     return out

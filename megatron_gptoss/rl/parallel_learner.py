@@ -138,11 +138,14 @@ def prepare(
     reference: ParallelPolicy | None = None,
     algorithm: AlgorithmConfig | None = None,
     kl_reward_coef: float | None = None,
+    critic: ParallelPolicy | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
-    """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank."""
+    """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank.
+    `critic`: the value model (`rl.critic`) whose values gae needs."""
     ref = None if reference is None else (lambda b: reference.logprobs(b, temperature))
+    values = None if critic is None else (lambda b: critic.logprobs(b, 1.0))
     logprobs_of = lambda b: policy.logprobs(b, temperature)  # noqa: E731
-    return prepare_with(logprobs_of, ref, batch, cfg, group_size, algorithm, kl_reward_coef)
+    return prepare_with(logprobs_of, ref, batch, cfg, group_size, algorithm, kl_reward_coef, values)
 
 
 def update(

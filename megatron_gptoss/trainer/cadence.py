@@ -80,7 +80,9 @@ class Cadence:
         setup.build_optimizer()
         self.start = 0
         if found is not None:
-            loaded = self.checkpointer.resume_from(found, setup.modules(), setup.optimizer)
+            loaded = self.checkpointer.resume_from(
+                found, setup.modules(), setup.optimizer, setup.group_optimizers()
+            )
             self.start = loaded.run.step
             if "guard" in loaded.run.data:
                 self.guard.load_state_dict(loaded.run.data["guard"])
@@ -147,10 +149,11 @@ class Cadence:
                 "kl_ctrl": self.kl_ctrl.state_dict(),
             }
             state = RunState(step, data=data)
+            modules, optimizers = self.setup.modules(), self.setup.group_optimizers()
             if run.async_save and not last and not self.stopping:
-                self.checkpointer.save_async(step, self.setup.modules(), self.setup.optimizer, state)
+                self.checkpointer.save_async(step, modules, self.setup.optimizer, state, None, optimizers)
             else:
-                self.checkpointer.save(step, self.setup.modules(), self.setup.optimizer, state)
+                self.checkpointer.save(step, modules, self.setup.optimizer, state, None, optimizers)
         if self.stopping and self.rank == 0:
             log.warning("stopped after step %d with a checkpoint; continue with --resume auto", step)
 

@@ -10,11 +10,15 @@ with the bridge between them.
                    `parallel.use_distributed_optimizer`)
     engine         `trainer.engines`: the embedded engine's shards fed by the fan-out, or vLLM on rank 0
                    (RL only: a supervised run has none)
+    critic         with `algorithm.advantage: gae`, the value model (`model.value`) in the policy's layout,
+                   started from the policy's weights, with its own distributed optimizer (`critic.*`)
 
 World size 1 is the same code with one rank.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -22,6 +26,7 @@ from megatron_gptoss.config import TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.value import VALUE_HEAD, ValueModel
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -43,11 +48,20 @@ class Colocated:
         self.reference = [self._stage(plan) for plan in self.plans] if with_reference else []
         for model in self.reference:
             model.requires_grad_(False)
+        gae = cfg.algorithm.advantage == "gae"
+        self.critic: list[GPTOSSModel] = [self._stage(plan, value=True) for plan in self.plans] if gae else []
+        self.critic_policy: ParallelPolicy | None = None
         self.host = make_engine_host(cfg, self.models, dims, device) if with_engine else None
         self.optimizer: DistributedOptimizer | None = None
 
-    def _stage(self, plan) -> GPTOSSModel:
-        model = build_stage_model(self.cfg.model, plan, DTYPES[self.cfg.run.dtype], "meta")
+    def _stage(self, plan, value: bool = False) -> GPTOSSModel:
+        dtype = DTYPES[self.cfg.run.dtype]
+        if value:
+            model: GPTOSSModel = ValueModel(
+                self.cfg.model, dtype, "meta", plan.layers, plan.is_first, plan.is_last
+            )
+        else:
+            model = build_stage_model(self.cfg.model, plan, dtype, "meta")
         parallelize(model, self.dims, self.cfg.parallel)  # modules swapped in place
         materialize(model, self.device)
         apply_data_parallel(model, self.dims)
@@ -64,6 +78,7 @@ class Colocated:
             for ref, model in zip(self.reference, self.models):
                 for p, q in zip(ref.parameters(), model.parameters()):
                     p.copy_(q)
+        init_critic(self.critic, self.models, self.cfg.model.init_std, self.cfg.run.seed)
 
     def build_optimizer(self) -> None:
         """The distributed optimizer (master weights from the parameters as they are now) and the policies."""
@@ -83,8 +98,30 @@ class Colocated:
             else None
         )
 
+        if self.critic:
+            critic_optim = dataclasses.replace(
+                self.cfg.optim, lr=self.cfg.critic.lr, clip_grad=self.cfg.critic.clip_grad
+            )
+            self.critic_optimizer = DistributedOptimizer(
+                self.critic,
+                critic_optim,
+                self.dims,
+                self.cfg.run.steps,
+                shard=self.cfg.parallel.use_distributed_optimizer,
+            )
+            runner = PipelineRunner(self.critic, self.plans, self.dims)
+            self.critic_policy = ParallelPolicy(runner, self.dims, self.critic_optimizer)
+
+    def group_optimizers(self) -> dict[str, DistributedOptimizer]:
+        """The optimizers of module groups other than the policy's (checkpointed beside it)."""
+        return {"critic": self.critic_optimizer} if self.critic else {}
+
     def modules(self) -> dict[str, list[GPTOSSModel]]:
-        return {"model": self.models, **({"reference": self.reference} if self.reference else {})}
+        return {
+            "model": self.models,
+            **({"reference": self.reference} if self.reference else {}),
+            **({"critic": self.critic} if self.critic else {}),
+        }
 
     def sync(self) -> None:
         """The learner's weights into the engine, if there is one (collective)."""
@@ -100,3 +137,17 @@ class Colocated:
     def shutdown(self) -> None:
         if self.host is not None:
             self.host.shutdown()
+
+
+@torch.no_grad()
+def init_critic(critic: list[GPTOSSModel], policy: list[GPTOSSModel], std: float, seed: int) -> None:
+    """The critic's stages start as the policy's (same layout: every shared parameter copied shard for
+    shard); the value head [1, H], replicated, from Normal(0, std) with a generator seeded by `seed`."""
+    for value_model, model in zip(critic, policy):
+        source = dict(model.named_parameters())
+        for name, p in value_model.named_parameters():
+            if name == VALUE_HEAD:
+                gen = torch.Generator().manual_seed(seed)
+                p.copy_(torch.randn(p.shape, generator=gen).mul_(std))
+            else:
+                p.copy_(source[name])

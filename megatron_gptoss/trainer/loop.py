@@ -9,7 +9,8 @@ modes. Every step is collective over the world; every rank holds the whole batch
                  dropped (`rl.guards`)
       prepare    old (and reference) log-probs through the learner's layout, advantages, rollout
                  correction, engine/learner mismatch metrics (`rl.parallel_learner.prepare`)
-      update     PPO epochs and mini-batches, the distributed optimizer (`rl.parallel_learner.update`)
+      update     PPO epochs and mini-batches, the distributed optimizer (`rl.parallel_learner.update`); the
+                 critic's value loss on the same mini-batches when gae (`rl.critic`)
       sync       the learner's weights into the engine through the bridge
     SFT step (`run.mode: sft`): the task's prompts with their reference responses, harmony conversations
       or synthetic documents (`sft.data`), one supervised optimizer step
@@ -37,6 +38,7 @@ from megatron_gptoss.harmony import VOCAB_SIZE
 from megatron_gptoss.hf.io import check_hf_config
 from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch
+from megatron_gptoss.rl.critic import critic_update
 from megatron_gptoss.rl.guards import drop_nonfinite_groups
 from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
@@ -110,12 +112,16 @@ def rl_step(
         setup.reference_policy,
         cfg.algorithm,
         kl_ctrl.value,
+        setup.critic_policy,
     )
     if "kl_reward/kl" in metrics:
         kl_ctrl.update(metrics["kl_reward/kl"], len(batch))
     t2 = time.perf_counter()
     shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
     metrics.update(parallel_learner.update(setup.policy, batch, cfg.ppo, cfg.rollout.temperature, shuffle))
+    if setup.critic_policy is not None:  # the same mini-batches as the policy's
+        shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
+        metrics.update(critic_update(setup.critic_policy, batch, cfg.ppo, cfg.critic.value_clip, shuffle))
     t3 = time.perf_counter()
     setup.sync()
     metrics.update(step_times(device, t0, t1, t2, t3))
