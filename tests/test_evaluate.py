@@ -185,3 +185,23 @@ def test_pass_at_k_is_the_unbiased_estimator(tool):
     for bad in [(4, 5, 1), (4, 1, 0), (4, 1, 5)]:
         with pytest.raises(ValueError):
             tool.pass_at_k(*bad)
+
+
+def test_a_run_with_a_critic_and_a_reward_kl_evaluates_without_them(tool, tmp_path):
+    """The run's config names gae and an adaptive KL penalty in the reward; evaluation builds the policy
+    alone (no critic, no reference policy)."""
+    import argparse
+    import dataclasses
+
+    from megatron_gptoss.config import gpt_oss_tiny
+    from megatron_gptoss.harmony import VOCAB_SIZE
+
+    model = dataclasses.asdict(gpt_oss_tiny(vocab_size=VOCAB_SIZE))
+    algorithm = {"advantage": "gae", "kl_in_reward_coef": 0.1, "kl_ctrl": "adaptive"}
+    manifest = {"model": model, "config": {"algorithm": algorithm, "ppo": {"kl_coef": 0.2}}}
+    source = tool.Source("distributed", tmp_path, manifest)
+    flags = dict(config=None, engine=None, temperature=None, top_p=None, top_k=None, max_new_tokens=None)
+    args = argparse.Namespace(**flags, greedy=True, reward=None, data=[str(tmp_path / "rows.jsonl")])
+    cfg = tool.make_config(source, args)
+    assert cfg.algorithm.advantage == "grpo" and cfg.algorithm.kl_in_reward_coef == 0.0
+    assert cfg.ppo.kl_coef == 0.0

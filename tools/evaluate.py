@@ -152,6 +152,8 @@ def make_config(source: Source, args: argparse.Namespace) -> TrainConfig:
     raw["parallel"] = {}  # world 1: one rank holds the whole learner
     ppo, rollout, reward, data = (raw.setdefault(name, {}) for name in ("ppo", "rollout", "reward", "data"))
     ppo["kl_coef"] = 0.0  # no reference policy
+    # neither a reference policy nor a critic: evaluation trains nothing
+    raw.setdefault("algorithm", {}).update(advantage="grpo", kl_in_reward_coef=0.0, kl_ctrl="fixed")
     for flag, key in (("engine", "engine"), ("temperature", "temperature"), ("top_p", "top_p"),
                       ("top_k", "top_k"), ("max_new_tokens", "max_new_tokens")):  # fmt: skip
         if getattr(args, flag) is not None:
