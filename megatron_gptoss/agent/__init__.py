@@ -8,8 +8,44 @@ Public API:
           PythonResult(stdout, stderr, exit_code: int | None, timed_out, truncated, wall_s)
       start_launcher(uid_base=...) -> SandboxLauncher   start the sandbox launcher now (before CUDA)
       SandboxLauncher.layers: {layer: None if it works here, else why not}
+
+    Tools (megatron_gptoss.agent.tools)
+      Tool(name, description, parameters, run)   name is the recipient: "python", "functions.NAME"
+      ToolRegistry.from_config(agent_cfg, sandbox_cfg, launcher=None)
+      ToolRegistry.prompt_keywords() -> {"tools", "builtin_tools"}   keywords of harmony.render_prompt
+      calculator.evaluate(expression) -> int | float   (CalculatorError for anything not arithmetic)
+
+    Calls (megatron_gptoss.agent.calls)
+      parse_tool_call(completion_ids) -> ToolCall(recipient, channel, content_type, arguments) | None
+      check_call(registry, call, budget_left=...) -> (tool, arguments) | ToolOutcome (an error for the model)
+      run_call(registry, call, timeout_s=..., budget_left=..., max_chars=...) -> ToolOutcome(text, status,
+          latency_s); status "ok" | "error" | "timeout"; raises only ToolError (the sandbox cannot run)
+      tool_result_tokens(trajectory, call, outcome) -> ids to append after the model's <|call|>: the tool
+          message and <|start|>assistant (all tool tokens, out of the loss)
 """
 
+from megatron_gptoss.agent.calls import (
+    ToolCall,
+    ToolOutcome,
+    check_call,
+    parse_tool_call,
+    run_call,
+    tool_result_tokens,
+)
 from megatron_gptoss.agent.sandbox import PythonResult, SandboxLauncher, run_python, start_launcher
+from megatron_gptoss.agent.tools import Tool, ToolRegistry
 
-__all__ = ["PythonResult", "SandboxLauncher", "run_python", "start_launcher"]
+__all__ = [
+    "PythonResult",
+    "SandboxLauncher",
+    "Tool",
+    "ToolCall",
+    "ToolOutcome",
+    "ToolRegistry",
+    "check_call",
+    "parse_tool_call",
+    "run_call",
+    "run_python",
+    "start_launcher",
+    "tool_result_tokens",
+]

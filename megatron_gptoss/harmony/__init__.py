@@ -18,11 +18,13 @@ Public API (stable; other packages import only these names from `megatron_gptoss
       {"role": "assistant", "content", "channel": "analysis" | "commentary" | "final" (default)}
       {"role": "assistant", "recipient": "functions.NAME", "content": "<json>"}   a tool call
           (or OpenAI "tool_calls": [{"id", "function": {"name", "arguments"}}])
-      {"role": "tool", "name": "functions.NAME" (or "tool_call_id"), "content"}    a tool result
+      {"role": "tool", "name": "functions.NAME" (or "tool_call_id"), "content", "channel"}    a tool result
+          ("channel" defaults to commentary; "name": "python" is the built-in python tool)
       tools: OpenAI chat-completions format [{"type": "function", "function": {"name", "description",
           "parameters"}}]
       render_prompt(messages, *, reasoning_effort="medium", tools=None, conversation_start_date=None,
-                    recipient_placement="channel", drop_analysis=True) -> list[int]
+                    recipient_placement="channel", drop_analysis=True, builtin_tools=None) -> list[int]
+          builtin_tools: {"python": description}, listed in the system message
           ends with <|start|>assistant; == openai_harmony's render_conversation_for_completion
       render_conversation(messages, *, same keywords) -> RenderedConversation(token_ids, assistant_mask,
                                                                            num_prompt_tokens)
@@ -30,7 +32,7 @@ Public API (stable; other packages import only these names from `megatron_gptoss
           as the model wrote it, after render_prompt(the messages before it); a final answer ends in
           <|return|>; assistant_mask[i] is True exactly on the tokens the model sampled (tool results,
           the prompt and the <|start|>assistant before the turn and after each tool result are False)
-      render_tool_result(name, content, *, recipient_placement="channel") -> list[int]
+      render_tool_result(name, content, *, channel="commentary", recipient_placement="channel") -> list[int]
       assistant_start() -> list[int]                       [<|start|>, "assistant"]
       stop_token_ids() -> list[int]                        [<|return|>, <|call|>]: a rollout stops there
       HarmonyFormatError(ValueError)                       a message that cannot be rendered
@@ -44,7 +46,8 @@ Public API (stable; other packages import only these names from `megatron_gptoss
           parse.
 
 `recipient_placement`: "channel" writes `<|channel|>commentary to=functions.NAME` (oss-harmony 0.0.11,
-the reference the project installs), "header" writes `<|start|>assistant to=functions.NAME<|channel|>`
+the reference the project installs; on other channels the recipient stays in the header, and content types
+are written `<|constrain|>TYPE`), "header" writes `<|start|>assistant to=functions.NAME<|channel|>`
 (openai-harmony 0.0.8). Nothing here imports openai_harmony; see README.md.
 """
 

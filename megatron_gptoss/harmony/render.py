@@ -11,9 +11,13 @@ compares them id for id). A conversation renders as
                    {json}<|call|>
     tool       <|start|>functions.NAME<|channel|>commentary to=assistant<|message|>{content}<|end|>
 
-with the recipient (`to=...`) after the channel (`recipient_placement="channel"`, oss-harmony 0.0.11's
-rendering, the default) or in the header right after the author (`"header"`, openai-harmony 0.0.8's:
-`<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json`). Header pieces are
+with the recipient (`to=...`) after a `commentary` channel and in the header on any other channel
+(`recipient_placement="channel"`, oss-harmony 0.0.11's rendering, the default; it also writes every
+content type as `<|constrain|>TYPE`), or always in the header right after the author (`"header"`,
+openai-harmony 0.0.8's: `<|start|>assistant to=functions.NAME<|channel|>commentary <|constrain|>json`, a
+bare content type as ` TYPE`). The built-in python tool is called on the analysis channel,
+`<|start|>assistant to=python<|channel|>analysis <|constrain|>code<|message|>{code}<|call|>`, and answers
+`<|start|>python to=assistant<|channel|>analysis<|message|>{output}<|end|>`. Header pieces are
 tokenized one by one, as the reference does, so token boundaries match it too.
 
 Analysis dropping (openai-harmony's default, `drop_analysis=True`): when the last assistant message is
@@ -50,6 +54,9 @@ KNOWLEDGE_CUTOFF = "2024-06"
 JSON_CONTENT_TYPE = "<|constrain|>json"
 CONSTRAIN_TEXT = "<|constrain|>"
 STOP_TOKENS = (RETURN, CALL)  # a rollout ends at a final answer or a tool call
+# Built-in tools: listed in the system message (`# Tools` / `## NAME` / description), called by their bare
+# name as recipient (`to=python`), answering as author NAME. The python tool's code has content type `code`.
+BUILTIN_TOOLS = ("python",)
 
 
 class HarmonyFormatError(MegatronGptossError, ValueError):
@@ -112,7 +119,8 @@ def _arguments(args: Any) -> str:
 
 
 def _full_name(name: str) -> str:
-    return name if "." in name else f"functions.{name}"
+    """`lookup` -> `functions.lookup`; a dotted name and the built-in `python` stay as they are."""
+    return name if "." in name or name in BUILTIN_TOOLS else f"functions.{name}"
 
 
 def _function_tools(tools: Sequence[Mapping] | None) -> list[dict]:
@@ -139,6 +147,7 @@ def to_harmony_messages(
     conversation_start_date: str | None = None,
     knowledge_cutoff: str = KNOWLEDGE_CUTOFF,
     model_identity: str = MODEL_IDENTITY,
+    builtin_tools: Mapping[str, str] | None = None,
 ) -> list[HarmonyMessage]:
     """The harmony messages of an OpenAI-style conversation, system and developer messages first.
 
@@ -149,8 +158,11 @@ def to_harmony_messages(
       `<|constrain|>json` unless `content_type` is given. OpenAI `tool_calls`
       (`[{"function": {"name", "arguments"}}]`) become one such call each, after the message's own
       content (if any).
-    - `tool`: `name` (a bare name gets `functions.`), or the name of the call whose id is
-      `tool_call_id`; sent to the assistant on the commentary channel.
+    - `tool`: `name` (a bare name gets `functions.`, except a built-in tool's), or the name of the call
+      whose id is `tool_call_id`; sent to the assistant on `channel` (default `commentary`; a tool answers
+      on the channel it was called on).
+
+    `builtin_tools` ({name: description}, names from BUILTIN_TOOLS) are listed in the system message.
     """
     if reasoning_effort not in REASONING_EFFORTS:
         raise HarmonyFormatError(
@@ -172,9 +184,10 @@ def to_harmony_messages(
             name = msg.get("name") or call_names.get(str(msg.get("tool_call_id")))
             if not isinstance(name, str) or not name:
                 raise HarmonyFormatError(f"tool message {i} has neither a name nor a known tool_call_id")
-            body.append(
-                HarmonyMessage(_full_name(name), _text(msg.get("content")), "commentary", "assistant")
-            )
+            channel = msg.get("channel") or "commentary"
+            if channel not in CHANNELS:
+                raise HarmonyFormatError(f"tool message {i} has channel {channel!r}, not one of {CHANNELS}")
+            body.append(HarmonyMessage(_full_name(name), _text(msg.get("content")), channel, "assistant"))
         else:
             raise HarmonyFormatError(f"message {i} has unknown role {role!r}")
     lines = [model_identity, f"Knowledge cutoff: {knowledge_cutoff}"]
@@ -183,7 +196,14 @@ def to_harmony_messages(
     channels = "# Valid channels: analysis, commentary, final. Channel must be included for every message."
     if fn_tools:
         channels += "\nCalls to these tools must go to the commentary channel: 'functions'."
-    system = "\n\n".join(["\n".join(lines), f"Reasoning: {reasoning_effort}", channels])
+    system_parts = ["\n".join(lines), f"Reasoning: {reasoning_effort}"]
+    if builtin_tools:
+        unknown = sorted(set(builtin_tools) - set(BUILTIN_TOOLS))
+        if unknown:
+            raise HarmonyFormatError(f"builtin_tools {unknown} are not among {BUILTIN_TOOLS}")
+        sections = [f"## {name}\n\n{description}" for name, description in builtin_tools.items()]
+        system_parts.append("\n\n".join(["# Tools", *sections]))
+    system = "\n\n".join([*system_parts, channels])
     out = [HarmonyMessage("system", system)]
     sections = []
     if instructions:
@@ -247,7 +267,7 @@ def render_message(
     enc = get_tokenizer().encode
     ids = [START, *enc(message.author)]
     to = message.recipient is not None and message.recipient != "all"
-    in_header = recipient_placement == "header" or message.channel is None
+    in_header = recipient_placement == "header" or message.channel != "commentary"
     if to and in_header:
         ids += enc(f" to={message.recipient}")
     if message.channel is not None:
@@ -257,6 +277,8 @@ def render_message(
     if message.content_type is not None:
         if message.content_type.startswith(CONSTRAIN_TEXT):
             ids += [*enc(" "), CONSTRAIN, *enc(message.content_type[len(CONSTRAIN_TEXT) :])]
+        elif recipient_placement == "channel":  # oss-harmony marks every content type as constrained
+            ids += [*enc(" "), CONSTRAIN, *enc(message.content_type)]
         else:
             ids += enc(f" {message.content_type}")
     ids += [MESSAGE, *enc(message.content)]
@@ -272,6 +294,7 @@ def render_conversation(
     conversation_start_date: str | None = None,
     recipient_placement: str = DEFAULT_RECIPIENT_PLACEMENT,
     drop_analysis: bool = True,
+    builtin_tools: Mapping[str, str] | None = None,
 ) -> RenderedConversation:
     """The token stream of a conversation whose last turn is trained, as a model produces it.
 
@@ -294,7 +317,10 @@ def render_conversation(
     )
     context, turn = list(messages[: last_context + 1]), list(messages[last_context + 1 :])
     keywords: dict[str, Any] = dict(
-        reasoning_effort=reasoning_effort, tools=tools, conversation_start_date=conversation_start_date
+        reasoning_effort=reasoning_effort,
+        tools=tools,
+        conversation_start_date=conversation_start_date,
+        builtin_tools=builtin_tools,
     )
     prompt = render_prompt(
         context, recipient_placement=recipient_placement, drop_analysis=drop_analysis, **keywords
@@ -328,14 +354,17 @@ def render_prompt(
     conversation_start_date: str | None = None,
     recipient_placement: str = DEFAULT_RECIPIENT_PLACEMENT,
     drop_analysis: bool = True,
+    builtin_tools: Mapping[str, str] | None = None,
 ) -> list[int]:
     """The prompt for the assistant's next turn: the conversation, then `<|start|>assistant`; equal to
-    openai-harmony's `render_conversation_for_completion(conversation, Role.ASSISTANT)`."""
+    openai-harmony's `render_conversation_for_completion(conversation, Role.ASSISTANT)`.
+    `builtin_tools` ({"python": description}) lists built-in tools in the system message."""
     hm = to_harmony_messages(
         messages,
         reasoning_effort=reasoning_effort,
         tools=tools,
         conversation_start_date=conversation_start_date,
+        builtin_tools=builtin_tools,
     )
     if drop_analysis:
         hm = drop_earlier_analysis(hm)
@@ -351,10 +380,17 @@ def assistant_start() -> list[int]:
 
 
 def render_tool_result(
-    name: str, content: str, *, recipient_placement: str = DEFAULT_RECIPIENT_PLACEMENT
+    name: str,
+    content: str,
+    *,
+    channel: str = "commentary",
+    recipient_placement: str = DEFAULT_RECIPIENT_PLACEMENT,
 ) -> list[int]:
-    """The tokens of a tool's answer to the assistant (`name` as `functions.lookup` or `lookup`), as the
-    agentic loop appends them after a `<|call|>`; follow them with `assistant_start()`."""
+    """The tokens of a tool's answer to the assistant (`name` as `functions.lookup`, `lookup`, or the
+    built-in `python`) on `channel` (the channel of the call), as the agentic loop appends them after a
+    `<|call|>`; follow them with `assistant_start()`."""
+    if channel not in CHANNELS:
+        raise HarmonyFormatError(f"tool result channel must be one of {CHANNELS}, got {channel!r}")
     return render_message(
-        HarmonyMessage(_full_name(name), content, "commentary", "assistant"), recipient_placement
+        HarmonyMessage(_full_name(name), content, channel, "assistant"), recipient_placement
     )
