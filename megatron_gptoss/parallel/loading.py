@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -211,16 +211,23 @@ def _read_mxfp4(
 
 @torch.no_grad()
 def load_hf_parallel(
-    models: Sequence[nn.Module], path: str | os.PathLike, dims: ParallelDims, config: ModelConfig
+    models: Sequence[nn.Module],
+    path: str | os.PathLike,
+    dims: ParallelDims,
+    config: ModelConfig,
+    skip: Container[str] = (),
 ) -> dict[str, int]:
     """Write every parameter of this rank's (parallelised) stage models from the HF directory `path`,
-    reading only this rank's slices. Returns {"tensors": parameters written, "bytes_read": bytes read}.
+    reading only this rank's slices; parameters named in `skip` (ones without an HF counterpart, such as a
+    value head) are left as they are. Returns {"tensors": parameters written, "bytes_read": bytes read}.
     Raises CheckpointError naming the tensor for a missing tensor or a shape that does not match `config`."""
     written = 0
     with ExitStack() as stack:
         reader = _Reader(Path(path), stack)
         for model in models:
             for name, param in model.named_parameters():
+                if name in skip:
+                    continue
                 value = _read_param(reader, match_ours(name), get_shard(param), param.shape, config, dims)
                 if tuple(value.shape) != tuple(param.shape):
                     raise CheckpointError(

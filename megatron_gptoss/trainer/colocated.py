@@ -11,7 +11,8 @@ with the bridge between them.
     engine         `trainer.engines`: the embedded engine's shards fed by the fan-out, or vLLM on rank 0
                    (RL only: a supervised run has none)
     critic         with `algorithm.advantage: gae`, the value model (`model.value`) in the policy's layout,
-                   started from the policy's weights, with its own distributed optimizer (`critic.*`)
+                   started from the policy's weights (or `critic.init_from_hf`), with its own distributed
+                   optimizer (`critic.*`)
 
 World size 1 is the same code with one rank.
 """
@@ -79,6 +80,10 @@ class Colocated:
                 for p, q in zip(ref.parameters(), model.parameters()):
                     p.copy_(q)
         init_critic(self.critic, self.models, self.cfg.model.init_std, self.cfg.run.seed)
+        if self.critic and self.cfg.critic.init_from_hf:  # the body from its own HF directory
+            load_hf_parallel(
+                self.critic, self.cfg.critic.init_from_hf, self.dims, self.cfg.model, {VALUE_HEAD}
+            )
 
     def build_optimizer(self) -> None:
         """The distributed optimizer (master weights from the parameters as they are now) and the policies."""

@@ -58,8 +58,9 @@ def run(cfg: TrainConfig) -> dict[str, float]:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}"
             )
-        if cfg.run.init_from_hf:
-            check_hf_config(cfg.run.init_from_hf, cfg.model)
+        for hf_dir in (cfg.run.init_from_hf, cfg.critic.init_from_hf):
+            if hf_dir:
+                check_hf_config(hf_dir, cfg.model)
         conversations = None
         if cfg.run.mode == "sft" and cfg.sft.data == "conversations":
             if cfg.model.vocab_size < VOCAB_SIZE:
