@@ -22,6 +22,12 @@ Public API:
           latency_s); status "ok" | "error" | "timeout"; raises only ToolError (the sandbox cannot run)
       tool_result_tokens(trajectory, call, outcome) -> ids to append after the model's <|call|>: the tool
           message and <|start|>assistant (all tool tokens, out of the loss)
+
+    Executor (megatron_gptoss.agent.executor)
+      ToolExecutor(registry, timeout_s=, max_concurrent=, max_chars=), ToolExecutor.from_config(registry, cfg)
+      .submit(call, budget_left=True) -> Future[ToolOutcome]; .run(call) -> ToolOutcome
+      .metrics(reset=True) -> ToolMetrics(calls, ok, errors, timeouts, abandoned, peak_running, latencies);
+          ToolMetrics.summary() -> {"tool/calls": ..., "tool/latency_mean_s": ...}
 """
 
 from megatron_gptoss.agent.calls import (
@@ -32,6 +38,7 @@ from megatron_gptoss.agent.calls import (
     run_call,
     tool_result_tokens,
 )
+from megatron_gptoss.agent.executor import ToolExecutor, ToolMetrics
 from megatron_gptoss.agent.sandbox import PythonResult, SandboxLauncher, run_python, start_launcher
 from megatron_gptoss.agent.tools import Tool, ToolRegistry
 
@@ -40,6 +47,8 @@ __all__ = [
     "SandboxLauncher",
     "Tool",
     "ToolCall",
+    "ToolExecutor",
+    "ToolMetrics",
     "ToolOutcome",
     "ToolRegistry",
     "check_call",

@@ -13,3 +13,10 @@ def add(a: int, b: int) -> dict:
 
 def broken(x: int) -> str:
     raise RuntimeError("the tool's backend is down")
+
+
+def sleep(seconds: float) -> str:
+    import time
+
+    time.sleep(seconds)
+    return f"slept {seconds}"

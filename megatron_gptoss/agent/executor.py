@@ -1,0 +1,147 @@
+"""`ToolExecutor`: tool calls of many trajectories in flight at once, each under its own timeout.
+
+    submit(call) ──> a supervisor thread per call: waits for one of `max_concurrent` slots, runs the call in
+                     a worker thread, and resolves the call's future with its outcome, or with a timeout
+                     outcome at `timeout_s` (the slot is freed then: a stuck tool never holds the others up)
+
+The python tool is stopped by its sandbox at the timeout. A Python function tool cannot be interrupted: a
+call past its timeout is answered as a timeout and its thread is left to finish on its own (counted as
+`abandoned`). Only ToolError (a sandbox that cannot run) resolves a future with an exception.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from megatron_gptoss.agent.calls import ToolCall, ToolOutcome, run_call
+from megatron_gptoss.agent.tools import ToolRegistry
+from megatron_gptoss.config.agent import AgentConfig
+
+SANDBOX_GRACE_S = 2.0  # seconds a python call may answer past its timeout (the sandbox's start and stop)
+
+
+@dataclass
+class ToolMetrics:
+    """Counts since the last reset: calls by status, latencies (seconds, submit to outcome, queueing
+    included), calls abandoned at their timeout, and the most calls running at once."""
+
+    calls: int = 0
+    ok: int = 0
+    errors: int = 0
+    timeouts: int = 0
+    abandoned: int = 0
+    peak_running: int = 0
+    latencies: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict[str, float]:
+        """Flat numbers for the step's log: tool/calls, tool/errors, ... tool/latency_mean_s, _max_s."""
+        lat = sorted(self.latencies)
+        return {
+            "tool/calls": self.calls,
+            "tool/ok": self.ok,
+            "tool/errors": self.errors,
+            "tool/timeouts": self.timeouts,
+            "tool/abandoned": self.abandoned,
+            "tool/peak_running": self.peak_running,
+            "tool/latency_mean_s": sum(lat) / len(lat) if lat else 0.0,
+            "tool/latency_p50_s": lat[len(lat) // 2] if lat else 0.0,
+            "tool/latency_max_s": lat[-1] if lat else 0.0,
+        }
+
+
+class ToolExecutor:
+    """Runs tool calls concurrently; thread-safe; `close()` waits for nothing (threads are daemons)."""
+
+    def __init__(self, registry: ToolRegistry, *, timeout_s: float, max_concurrent: int, max_chars: int):
+        self.registry = registry
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._lock = threading.Lock()
+        self._running = 0
+        self._metrics = ToolMetrics()
+
+    @classmethod
+    def from_config(cls, registry: ToolRegistry, agent: AgentConfig) -> ToolExecutor:
+        return cls(
+            registry,
+            timeout_s=agent.tool_timeout_s,
+            max_concurrent=agent.max_concurrent_calls,
+            max_chars=agent.max_result_chars,
+        )
+
+    def submit(self, call: ToolCall, *, budget_left: bool = True) -> Future:
+        """A future of the call's ToolOutcome (or of a ToolError)."""
+        future: Future = Future()
+        threading.Thread(
+            target=self._supervise, args=(call, budget_left, future, time.monotonic()), daemon=True
+        ).start()
+        return future
+
+    def run(self, call: ToolCall, *, budget_left: bool = True) -> ToolOutcome:
+        """submit(call).result(): one call, in the calling thread's time."""
+        return self.submit(call, budget_left=budget_left).result()
+
+    def _supervise(self, call: ToolCall, budget_left: bool, future: Future, submitted: float) -> None:
+        with self._slots:
+            with self._lock:
+                self._running += 1
+                self._metrics.peak_running = max(self._metrics.peak_running, self._running)
+            try:
+                box: list = []
+                done = threading.Event()
+                worker = threading.Thread(target=self._work, args=(call, budget_left, box, done), daemon=True)
+                worker.start()
+                # the sandbox stops python at timeout_s itself, and answers a moment later
+                finished = done.wait(
+                    self.timeout_s + (SANDBOX_GRACE_S if call.recipient == "python" else 0.0)
+                )
+            finally:
+                with self._lock:
+                    self._running -= 1
+        latency = time.monotonic() - submitted
+        if not finished:
+            outcome = ToolOutcome(f"error: {call.recipient} timed out after {self.timeout_s:g} s", "timeout")
+            self._record(outcome, latency, abandoned=True)
+            future.set_result(ToolOutcome(outcome.text, outcome.status, latency))
+        elif isinstance(box[0], BaseException):
+            future.set_exception(box[0])
+        else:
+            self._record(box[0], latency, abandoned=False)
+            future.set_result(ToolOutcome(box[0].text, box[0].status, latency))
+
+    def _work(self, call: ToolCall, budget_left: bool, box: list, done: threading.Event) -> None:
+        try:
+            box.append(
+                run_call(
+                    self.registry,
+                    call,
+                    timeout_s=self.timeout_s,
+                    budget_left=budget_left,
+                    max_chars=self.max_chars,
+                )
+            )
+        except BaseException as err:  # ToolError, or a bug: re-raised in the caller through the future
+            box.append(err)
+        done.set()
+
+    def _record(self, outcome: ToolOutcome, latency: float, *, abandoned: bool) -> None:
+        with self._lock:
+            m = self._metrics
+            m.calls += 1
+            m.ok += outcome.status == "ok"
+            m.errors += outcome.status == "error"
+            m.timeouts += outcome.status == "timeout"
+            m.abandoned += abandoned
+            m.latencies.append(latency)
+
+    def metrics(self, reset: bool = True) -> ToolMetrics:
+        """The metrics since the last reset (and reset them)."""
+        with self._lock:
+            current = self._metrics
+            if reset:
+                self._metrics = ToolMetrics(peak_running=self._running)
+            return current
