@@ -5,7 +5,7 @@ never holds CUDA or the trainer's state, and forking it is safe.
     trainer ──JSON line {id, code, timeout_s, limits}──> launcher (one thread per call)
         launcher: fresh directory ──> stage process ──fork──> pid 1 of new namespaces ──exec──> python main.py
                   reads stdout / stderr up to the output limit, kills at the wall-time limit
-    trainer <──JSON line {id, stdout, stderr, exit_code, timed_out, truncated, error}── launcher
+    trainer <──JSON line {id, stdout, ..., timed_out, truncated, out_of_memory}── launcher
 
 Run as `python -E -s -S launcher.py CONFIG_JSON` (the server) or `... launcher.py --stage SPEC_JSON` (one
 sandbox's stage, started by the server). The server first runs one trial sandbox and reports, in its first
@@ -44,6 +44,29 @@ USER_ENV = {
     "MKL_NUM_THREADS": "1",
 }
 KILL_GRACE_S = 5.0  # seconds a killed stage may take to be reaped
+MEMORY_POLL_S = 0.05  # seconds between two sums of the sandbox's resident memory
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes(pid1: int) -> int:
+    """Resident bytes of every process in the pid namespace whose init is host pid `pid1` (RLIMIT_AS
+    bounds each process; this bounds their sum)."""
+    try:
+        namespace = os.readlink(f"/proc/{pid1}/ns/pid")
+    except OSError:
+        return 0
+    total = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/pid") != namespace:
+                continue
+            with open(f"/proc/{entry}/statm") as f:
+                total += int(f.read().split()[1]) * PAGE_BYTES
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
 
 
 # ---- stage: one sandbox ----------------------------------------------------------------------------------
@@ -156,48 +179,56 @@ class Server:
             cwd=top,
         )
         os.close(status_w)
-        out, status, timed_out, truncated = self._collect(
-            proc, status_r, start + timeout_s, limits["output_bytes"]
+        out, status, stopped = self._collect(
+            proc, status_r, start + timeout_s, limits["output_bytes"], limits["memory_bytes"]
         )
         wall = time.monotonic() - start
         exit_code = None
-        if "exit" in status and not (timed_out or truncated):
+        if "exit" in status and stopped is None:
             exit_code = status["exit"]
-        elif "signal" in status and not (timed_out or truncated):
+        elif "signal" in status and stopped is None:
             exit_code = -status["signal"]
         return {
             "stdout": out[1].decode("utf-8", errors="replace"),
             "stderr": out[2].decode("utf-8", errors="replace"),
             "exit_code": exit_code,
-            "timed_out": timed_out,
-            "truncated": truncated,
+            "timed_out": stopped == "timeout",
+            "truncated": stopped == "output",
+            "out_of_memory": stopped == "memory",
             "error": status.get("error"),
             "layer": status.get("layer"),
             "wall_s": wall,
         }
 
     def _collect(
-        self, proc: subprocess.Popen, status_r: int, deadline: float, budget: int
-    ) -> tuple[dict[int, bytes], dict, bool, bool]:
-        """Read stdout, stderr and the status pipe until all close, the deadline passes or the output
-        exceeds `budget` bytes (then kill the sandbox); ({1: stdout, 2: stderr}, status, timed_out,
-        truncated)."""
+        self, proc: subprocess.Popen, status_r: int, deadline: float, budget: int, memory: int
+    ) -> tuple[dict[int, bytes], dict, str | None]:
+        """Read stdout, stderr and the status pipe until all close, or stop the sandbox when the deadline
+        passes ("timeout"), the output exceeds `budget` bytes ("output") or its processes together hold
+        more than `memory` bytes resident ("memory", polled every MEMORY_POLL_S); ({1: stdout, 2:
+        stderr}, status, why it was stopped or None)."""
         assert proc.stdout is not None and proc.stderr is not None
         out = {1: b"", 2: b""}
         status: dict = {}
         status_buf = b""
-        timed_out = truncated = False
+        stopped = None
+        next_poll = time.monotonic() + MEMORY_POLL_S
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, 1)
         sel.register(proc.stderr, selectors.EVENT_READ, 2)
         sel.register(status_r, selectors.EVENT_READ, 3)
         try:
-            while sel.get_map():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    timed_out = True
+            while sel.get_map() and stopped is None:
+                now = time.monotonic()
+                if now >= deadline:
+                    stopped = "timeout"
                     break
-                for key, _ in sel.select(timeout=left):
+                if now >= next_poll:
+                    next_poll = now + MEMORY_POLL_S
+                    if status.get("pid") and resident_bytes(status["pid"]) > memory:
+                        stopped = "memory"
+                        break
+                for key, _ in sel.select(timeout=min(deadline, next_poll) - now):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
@@ -206,11 +237,10 @@ class Server:
                     else:
                         room = budget - len(out[1]) - len(out[2])
                         out[key.data] += chunk[: max(room, 0)]
-                        truncated = truncated or len(chunk) > room
-                if truncated:
-                    break
+                        if len(chunk) > room:
+                            stopped = "output"
                 status_buf = self._parse_status(status_buf, status)
-            if timed_out or truncated:
+            if stopped is not None:
                 self._kill(proc, status)
         finally:
             sel.close()
@@ -223,7 +253,7 @@ class Server:
             proc.kill()
             proc.wait()
         self._parse_status(status_buf + b"\n", status)
-        return out, status, timed_out, truncated
+        return out, status, stopped
 
     @staticmethod
     def _parse_status(buf: bytes, status: dict) -> bytes:

@@ -37,13 +37,16 @@ LIMIT_FIELDS = ("memory_bytes", "output_bytes", "cpu_s", "processes", "file_byte
 class PythonResult:
     """What a sandboxed run printed and how it ended. `exit_code` is the interpreter's exit status, `-N`
     when a signal N killed it (SIGKILL past the CPU limit), None when the sandbox was stopped (wall-time
-    limit: `timed_out`; output limit: `truncated`, the output then cut at the limit)."""
+    limit: `timed_out`; output limit: `truncated`, the output then cut at the limit; its processes
+    together past the memory limit: `out_of_memory`). One process past the memory limit sees its
+    allocation fail (MemoryError) instead."""
 
     stdout: str
     stderr: str
     exit_code: int | None
     timed_out: bool
     truncated: bool
+    out_of_memory: bool = False
     wall_s: float = 0.0
 
 
@@ -153,6 +156,7 @@ class SandboxLauncher:
             exit_code=reply["exit_code"],
             timed_out=reply["timed_out"],
             truncated=reply["truncated"],
+            out_of_memory=reply["out_of_memory"],
             wall_s=reply["wall_s"],
         )
 

@@ -20,7 +20,8 @@ _TOOL_KEYS = {"name", "function", "description", "parameters"}
 class SandboxConfig:
     """Limits of one sandboxed run of model-written Python (`megatron_gptoss.agent.run_python`)."""
 
-    # Bytes of address space of each sandboxed process (RLIMIT_AS); a larger allocation fails.
+    # Bytes of memory: the address space of each sandboxed process (RLIMIT_AS; a larger allocation fails)
+    # and the resident memory of all its processes together (polled; past it the sandbox is stopped).
     memory_bytes: int = 2 << 30
     # Bytes of stdout + stderr kept; past it the sandbox is stopped and the result marked truncated.
     output_bytes: int = 1 << 20

@@ -153,6 +153,20 @@ def test_10gb_allocation_stopped_by_memory_limit(launcher):
     _unharmed(launcher)
 
 
+def test_memory_of_many_processes_stopped_by_memory_limit(launcher):
+    # each process stays below the per-process limit; together they pass it
+    code = (
+        "import os, time\nfor _ in range(5):\n    if os.fork() == 0:\n"
+        "        b = bytearray(100 * 2**20)\n        time.sleep(30)\n        os._exit(0)\n"
+        "time.sleep(30)\n"
+    )
+    start = time.monotonic()
+    result = _run(launcher, code, timeout_s=20.0, limits=replace(LIMITS, memory_bytes=300 * 2**20))
+    assert result.out_of_memory and result.exit_code is None and not result.timed_out
+    assert time.monotonic() - start < 10.0
+    _unharmed(launcher)
+
+
 def test_100mb_output_stopped_by_output_limit(launcher):
     code = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)\n"
     result = _run(launcher, code)
