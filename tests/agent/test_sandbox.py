@@ -1,8 +1,10 @@
 """The Python sandbox: each test runs hostile code and checks, from the trainer's side, that nothing
 reached the host and that the trainer and its launcher are unharmed."""
 
+import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import time
@@ -12,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from megatron_gptoss.agent import SandboxLauncher, run_python
+from megatron_gptoss.agent import launcher as launcher_module
 from megatron_gptoss.agent import linux_sandbox as ls
+from megatron_gptoss.agent.sandbox import LIMIT_FIELDS
 from megatron_gptoss.config import SandboxConfig
 from megatron_gptoss.errors import ToolError
 
@@ -203,3 +207,44 @@ def test_layers_name_themselves_when_the_kernel_refuses():
         jumps = [(i, jt, jf) for i, (code, jt, jf, _) in enumerate(prog) if code != ls.BPF_RET_K]
         assert all(i + 1 + max(jt, jf) < len(prog) for i, jt, jf in jumps)  # every jump lands inside
         assert prog[-1] == (ls.BPF_RET_K, 0, 0, ls.SECCOMP_RET_ALLOW)
+
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None or not SYSTEM_PYTHON.exists(),
+    reason="needs root (to start the launcher as another user), setpriv and a system python3",
+)
+def test_launcher_of_a_user_who_is_not_root():
+    """A trainer that is not root gets its sandboxes in user namespaces: the same refusals, and the
+    process limit counted inside the namespace (the trainer's own processes do not count)."""
+    config = {"python": str(SYSTEM_PYTHON), "read_paths": ["/usr"], "uid_base": SandboxConfig.uid_base}
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(SYSTEM_PYTHON)]
+    command += ["-E", "-s", "-S", str(launcher_module.__file__), json.dumps(config)]
+    proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={}, cwd="/")
+    try:
+        hello = json.loads(proc.stdout.readline())
+        assert hello["layers"] == {"landlock": None, "seccomp": None, "user namespace": None}
+        limits = {name: getattr(LIMITS, name) for name in LIMIT_FIELDS}
+        codes = [
+            "import os; print(os.getuid(), os.getpid())",
+            f"open({str(Path(__file__).resolve())!r}).read()",
+            "import socket; socket.socket()",
+            "import os\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n"
+            "    if pid == 0:\n        import time; time.sleep(30); os._exit(0)\n    n += 1\nprint(n)\n",
+        ]
+        replies = []
+        for i, code in enumerate(codes):
+            request = {"id": i, "code": code, "timeout_s": 5.0, "limits": limits}
+            proc.stdin.write((json.dumps(request) + "\n").encode())
+            proc.stdin.flush()
+            replies.append(json.loads(proc.stdout.readline()))
+        assert replies[0]["stdout"] == "1000 1\n"  # an ordinary user, pid 1 of its own namespace
+        assert "PermissionError" in replies[1]["stderr"]
+        assert "Address family not supported" in replies[2]["stderr"]
+        assert 0 < int(replies[3]["stdout"]) < LIMITS.processes
+    finally:
+        proc.kill()
+        proc.wait()
