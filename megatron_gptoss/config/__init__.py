@@ -3,6 +3,7 @@
 from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.data import DataConfig
+from megatron_gptoss.config.engine import EmbeddedEngineConfig
 from megatron_gptoss.config.loader import build_config, config_to_dict, load_config
 from megatron_gptoss.config.model import (
     MODEL_PRESETS,
@@ -31,6 +32,7 @@ __all__ = [
     "SandboxConfig",
     "ConfigError",
     "DataConfig",
+    "EmbeddedEngineConfig",
     "EnvConfig",
     "MODEL_PRESETS",
     "ModelConfig",

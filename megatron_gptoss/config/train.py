@@ -9,6 +9,7 @@ from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
+from megatron_gptoss.config.engine import EmbeddedEngineConfig
 from megatron_gptoss.config.model import ModelConfig
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.errors import ConfigError
@@ -404,6 +405,7 @@ class TrainConfig:
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
@@ -423,3 +425,4 @@ class TrainConfig:
         self.agent.validate()
         self.sandbox.validate()
         self.critic.validate()
+        self.embedded.validate()

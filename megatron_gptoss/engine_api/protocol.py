@@ -53,6 +53,24 @@ class Generation:
     logprobs: list[float]
     # "stop" (a stop token was sampled) or "length" (max_new_tokens reached).
     finish_reason: str
+    # Router replay (engines that record routing, when asked): uint8 [len(prompt_ids) + len(token_ids) - 1,
+    # layers, top-k] (int16 past 256 experts), the experts each token the engine computed was routed to, in
+    # sequence order: every prompt token and every response token but the last (never fed to the model).
+    routing: torch.Tensor | None = None
+
+
+@dataclass
+class SessionTurn:
+    """What one session sampled since it last resumed, up to its pause."""
+
+    session_id: int
+    token_ids: list[int]
+    logprobs: list[float]
+    # "stop" (a stop token was sampled) or "length" (this turn's max_new_tokens reached).
+    finish_reason: str
+    # Router replay (when recorded): uint8 [tokens computed in this turn, layers, top-k], in sequence order
+    # (the previous turn's last sampled token, any extended tokens, then this turn's samples but the last).
+    routing: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -70,6 +88,33 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
 
     def shutdown(self) -> None: ...
+
+
+@runtime_checkable
+class SessionEngine(Protocol):
+    """Optional capability: multi-turn trajectories that keep their KV cache across turns (tool use).
+
+        sid = engine.open_session(prompt_ids, params, seed)    a trajectory waits to be prefilled
+        turns = engine.step_sessions()                         prefill / decode every open, un-paused
+            session until at least one pauses (samples a stop token or reaches its turn's
+            params.max_new_tokens); one SessionTurn per session that paused in this call. Paused
+            sessions stay open, their KV cache kept
+        engine.extend_session(sid, token_ids, max_new_tokens)  append tokens written outside the model
+            (a tool result), to be prefilled, and resume the session for max_new_tokens more
+        engine.close_session(sid)                              its KV cache is freed
+
+    Seeded sessions (`seed` set) draw the token at sequence position p (prompt included, 0-based) from
+    counter p of the stream `seed`: a session extended with outside tokens samples exactly what a session
+    opened on the concatenated tokens with the same seed samples.
+    """
+
+    def open_session(self, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> int: ...
+
+    def step_sessions(self) -> list[SessionTurn]: ...
+
+    def extend_session(self, sid: int, token_ids: list[int], max_new_tokens: int) -> None: ...
+
+    def close_session(self, sid: int) -> None: ...
 
 
 def expert_slice_name(hf_name: str, start: int, stop: int) -> str:

@@ -80,9 +80,11 @@ class SelfAttention(nn.Module):
         q = grouped[..., :r, :].reshape(*lead, self.num_groups * r, d)
         return q, grouped[..., r, :], grouped[..., r + 1, :]
 
-    def _cached_attention(self, q, k_all, v_all, positions):
-        """New queries against the KV cache: the Triton decode kernel where the training forward runs
-        Triton (its decode rows equal its training rows bit for bit), the eager path otherwise."""
+    def _cached_attention(self, q, k_all, v_all, positions, kv_slots=None):
+        """New queries q [b, t] against the KV cache [b, S] (slot = position): the Triton decode kernel where
+        the training forward runs Triton (its decode rows equal its training rows bit for bit; a row's new
+        queries are its last t positions, so padding goes first), the eager path otherwise, over the first
+        `kv_slots` slots (None: up to the largest query position, read on the host)."""
         sinks = self.core_attention.softmax_offset.float()
         window = self.core_attention.window
         backend = self.core_attention.backend
@@ -94,7 +96,7 @@ class SelfAttention(nn.Module):
         if use_triton:
             seqlens = (positions[:, -1] + 1).to(torch.int32)
             return sink_decode(q, k_all, v_all, sinks, seqlens, window=window)
-        return cached_sink_attention(q, k_all, v_all, sinks, positions, window=window)
+        return cached_sink_attention(q, k_all, v_all, sinks, positions, window=window, kv_slots=kv_slots)
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
         qkv = self.linear_qkv(x)
@@ -103,8 +105,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            k_all, v_all = cache.write(self.layer, k, v, positions)
-            out = self._cached_attention(q, k_all, v_all, positions)
+            out = cache.attend(self.layer, q, k, v, positions, self._cached_attention)
         elif cu_seqlens is not None:
             flat = (batch * tokens, -1, self.head_dim)
             out = self.core_attention(

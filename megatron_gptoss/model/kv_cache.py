@@ -32,3 +32,8 @@ class KVCache:
         self.keys[layer][rows, positions] = k.to(self.keys[layer].dtype)
         self.values[layer][rows, positions] = v.to(self.values[layer].dtype)
         return self.keys[layer], self.values[layer]
+
+    def attend(self, layer: int, q, k, v, positions: torch.Tensor, attention_fn) -> torch.Tensor:
+        """Store this layer's new k/v, then `attention_fn(q, keys, values, positions, None)` on the cache."""
+        k_all, v_all = self.write(layer, k, v, positions)
+        return attention_fn(q, k_all, v_all, positions, None)

@@ -19,13 +19,17 @@ def cached_sink_attention(
     *,
     window: int | None = None,
     softmax_scale: float | None = None,
+    kv_slots: int | None = None,
 ) -> torch.Tensor:
-    """q [B, Tq, Hq, D]; k_cache/v_cache [B, S, Hkv, D]; q_positions int64 [B, Tq]. Returns [B, Tq, Hq, D]."""
+    """q [B, Tq, Hq, D]; k_cache/v_cache [B, S, Hkv, D]; q_positions int64 [B, Tq]. Returns [B, Tq, Hq, D].
+
+    `kv_slots`: how many leading slots to read (every later one must be invisible to every query); None reads
+    up to the largest query position, found on the host."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     hq, hkv = q.shape[2], k_cache.shape[2]
     group = hq // hkv
-    used = int(q_positions.max()) + 1
+    used = int(q_positions.max()) + 1 if kv_slots is None else kv_slots
     k = k_cache[:, :used].to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     v = v_cache[:, :used].to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     qf = q.to(compute).transpose(1, 2)

@@ -1,115 +1,148 @@
-"""The embedded rollout engine: our own model code with a KV cache, fed weights by HF names.
+"""The embedded rollout engine: our own model over a paged KV cache, fed weights by HF names.
 
-    prompts (ragged) -> right-padded prefill into the cache (slot = position)
-                     -> decode loop: last hidden -> tempered fp32 log-softmax -> top-k/top-p sample
-                     -> rows stop on a stop token or at max_new_tokens
+    generate(prompts) / open_session(prompt)
+        -> Scheduler (rollout/scheduler.py): waiting -> running (max_batch_slots) -> out
+        -> one step: the running sequences' new tokens packed into [1, N] (decode rows one token each,
+           prefill chunks in the rest of max_step_tokens) -> model forward over the PagedKVCache
+        -> the last hidden state of every sequence whose tokens are all computed -> fp32 logits ->
+           tempered log-softmax -> top-k / top-p -> sample (seeded per row, or the engine's generator)
+        -> a row stops on a stop token or at its budget; a generation frees its blocks, a session pauses
 
-The model and its cache belong to the engine; `update_weights` copies incoming tensors into the
-engine's own parameters, so the learner's memory is never shared with it. `parallel_embedded` runs the
-same loop tensor- and expert-parallel over several ranks (it overrides `_new_cache`, `_logits` and
-`_finished`).
+`EmbeddedEngineConfig.schedule` picks continuous batching (rows leave and join within one call, chunked
+prefill mixed with decode) or the static schedule (batches of prompts prefilled whole, decoded until the
+batch's last row stops); both run the same step and give the same tokens and log-probs for a seeded request.
+
+Seeded sampling: row i of a `generate` request samples its response token t from counter t of the stream
+seed + i (`rollout.sampling`), whatever rows share its steps. A session's token at sequence position p
+(prompt included) comes from counter p of the session's seed (`engine_api.protocol.SessionEngine`).
+
+The model and its cache belong to the engine; `update_weights` copies incoming tensors into the engine's own
+parameters, so the learner's memory is never shared with it. `parallel_embedded` runs the same steps tensor-
+and expert-parallel over several ranks (it overrides `_kv_heads`, `_logits`, `_block_any` and
+`_check_request`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
 
 from megatron_gptoss.config import ModelConfig
-from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
+from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, SessionTurn
+from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import load_hf_tensors
-from megatron_gptoss.model import GPTOSSModel, KVCache
+from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.model.paged_kv_cache import PagedKVCache
+from megatron_gptoss.rollout.memory import EngineMemory
+from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
+from megatron_gptoss.rollout.scheduler import Scheduler, Sequence
 
 
 class EmbeddedEngine:
-    """Batched generation with our GPT-OSS. `dtype`/`device` are the engine's own."""
+    """Generation with our GPT-OSS. `dtype`/`device` are the engine's own; `options` its scheduler and
+    KV cache (defaults: `EmbeddedEngineConfig()`)."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0):
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        seed: int = 0,
+        options: EmbeddedEngineConfig | None = None,
+    ):
         self.config = config
         self.dtype, self.device = dtype, torch.device(device)
         self.model = GPTOSSModel(config, dtype=dtype, device=self.device).eval()
+        self._setup(seed, options)
+
+    def _setup(self, seed: int, options: EmbeddedEngineConfig | None) -> None:
+        """The state every engine variant shares (the model is built by the caller)."""
+        self.options = EmbeddedEngineConfig() if options is None else options
+        self.options.validate()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.asleep = False
         self.weight_version = 0
+        self.memory = EngineMemory(self.model, self.device)
+        self.routing = RoutingRecorder(self.model, self.config) if self.options.record_routing else None
+        self._cache: PagedKVCache | None = None
+        self._scheduler: Scheduler | None = None
+        self._sessions: dict[int, Sequence] = {}
+        self._next_session = 0
+        self._turns: list[SessionTurn] = []
 
     # ----------------------------------------------------------------------------------------------
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
         """Copy (HF name, tensor) pairs into the engine's parameters. With `strict`, every parameter
         must arrive (a full sync); otherwise a subset may be sent."""
-        if self.asleep:
-            raise RuntimeError("update_weights called while the engine sleeps; call wake_up() first")
+        self._check_awake("update_weights")
         load_hf_tensors(self.model, self.config, tensors, strict=strict)
+        self.memory.weights_loaded()
         self.weight_version += 1
 
-    def sleep(self) -> None:
-        """Release device memory: parameters move to the host (a no-op for a CPU engine)."""
-        if self.device.type != "cpu":
-            self.model.to("cpu")
+    def sleep(self, level: int = 1) -> dict[str, int]:
+        """Free the KV cache and the weights' device memory: level 1 moves the weights to the host, level 2
+        discards them (the next `update_weights` after `wake_up` must send every parameter). Returns the
+        bytes released (`EngineMemory.sleep`). Refused while sessions are open (their caches would be
+        lost)."""
+        if self._sessions:
+            raise EngineError(f"sleep with {len(self._sessions)} open session(s): close them first")
+        released = self.memory.sleep(level, self._release_cache)
         self.asleep = True
+        return released
 
-    def wake_up(self) -> None:
-        if self.device.type != "cpu":
-            self.model.to(self.device)
+    def _release_cache(self) -> int:
+        """Drop the KV cache (allocated again by the next request); returns its bytes."""
+        kv_bytes = self._cache.storage_bytes() if self._cache is not None else 0
+        self._cache, self._scheduler = None, None
+        return kv_bytes
+
+    def wake_up(self) -> dict[str, int]:
+        """Take the weights' device memory back (the KV cache is allocated again by the next request)."""
+        taken = self.memory.wake()
         self.asleep = False
+        return taken
 
     def shutdown(self) -> None:
+        self._cache, self._scheduler = None, None
         del self.model
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        if self.asleep:
-            raise RuntimeError("generate called while the engine sleeps; call wake_up() first")
+        self._check_awake("generate")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         self._check_request(prompts, params)
-        batch = len(prompts)
-        row_seeds = None  # seeded: row i samples from its own stream, seeded by seed + i
-        if params.seed is not None:
-            row_seeds = params.seed + torch.arange(batch, device=self.device)
-        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        longest = int(lengths.max())
-        cache = self._new_cache(batch, longest + params.max_new_tokens)
-
-        ids = torch.zeros(batch, longest, dtype=torch.long, device=self.device)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, device=self.device)
-        positions = torch.arange(longest, device=self.device).expand(batch, longest)
-        hidden = self.model.hidden_states(ids, position_ids=positions, cache=cache)
-        last = hidden[torch.arange(batch, device=self.device), lengths - 1]
-
-        stop = torch.tensor(params.stop_token_ids or [-1], device=self.device)
-        tokens_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.long, device=self.device)
-        logprobs_out = torch.zeros(batch, params.max_new_tokens, dtype=torch.float32, device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        n_out = torch.zeros(batch, dtype=torch.long, device=self.device)
-        for step in range(params.max_new_tokens):
-            logits = self._logits(last)
-            token, logprob = sample_from_logits(logits, params, self.generator, row_seeds, step)
-            active = ~done
-            tokens_out[:, step] = torch.where(active, token, tokens_out[:, step])
-            logprobs_out[:, step] = torch.where(active, logprob, logprobs_out[:, step])
-            n_out += active.long()
-            done |= active & torch.isin(token, stop)
-            if self._finished(done) or step + 1 == params.max_new_tokens:
-                break
-            pos = (lengths + step)[:, None]
-            last = self.model.hidden_states(token[:, None], position_ids=pos, cache=cache)[:, 0]
-
-        out = []
-        for row in range(batch):
-            n = int(n_out[row])
-            out.append(
-                Generation(
-                    prompt_ids=list(prompts[row]),
-                    token_ids=tokens_out[row, :n].tolist(),
-                    logprobs=logprobs_out[row, :n].tolist(),
-                    finish_reason="stop" if bool(done[row]) else "length",
-                )
+        scheduler = self._ensure_scheduler(min(len(prompts), self.options.max_batch_slots), prompts, params)
+        seqs = [
+            Sequence(
+                sid=-1,
+                tokens=list(prompt),
+                params=params,
+                seed=None if params.seed is None else params.seed + row,
+                counter_base=len(prompt),
+                budget=params.max_new_tokens,
             )
-        return out
+            for row, prompt in enumerate(prompts)
+        ]
+        for seq in seqs:
+            scheduler.add(seq)
+        while self._block_any(any(not s.left for s in seqs)):
+            self._step()
+        return [
+            Generation(
+                prompt_ids=list(prompt),
+                token_ids=seq.out_tokens,
+                logprobs=seq.out_logprobs,
+                finish_reason=seq.finish_reason or "length",
+                routing=self._routing_of(seq, len(prompt) + len(seq.out_tokens) - 1),
+            )
+            for prompt, seq in zip(prompts, seqs)
+        ]
 
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -126,18 +159,178 @@ class EmbeddedEngine:
         logprobs, _ = self.model.token_logprobs(hidden, ids[:, 1:])
         return [logprobs[row, : len(seq) - 1].tolist() for row, seq in enumerate(sequences)]
 
+    # -------------------------------------------------------------------- sessions (SessionEngine)
+    def open_session(self, prompt_ids: list[int], params: SamplingParams, seed: int | None = None) -> int:
+        """A trajectory that keeps its KV cache across turns; it starts at the next `step_sessions`."""
+        self._check_awake("open_session")
+        if self.options.schedule != "continuous":
+            raise EngineError("sessions need embedded.schedule='continuous'")
+        if not prompt_ids:
+            raise ValueError("a session's prompt needs at least one token")
+        scheduler = self._ensure_scheduler(self.options.max_batch_slots, [prompt_ids], params)
+        sid = self._next_session
+        self._next_session += 1
+        seq = Sequence(sid, list(prompt_ids), params, seed, counter_base=0, budget=params.max_new_tokens)
+        self._sessions[sid] = seq
+        scheduler.add(seq)
+        return sid
+
+    @torch.no_grad()
+    def step_sessions(self) -> list[SessionTurn]:
+        """Run every open, un-paused session until at least one pauses; the turns of those that paused."""
+        self._check_awake("step_sessions")
+        while self._block_any(not self._turns and self._scheduler is not None and self._scheduler.has_work()):
+            self._step()
+        turns, self._turns = self._turns, []
+        return turns
+
+    def extend_session(self, sid: int, token_ids: list[int], max_new_tokens: int) -> None:
+        """Append tokens written outside the model (prefilled next step) and resume for max_new_tokens."""
+        seq = self._session(sid)
+        if seq.finish_reason is None:
+            raise EngineError(f"session {sid} is not paused: step_sessions until it returns a turn")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        seq.tokens.extend(int(t) for t in token_ids)
+        seq.budget, seq.finish_reason = max_new_tokens, None
+        seq.out_tokens, seq.out_logprobs, seq.routing = [], [], []
+        assert self._scheduler is not None
+        self._scheduler.add(seq)
+
+    def close_session(self, sid: int) -> None:
+        """Free the session's KV blocks; its unreturned turn, if any, is dropped."""
+        seq = self._session(sid)
+        if self._scheduler is not None:
+            self._scheduler.discard(seq)
+        del self._sessions[sid]
+        self._turns = [t for t in self._turns if t.session_id != sid]
+
+    def _session(self, sid: int) -> Sequence:
+        if sid not in self._sessions:
+            raise EngineError(f"no open session {sid}")
+        return self._sessions[sid]
+
+    # ------------------------------------------------------------------------------- one step
+    def _step(self) -> None:
+        """One forward over the scheduler's packed tokens, then sampling and bookkeeping (one host sync)."""
+        assert self._scheduler is not None and self._cache is not None
+        scheduler = self._scheduler
+        plan = scheduler.plan() or scheduler.idle_plan()
+        self._cache.layout = plan.layout
+        try:
+            hidden = self.model.hidden_states(plan.input_ids, position_ids=plan.positions, cache=self._cache)
+        finally:
+            self._cache.layout = None
+        if self.routing is not None:
+            self.routing.collect(plan)
+        scheduler.computed(plan)
+        if plan.samplers:
+            rows = torch.tensor([c.offset + c.count - 1 for c in plan.samplers], device=self.device)
+            logits = self._logits(hidden[0].index_select(0, rows))
+            tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
+            for chunk, token, logprob in zip(plan.samplers, tokens, logprobs):
+                self._advance(chunk.seq, token, logprob)
+        if scheduler.static and scheduler.running and all(s.ghost for s in scheduler.running):
+            for seq in list(scheduler.running):  # the static batch's last row finished: free the batch
+                scheduler.stop(seq, keep_blocks=False)
+                seq.left = True
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        """One draw per row, rows grouped by their sampling parameters and seeding."""
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for row, seq in enumerate(seqs):
+            groups.setdefault((id(seq.params), seq.seed is not None), []).append(row)
+        tokens = torch.empty(len(seqs), dtype=torch.long, device=self.device)
+        logprobs = torch.empty(len(seqs), dtype=torch.float32, device=self.device)
+        for (_, seeded), rows in groups.items():
+            members = [seqs[r] for r in rows]
+            seeds, counters = None, torch.zeros(len(rows), dtype=torch.long, device=self.device)
+            if seeded:
+                seeds = torch.tensor([s.seed for s in members], device=self.device)
+                counters = torch.tensor([len(s.tokens) - s.counter_base for s in members], device=self.device)
+            index = torch.tensor(rows, device=self.device)
+            tok, lp = sample_from_logits(
+                logits.index_select(0, index), members[0].params, self.generator, seeds, counters
+            )
+            tokens[index], logprobs[index] = tok, lp.float()
+        return tokens.tolist(), logprobs.tolist()
+
+    def _advance(self, seq: Sequence, token: int, logprob: float) -> None:
+        """Record a sampled token; stop the row on a stop token or at its budget."""
+        seq.tokens.append(token)
+        if seq.ghost:
+            return
+        seq.out_tokens.append(token)
+        seq.out_logprobs.append(logprob)
+        seq.budget -= 1
+        if token in seq.params.stop_token_ids:
+            seq.finish_reason = "stop"
+        elif seq.budget == 0:
+            seq.finish_reason = "length"
+        else:
+            return
+        assert self._scheduler is not None
+        if seq.sid >= 0:  # a session pauses with its blocks
+            self._scheduler.stop(seq, keep_blocks=True)
+            turn = SessionTurn(
+                seq.sid,
+                list(seq.out_tokens),
+                list(seq.out_logprobs),
+                seq.finish_reason,
+                self._routing_of(seq, None),
+            )
+            self._turns.append(turn)
+        elif self._scheduler.static:
+            seq.ghost = True
+        else:
+            self._scheduler.stop(seq, keep_blocks=False)
+            seq.left = True
+
+    def _routing_of(self, seq: Sequence, tokens: int | None) -> torch.Tensor | None:
+        if self.routing is None:
+            return None
+        return self.routing.of(seq, tokens)
+
+    def _ensure_scheduler(self, rows: int, prompts: list[list[int]], params: SamplingParams) -> Scheduler:
+        """The cache and scheduler, created on first use (sized for `rows` of these prompts when
+        `kv_blocks` is 0: such a cache grows between steps when short)."""
+        if self._scheduler is None:
+            bs = self.options.block_size
+            longest = max(len(p) for p in prompts) + params.max_new_tokens
+            blocks = self.options.kv_blocks or rows * math.ceil(longest / bs) + 1
+            self._cache = PagedKVCache(
+                self.config, bs, max(blocks, 2), self.dtype, self.device, kv_heads=self._kv_heads()
+            )
+            self._scheduler = Scheduler(self._cache, self.options, self.options.kv_blocks == 0, self.device)
+        return self._scheduler
+
+    def kv_blocks_free(self) -> list[tuple[int, int]]:
+        """(free, capacity) blocks of every layer group of the KV cache (none before the first request)."""
+        if self._cache is None:
+            return []
+        return [(len(pool.free), pool.capacity) for pool in self._cache.pools]
+
     # ----------------------------------------------------------------------------------------------
+    def _check_awake(self, what: str) -> None:
+        if self.asleep:
+            raise EngineError(f"{what} called while the engine sleeps; call wake_up() first")
+        if what != "update_weights" and not self.memory.has_weights:
+            raise EngineError(
+                f"{what} called after sleep(level=2) and before update_weights sent the weights"
+            )
+
     def _check_request(self, prompts: list[list[int]], params: SamplingParams | None) -> None:
         """Where several ranks serve one request together, that they were given the same (a no-op here)."""
 
-    def _new_cache(self, batch: int, tokens: int) -> KVCache:
-        return KVCache(self.config, batch, tokens, self.dtype, self.device)
+    def _kv_heads(self) -> int:
+        """KV heads this instance caches."""
+        return self.config.num_query_groups
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """Last hidden states [B, H] -> fp32 logits [B, vocab_size] of the real vocabulary."""
         weight = self.model.output_weight()
         return last.float() @ weight.float().t()
 
-    def _finished(self, done: torch.Tensor) -> bool:
-        """Whether the decode loop may stop: every row of this batch has sampled a stop token."""
-        return bool(done.all())
+    def _block_any(self, flag: bool) -> bool:
+        """Whether any rank stepping in lockstep with this one has `flag` set (this rank alone here)."""
+        return flag

@@ -11,9 +11,10 @@ a model that does not fit one GPU.
     replicas:    ranks linked by a tp or an ep group step together (the expert all-to-all needs every member
                  in every forward): blocks of lcm(tp_e, ep_e) consecutive ranks. A block holds lcm / tp_e tp
                  groups, each with prompts of its own (data parallel inside the expert-parallel group); the
-                 decode loop of a block ends when every row of all its tp groups has stopped. Each call
-                 checks (one small all-reduce per group) that a tp group was given one request and a block
-                 one max_new_tokens, and raises on every member alike otherwise
+                 block steps until every row of all its tp groups has stopped (a rank with nothing left
+                 joins each step with one padding token). Each call checks (one small all-reduce per
+                 group) that a tp group was given one request and a block one max_new_tokens, and raises
+                 on every member alike otherwise
     update:      (HF name, tensor) pairs: full HF tensors (each rank narrows them to its shard with
                  `parallel.loading.shard_of_hf`, the checkpoint loader's slicing) and expert-range slices
                  (`engine_api.protocol.expert_slice_name`; a rank keeps the experts of the slice it holds)
@@ -31,11 +32,11 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from megatron_gptoss.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig, ModelConfig, ParallelConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams, parse_expert_slice
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.names import from_hf, hf_shapes, match_hf, match_ours
-from megatron_gptoss.model import GPTOSSModel, KVCache
+from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
@@ -63,6 +64,7 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         dtype: torch.dtype = torch.float32,
         device="cpu",
         seed=0,
+        options: EmbeddedEngineConfig | None = None,
     ):
         if dims.pp != 1 or dims.vpp != 1:
             raise ConfigError(f"the embedded engine runs without pipeline stages, got pp={dims.pp}")
@@ -81,9 +83,11 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             for p in model.parameters():
                 p.zero_()  # padded vocabulary rows stay zero; the rest arrives by update_weights
         self.model = model.eval()
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        self.asleep = False
-        self.weight_version = 0
+        if options is not None and options.record_routing and dims.tp > 1:
+            raise ConfigError(
+                "embedded.record_routing needs tensor parallel 1 (a tp rank routes a token chunk)"
+            )
+        self._setup(seed, options)
         self.tp_group = dims.group("tp") if dims.tp > 1 else None
         self.block_group = None
         for block in lockstep_blocks(dims.layout.world, dims.tp, dims.ep):  # collective: every rank, in order
@@ -168,9 +172,8 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             if not torch.equal(both[: len(values)], -both[len(values) :]):
                 raise ValueError(f"every rank of the engine must pass the same {what}")
 
-    def _new_cache(self, batch: int, tokens: int) -> KVCache:
-        kv_heads = self.config.num_query_groups // self.dims.tp
-        return KVCache(self.config, batch, tokens, self.dtype, self.device, kv_heads=kv_heads)
+    def _kv_heads(self) -> int:
+        return self.config.num_query_groups // self.dims.tp
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
         """[B, H] -> [B, vocab_size] fp32 on every rank of the tp group: local rows, then all-gathered."""
@@ -181,11 +184,12 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         local = last.float() @ head.weight.float().t()
         return gather_logits(local, self.tp_group, self.config.vocab_size)
 
-    def _finished(self, done: torch.Tensor) -> bool:
-        """Every row of every tp group of the lockstep block has stopped (one all-reduce where the block is
-        wider than the tp group; tp ranks hold the same rows and tokens)."""
+    def _block_any(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank of the lockstep block (one all-reduce where the block is wider
+        than the tp group; tp ranks schedule the same rows and sample the same tokens, so agree already). A
+        rank whose rows have all stopped joins the block's remaining steps with a padding token."""
         if self.block_group is None:
-            return bool(done.all())
-        running = torch.tensor([int(not bool(done.all()))], device=self.device)
-        dist.all_reduce(running, group=self.block_group)
-        return int(running) == 0
+            return flag
+        running = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(running, op=dist.ReduceOp.MAX, group=self.block_group)
+        return int(running) > 0

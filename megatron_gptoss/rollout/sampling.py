@@ -35,10 +35,14 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def counter_uniform(row_seeds: torch.Tensor, position: int) -> torch.Tensor:
-    """Uniform numbers in (0, 1), float64 [B]: a pure function of (row seed, position)."""
+def counter_uniform(row_seeds: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in (0, 1), float64 [B]: a pure function of (row seed, position); `position` is one
+    counter for every row or a tensor [B] of per-row counters."""
     seeds = row_seeds.to(torch.int64)
-    where = torch.full_like(seeds, position)
+    if isinstance(position, torch.Tensor):
+        where = position.to(device=seeds.device, dtype=torch.int64)
+    else:
+        where = torch.full_like(seeds, position)
     bits = _mix(_mix(seeds * _GOLDEN) ^ (where * _MIX1))
     return (_shr(bits, 11).double() + 0.5) * 2.0**-53
 
@@ -48,11 +52,12 @@ def sample_from_logits(
     params: SamplingParams,
     generator: torch.Generator | None,
     row_seeds: torch.Tensor | None = None,
-    position: int = 0,
+    position: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] fp32 -> (tokens [B], log-probs [B]). The log-prob is that of the tempered, untruncated
     distribution; top-k then top-p only restrict what can be sampled. With `row_seeds` [B] the draw is the
-    seeded, counter-based one at response `position`; otherwise `generator`'s multinomial."""
+    seeded, counter-based one at counter `position` (an int, or int64 [B] per row); otherwise `generator`'s
+    multinomial."""
     logp = torch.log_softmax(logits.float() * (1.0 / params.temperature), dim=-1)
     filtered = logp.clone()
     if params.top_k and params.top_k < filtered.shape[-1]:

@@ -1,0 +1,45 @@
+"""Configuration of the embedded rollout engine's scheduler and paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_gptoss.errors import ConfigError
+
+SCHEDULES = ("continuous", "static")
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    """How the embedded engine batches requests and stores keys and values."""
+
+    # "continuous": rows leave the batch when they finish and waiting prompts take their slots, prompts are
+    # prefilled in chunks alongside decoding rows; "static": batches of `max_batch_slots` prompts, each
+    # prefilled whole, decoding until its last row finishes (finished rows keep computing), then the next.
+    schedule: str = "continuous"
+    # Sequences decoded together at most (rows of one step).
+    max_batch_slots: int = 256
+    # Token positions per KV-cache block.
+    block_size: int = 16
+    # Tokens one continuous step computes at most: one per decoding row, the rest for prefill chunks; at
+    # least `max_batch_slots`, so a prefilling row always advances.
+    max_step_tokens: int = 2048
+    # Blocks per layer group (full-attention layers, sliding-window layers); 0 sizes the cache to the
+    # requests and grows it between steps when it runs short.
+    kv_blocks: int = 0
+    # Record each token's routed experts (top-k ids per layer) for router replay; off costs nothing.
+    record_routing: bool = False
+
+    def validate(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"embedded.schedule={self.schedule!r} not in {SCHEDULES}")
+        for name in ("max_batch_slots", "block_size", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"embedded.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_step_tokens < self.max_batch_slots:
+            raise ConfigError(
+                f"embedded.max_step_tokens ({self.max_step_tokens}) must be >= embedded.max_batch_slots "
+                f"({self.max_batch_slots}): every decoding row takes one token of a step"
+            )
+        if self.kv_blocks < 0:
+            raise ConfigError(f"embedded.kv_blocks must be >= 0, got {self.kv_blocks}")

@@ -1,0 +1,175 @@
+"""Paged key/value cache: fixed-size blocks handed out from a free list, one block table per sequence.
+
+    layer group (layers of one window: full attention, or a sliding window W)
+        BlockPool   keys / values [num_blocks, block_size, Hkv, D] per layer of the group, a free list of
+                    block ids; block 0 is the null block: never handed out, it absorbs the writes of padding
+                    tokens and stands in for blocks a sliding window has released
+    sequence        one block table per group: position p lives in block table[p // block_size] at offset
+                    p % block_size (a sliding-window group's released entries read 0)
+
+One forward of the engine computes a packed set of tokens [1, N] from many sequences (`StepLayout`, built on
+the host by the scheduler and copied to the device once per step). In every layer `PagedKVCache.attend`
+writes the new keys and values at their slots (one `index_copy_`), then per attention group (the decoding
+rows, one new token each; the prefilling rows, their chunks left-padded to the longest) gathers each row's
+blocks into a dense [b, blocks x block_size, Hkv, D] view where slot = position, and calls the layer's
+cached-attention kernel on it. No value is read back on the host inside a layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+# attention_fn(q [b, t, Hq, D], keys [b, S, Hkv, D], values, q_positions int64 [b, t], kv_slots)
+#     -> [b, t, Hq, D]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+class BlockPool:
+    """The blocks of one layer group. `window` None: full attention; else the group's sliding window."""
+
+    def __init__(
+        self,
+        layers: list[int],
+        window: int | None,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+    ):
+        if num_blocks < 2:
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
+        self.layers, self.window, self.block_size = list(layers), window, block_size
+        self.shape = (block_size, kv_heads, head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.num_blocks = 0
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.free: list[int] = []
+        self.grow(num_blocks)
+
+    def grow(self, extra: int) -> None:
+        """Add `extra` blocks (between steps: the storage is reallocated, block ids stay valid)."""
+        start = self.num_blocks
+        for layer in self.layers:
+            for store in (self.keys, self.values):
+                old = store.get(layer)
+                new = torch.zeros((start + extra, *self.shape), dtype=self.dtype, device=self.device)
+                if old is not None:
+                    new[:start].copy_(old)
+                store[layer] = new
+        self.num_blocks = start + extra
+        # block 0 is the null block; the free list pops the lowest ids first
+        self.free.extend(reversed(range(max(start, 1), self.num_blocks)))
+        self.free.sort(reverse=True)
+
+    @property
+    def capacity(self) -> int:
+        """Blocks that can be handed out (all but the null block)."""
+        return self.num_blocks - 1
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise RuntimeError("block pool exhausted (the scheduler reserves blocks before it allocates)")
+        return self.free.pop()
+
+    def release(self, block: int) -> None:
+        if block != 0:
+            self.free.append(block)
+
+    def storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for store in (self.keys, self.values) for t in store.values())
+
+    def drop_storage(self) -> None:
+        """Free the keys and values (sleep); `retake_storage` allocates them again, empty."""
+        self.keys, self.values = {}, {}
+
+    def retake_storage(self) -> None:
+        for layer in self.layers:
+            for store in (self.keys, self.values):
+                store[layer] = torch.zeros(
+                    (self.num_blocks, *self.shape), dtype=self.dtype, device=self.device
+                )
+
+
+@dataclass
+class AttentionGroup:
+    """Rows of one attention call. `token_index` [b, t] int64: each padded query's index in the packed
+    tokens (padding repeats a real index, its output is dropped); `q_positions` [b, t] (padding: negative,
+    so it sees no key); `tables` [b, blocks] int64 per pool; `kv_slots`: blocks x block_size."""
+
+    token_index: torch.Tensor
+    q_positions: torch.Tensor
+    tables: list[torch.Tensor]
+    kv_slots: int
+
+
+@dataclass
+class StepLayout:
+    """Device tensors of one packed forward. `slots` per pool: [N] flat slot (block x block_size + offset) of
+    each packed token; `inverse` [N]: each token's row in the concatenated padded attention outputs."""
+
+    slots: list[torch.Tensor]
+    groups: list[AttentionGroup]
+    inverse: torch.Tensor
+
+
+class PagedKVCache:
+    """Keys and values of every layer in block pools, grouped by attention window. The scheduler sets
+    `layout` before each forward; the attention layers call `attend`."""
+
+    def __init__(self, config, block_size: int, num_blocks: int, dtype, device, kv_heads: int | None = None):
+        heads = config.num_query_groups if kv_heads is None else kv_heads
+        by_window: dict[int | None, list[int]] = {}
+        for layer in range(config.num_layers):
+            by_window.setdefault(config.window_of(layer), []).append(layer)
+        self.block_size = block_size
+        self.pools = [
+            BlockPool(layers, window, num_blocks, block_size, heads, config.head_dim, dtype, device)
+            for window, layers in by_window.items()
+        ]
+        self.pool_of = {layer: i for i, pool in enumerate(self.pools) for layer in pool.layers}
+        self.layout: StepLayout | None = None
+
+    def storage_bytes(self) -> int:
+        return sum(pool.storage_bytes() for pool in self.pools)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor,
+        attention_fn: AttentionFn,
+    ) -> torch.Tensor:
+        """q [1, N, Hq, D], k / v [1, N, Hkv, D] of the packed tokens -> attention output [1, N, Hq, D]."""
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("PagedKVCache.attend before the scheduler set the step layout")
+        index = self.pool_of[layer]
+        pool = self.pools[index]
+        keys, values = pool.keys[layer], pool.values[layer]
+        flat = (-1, *pool.shape[1:])
+        slots = layout.slots[index]
+        keys.view(flat).index_copy_(0, slots, k.reshape(flat).to(keys.dtype))
+        values.view(flat).index_copy_(0, slots, v.reshape(flat).to(values.dtype))
+        q_flat = q.reshape(-1, *q.shape[2:])
+        outs = []
+        for group in layout.groups:
+            b, t = group.token_index.shape
+            table = group.tables[index]
+            qg = q_flat.index_select(0, group.token_index.reshape(-1)).view(b, t, *q.shape[2:])
+            kg = keys[table].view(b, group.kv_slots, *pool.shape[1:])
+            vg = values[table].view(b, group.kv_slots, *pool.shape[1:])
+            outs.append(
+                attention_fn(qg, kg, vg, group.q_positions, group.kv_slots).reshape(b * t, *q.shape[2:])
+            )
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return out.index_select(0, layout.inverse).view(q.shape)

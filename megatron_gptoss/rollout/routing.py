@@ -1,0 +1,46 @@
+"""Router replay's record: the experts each token the engine computes is routed to.
+
+A forward hook on every layer's router keeps its top-k expert ids [N, k] of the step's packed tokens; after
+the step they are stacked to [N, layers, k] (uint8 up to 256 experts, int16 past), copied to the host once,
+and split over the sequences of the step in their token order. Only engines built with
+`record_routing=True` install the hooks: otherwise nothing runs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model import GPTOSSModel
+
+
+class RoutingRecorder:
+    """Hooks on `model`'s routers; `collect(plan)` files a step's routing under its sequences."""
+
+    def __init__(self, model: GPTOSSModel, config: ModelConfig):
+        self.dtype = torch.uint8 if config.num_experts <= 256 else torch.int16
+        self.topk = config.moe_router_topk
+        layers = model.decoder.layers
+        self.order = [int(i) for i in layers.keys()]
+        self._step: dict[int, torch.Tensor] = {}
+        for index, layer in layers.items():
+            layer.get_submodule("mlp.router").register_forward_hook(partial(self._hook, int(index)))
+
+    def _hook(self, layer: int, module, inputs, output) -> None:
+        self._step[layer] = output[2]
+
+    def collect(self, plan) -> None:
+        """Split the step's routing [N, layers, k] over `plan.chunks` (a padding step records nothing)."""
+        if plan.chunks:
+            ids = torch.stack([self._step[i] for i in self.order], dim=1).to(self.dtype).cpu()
+            for chunk in plan.chunks:
+                chunk.seq.routing.append(ids[chunk.offset : chunk.offset + chunk.count])
+        self._step.clear()
+
+    def of(self, seq, tokens: int | None) -> torch.Tensor:
+        """The routing a sequence recorded ([tokens, layers, k]), its first `tokens` rows when given."""
+        empty = torch.zeros(0, len(self.order), self.topk, dtype=self.dtype)
+        routing = torch.cat(seq.routing) if seq.routing else empty
+        return routing if tokens is None else routing[:tokens]

@@ -1,0 +1,284 @@
+"""The embedded engine's scheduler: which tokens of which sequences one forward computes, and their KV blocks.
+
+    waiting ──admit (a free slot, its blocks reserved)──> running ──a stop token / its turn's budget──> out
+       ^                                                    │        (a generation: blocks freed; a session:
+       └──────────── extend_session (a session resumes) ────┘         paused, it keeps its blocks)
+
+    one step (continuous): every running sequence whose tokens are all in the cache decodes one token; the
+    rest of `max_step_tokens` goes to prefill chunks, oldest first. A sequence whose last known token was
+    computed in this step samples its next token from that token's hidden state.
+    one step (static): a batch of up to `max_batch_slots` prompts is admitted only when none runs, each
+    prefilled whole in one step; finished rows keep decoding (their samples discarded) until the batch's
+    last row finishes; then every block of the batch is freed.
+
+Blocks: a sequence's quota in each pool is reserved at admission (the most blocks it can hold at once: its
+full length for full attention, its window plus one chunk for a sliding-window group), so a running sequence
+never waits for a block. A sliding-window group releases a block once every position in it lies before the
+window of the next query.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.engine_api.protocol import SamplingParams
+from megatron_gptoss.errors import EngineError
+from megatron_gptoss.model.paged_kv_cache import AttentionGroup, BlockPool, PagedKVCache, StepLayout
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One trajectory. The seeded sampler draws its next token at counter `len(tokens) - counter_base`."""
+
+    sid: int
+    tokens: list[int]
+    params: SamplingParams
+    # the row's sampler seed (None: the engine's running generator)
+    seed: int | None
+    counter_base: int
+    # tokens this turn may still sample
+    budget: int
+    # tokens whose keys and values are in the cache
+    computed: int = 0
+    tables: list[list[int]] = field(default_factory=list)
+    # per pool: the most blocks this sequence may hold at once (reserved at admission)
+    quota: list[int] = field(default_factory=list)
+    # per pool: leading table entries already released by a sliding window
+    released: list[int] = field(default_factory=list)
+    out_tokens: list[int] = field(default_factory=list)
+    out_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    # static schedule: finished, still decoding until its batch ends (samples discarded)
+    ghost: bool = False
+    # a generation that left the scheduler (its blocks freed)
+    left: bool = False
+    # router replay: top-k expert ids [tokens, layers, k] of the tokens computed this turn
+    routing: list[torch.Tensor] = field(default_factory=list)
+
+    def held(self, pool: int) -> int:
+        return sum(1 for block in self.tables[pool] if block != 0)
+
+
+@dataclass
+class Chunk:
+    """`count` tokens of `seq` from position `start`, at `offset` in the packed tokens of the step."""
+
+    seq: Sequence
+    start: int
+    count: int
+    offset: int
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk]
+    input_ids: torch.Tensor  # [1, N]
+    positions: torch.Tensor  # [1, N]
+    layout: StepLayout
+    samplers: list[Chunk]  # chunks whose sequence samples its next token after this step
+
+
+class Scheduler:
+    """Running, waiting and paused sequences over one `PagedKVCache`. `growable`: the pools grow between
+    steps when a sequence cannot be admitted (the cache was sized by the engine, not fixed by the user)."""
+
+    def __init__(self, cache: PagedKVCache, options: EmbeddedEngineConfig, growable: bool, device):
+        self.cache, self.options, self.growable = cache, options, growable
+        self.device = torch.device(device)
+        self.static = options.schedule == "static"
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def pools(self) -> list[BlockPool]:
+        return self.cache.pools
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        if not seq.tables:
+            seq.tables = [[] for _ in self.pools]
+            seq.released = [0 for _ in self.pools]
+            seq.quota = [0 for _ in self.pools]
+        self.waiting.append(seq)
+
+    # ------------------------------------------------------------------------------------------------
+    def _quota(self, seq: Sequence, pool: BlockPool, chunk: int) -> int:
+        full = math.ceil((len(seq.tokens) + seq.budget) / pool.block_size)
+        if pool.window is None:
+            return full
+        return min(full, math.ceil((pool.window - 1 + chunk) / pool.block_size) + 1)
+
+    def _outstanding(self, index: int) -> int:
+        """Blocks reserved by running sequences and not yet allocated, in pool `index`."""
+        return sum(max(0, s.quota[index] - s.held(index)) for s in self.running)
+
+    def _try_reserve(self, seq: Sequence) -> bool:
+        """Reserve the sequence's quota in every pool (growing a growable pool); False if it does not fit."""
+        pending = len(seq.tokens) - seq.computed
+        chunk = pending if self.static else min(pending, self.options.max_step_tokens)
+        quotas = [self._quota(seq, pool, max(chunk, 1)) for pool in self.pools]
+        for i, pool in enumerate(self.pools):
+            need = max(0, quotas[i] - seq.held(i)) + self._outstanding(i) - len(pool.free)
+            if need > 0:
+                if quotas[i] > pool.capacity and not self.growable:
+                    raise EngineError(
+                        f"a sequence of {len(seq.tokens) + seq.budget} tokens needs {quotas[i]} KV blocks of "
+                        f"{pool.block_size} in one layer group; the cache holds {pool.capacity} "
+                        "(raise embedded.kv_blocks)"
+                    )
+                if not self.growable:
+                    return False
+        for i, pool in enumerate(self.pools):  # every pool fits (or grows): commit
+            need = max(0, quotas[i] - seq.held(i)) + self._outstanding(i) - len(pool.free)
+            if need > 0:
+                pool.grow(max(need, pool.capacity))
+            seq.quota[i] = quotas[i]
+        return True
+
+    def admit(self) -> None:
+        if self.static and self.running:
+            return
+        while self.waiting and len(self.running) < self.options.max_batch_slots:
+            if not self._try_reserve(self.waiting[0]):
+                if not self.running:
+                    raise EngineError("the KV cache cannot hold one waiting sequence with nothing running")
+                return
+            self.running.append(self.waiting.popleft())
+
+    # ------------------------------------------------------------------------------------------------
+    def plan(self) -> StepPlan | None:
+        """Admit what fits, choose this step's chunks, allocate their blocks, build the packed layout."""
+        self.admit()
+        if not self.running:
+            return None
+        chunks: list[Chunk] = []
+        budget = self.options.max_step_tokens
+        decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
+        prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
+        offset = 0
+        for seq in decoding + prefilling:
+            pending = len(seq.tokens) - seq.computed
+            count = pending if self.static else min(pending, budget)
+            if count <= 0:
+                break  # continuous only: decoding rows come first and the budget covers every slot
+            chunks.append(Chunk(seq, seq.computed, count, offset))
+            offset += count
+            budget -= count
+        for chunk in chunks:
+            self._allocate(chunk.seq, chunk.start + chunk.count)
+        return self._build(chunks)
+
+    def _allocate(self, seq: Sequence, length: int) -> None:
+        """Blocks for positions < length in every pool's table."""
+        for i, pool in enumerate(self.pools):
+            table = seq.tables[i]
+            while len(table) * pool.block_size < length:
+                if seq.held(i) >= seq.quota[i]:
+                    raise RuntimeError(f"sequence {seq.sid} exceeds its block quota in pool {i}")
+                table.append(pool.allocate())
+
+    def _build(self, chunks: list[Chunk]) -> StepPlan:
+        bs = self.cache.block_size
+        ids = [t for c in chunks for t in c.seq.tokens[c.start : c.start + c.count]]
+        pos = [p for c in chunks for p in range(c.start, c.start + c.count)]
+        slots = [
+            [
+                c.seq.tables[i][p // bs] * bs + p % bs
+                for c in chunks
+                for p in range(c.start, c.start + c.count)
+            ]
+            for i in range(len(self.pools))
+        ]
+        groups, inverse = [], [0] * len(ids)
+        row_base = 0
+        for members in ([c for c in chunks if c.count == 1], [c for c in chunks if c.count > 1]):
+            if not members:
+                continue
+            t = max(c.count for c in members)
+            blocks = max(math.ceil((c.start + c.count) / bs) for c in members)
+            index, qpos = [], []
+            for r, c in enumerate(members):
+                pad = t - c.count
+                index.append([c.offset] * pad + list(range(c.offset, c.offset + c.count)))
+                qpos.append([-1] * pad + list(range(c.start, c.start + c.count)))
+                for j in range(c.count):
+                    inverse[c.offset + j] = row_base + r * t + pad + j
+            tables = [
+                torch.tensor([c.seq.tables[i] + [0] * (blocks - len(c.seq.tables[i])) for c in members])
+                for i in range(len(self.pools))
+            ]
+            groups.append(
+                AttentionGroup(
+                    torch.tensor(index).to(self.device),
+                    torch.tensor(qpos).to(self.device),
+                    [table.to(self.device) for table in tables],
+                    blocks * bs,
+                )
+            )
+            row_base += len(members) * t
+        layout = StepLayout(
+            [torch.tensor(s).to(self.device) for s in slots], groups, torch.tensor(inverse).to(self.device)
+        )
+        samplers = [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
+        return StepPlan(
+            chunks,
+            torch.tensor([ids]).to(self.device),
+            torch.tensor([pos]).to(self.device),
+            layout,
+            samplers,
+        )
+
+    def idle_plan(self) -> StepPlan:
+        """One padding token written into the null block (a rank with nothing to do that must still join
+        its lockstep block's forward)."""
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
+        group = AttentionGroup(zero, zero, [zero for _ in self.pools], self.cache.block_size)
+        layout = StepLayout([zero[0] for _ in self.pools], [group], zero[0])
+        return StepPlan([], zero, zero, layout, [])
+
+    # ------------------------------------------------------------------------------------------------
+    def computed(self, plan: StepPlan) -> None:
+        """Account the step's chunks and release sliding-window blocks no later query can see."""
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            seq.computed = chunk.start + chunk.count
+            self._slide(seq)
+
+    def _slide(self, seq: Sequence) -> None:
+        for i, pool in enumerate(self.pools):
+            if pool.window is None:
+                continue
+            first_visible = seq.computed - pool.window + 1  # of the next query, at position `computed`
+            table = seq.tables[i]
+            while seq.released[i] < len(table) and (seq.released[i] + 1) * pool.block_size <= first_visible:
+                pool.release(table[seq.released[i]])
+                table[seq.released[i]] = 0
+                seq.released[i] += 1
+
+    def stop(self, seq: Sequence, keep_blocks: bool) -> None:
+        """`seq` leaves the running set: a paused session keeps its blocks, anything else frees them."""
+        self.running.remove(seq)
+        seq.quota = [seq.held(i) for i in range(len(self.pools))] if keep_blocks else seq.quota
+        if not keep_blocks:
+            self.free(seq)
+
+    def free(self, seq: Sequence) -> None:
+        for i, pool in enumerate(self.pools):
+            for block in seq.tables[i]:
+                pool.release(block)
+            seq.tables[i], seq.released[i], seq.quota[i] = [], 0, 0
+
+    def discard(self, seq: Sequence) -> None:
+        """Remove a sequence wherever it is and free its blocks (a closed session)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.free(seq)

@@ -1,0 +1,128 @@
+"""Continuous batching over the paged KV cache: the same tokens and log-probs as the static schedule and as
+the learner, whatever the slots, chunks and block sizes; every block back on the free list afterwards."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig, gpt_oss_tiny
+from megatron_gptoss.errors import EngineError
+from megatron_gptoss.hf.convert import iter_hf_tensors
+from megatron_gptoss.model import build_model, token_logprobs
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+
+CONFIG = gpt_oss_tiny()  # window 8, sliding / full layers
+STOPS = [29, 83, 17]  # rows 0, 1, 2 stop after 5, 7, 8 tokens; the others reach max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def learner():
+    model = build_model(CONFIG, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def engine_of(learner, **options) -> EmbeddedEngine:
+    engine = EmbeddedEngine(CONFIG, seed=0, options=EmbeddedEngineConfig(**options))
+    engine.update_weights(iter_hf_tensors(learner, CONFIG))
+    return engine
+
+
+def prompts_of(lengths, seed=5) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 96, (n,), generator=gen).tolist() for n in lengths]
+
+
+def learner_logprobs(model, prompt, tokens, temperature=1.0) -> torch.Tensor:
+    ids = torch.tensor(prompt + tokens)[None]
+    with torch.no_grad():
+        hidden = model.hidden_states(ids[:, :-1])
+        lp = token_logprobs(hidden, model.output_weight(), ids[:, 1:], temperature=temperature)[0]
+    return lp[len(prompt) - 1 :]
+
+
+def all_blocks_free(engine: EmbeddedEngine) -> bool:
+    return all(free == capacity for free, capacity in engine.kv_blocks_free())
+
+
+PARAMS = SamplingParams(temperature=0.9, max_new_tokens=14, stop_token_ids=STOPS, seed=21)
+PROMPTS = prompts_of([3, 17, 5, 11, 1, 23, 9])
+
+
+@pytest.fixture(scope="module")
+def static_outs(learner):
+    return engine_of(learner, schedule="static", max_batch_slots=8).generate(PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(max_batch_slots=3, block_size=4, max_step_tokens=6),  # more prompts than slots, chunked prefill
+        dict(max_batch_slots=2, block_size=1, max_step_tokens=2),
+        dict(max_batch_slots=8, block_size=16, max_step_tokens=64),
+        dict(max_batch_slots=3, block_size=4, max_step_tokens=5, kv_blocks=24),  # fixed cache: joins wait
+        dict(schedule="static", max_batch_slots=3, block_size=4),  # static batches of 3
+    ],
+)
+def test_continuous_equals_static_and_learner(learner, static_outs, options):
+    engine = engine_of(learner, **options)
+    outs = engine.generate(PROMPTS, PARAMS)
+    lengths = {len(o.token_ids) for o in outs}
+    assert len(lengths) > 2 and {o.finish_reason for o in outs} == {"stop", "length"}  # rows end apart
+    for out, ref, prompt in zip(outs, static_outs, PROMPTS):
+        assert out.token_ids == ref.token_ids and out.finish_reason == ref.finish_reason
+        lp = torch.tensor(out.logprobs)
+        assert (lp - torch.tensor(ref.logprobs)).abs().max() <= 1e-6
+        assert (lp - learner_logprobs(learner, prompt, out.token_ids, 0.9)).abs().max() <= 1e-6
+    assert all_blocks_free(engine)
+    assert engine.generate(PROMPTS[:2], PARAMS)[1].token_ids == outs[1].token_ids  # the cache is reused
+
+
+def test_a_row_samples_the_same_alone_or_in_any_batch(learner, static_outs):
+    engine = engine_of(learner, max_batch_slots=2, block_size=4, max_step_tokens=4)
+    for row in (0, 3, 6):
+        alone = SamplingParams(**{**PARAMS.__dict__, "seed": PARAMS.seed + row})
+        assert engine.generate([PROMPTS[row]], alone)[0].token_ids == static_outs[row].token_ids
+    shuffled = engine.generate(PROMPTS[::-1], SamplingParams(**{**PARAMS.__dict__, "seed": None}))
+    assert len(shuffled) == len(PROMPTS)  # unseeded: runs, row order kept (values depend on the generator)
+    assert all_blocks_free(engine)
+
+
+def test_sliding_window_layers_hold_only_their_window(learner):
+    bs = 4
+    engine = engine_of(learner, max_batch_slots=1, block_size=bs, max_step_tokens=4)
+    sid = engine.open_session(prompts_of([30])[0], SamplingParams(max_new_tokens=10), seed=1)
+    engine.step_sessions()
+    (full_free, full_cap), (slide_free, slide_cap) = engine.kv_blocks_free()  # layer 0 sliding in tiny
+    window_pool = next(p for p in engine._cache.pools if p.window is not None)
+    full_pool = next(p for p in engine._cache.pools if p.window is None)
+    held_full = full_pool.capacity - len(full_pool.free)
+    held_window = window_pool.capacity - len(window_pool.free)
+    assert held_full == math.ceil(39 / bs)  # 30 + 9 computed tokens (the last sample is not fed yet)
+    assert held_window <= math.ceil((CONFIG.sliding_window - 1 + 1) / bs) + 1 < held_full
+    engine.close_session(sid)
+    assert all_blocks_free(engine)
+
+
+def test_too_small_a_fixed_cache_is_named():
+    engine = EmbeddedEngine(CONFIG, options=EmbeddedEngineConfig(block_size=4, kv_blocks=3))
+    with pytest.raises(EngineError, match="kv_blocks"):
+        engine.generate([[1] * 10], SamplingParams(max_new_tokens=8))
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("schedule", "dynamic", "schedule"),
+        ("block_size", 0, "block_size"),
+        ("max_step_tokens", 2, "max_step_tokens"),
+        ("kv_blocks", -1, "kv_blocks"),
+    ],
+)
+def test_bad_engine_options_are_named(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        EmbeddedEngineConfig(max_batch_slots=4, **{field: value}).validate()
