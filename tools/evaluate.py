@@ -215,7 +215,7 @@ def hf_engine(cfg: TrainConfig, device: torch.device) -> Any:
         )
     from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
-    return EmbeddedEngine(cfg.model, DTYPES[cfg.rollout.dtype], device, cfg.run.seed)
+    return EmbeddedEngine(cfg.model, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, cfg.embedded)
 
 
 # ------------------------------------------------------------------------------------------------

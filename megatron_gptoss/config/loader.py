@@ -20,6 +20,7 @@ from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
+from megatron_gptoss.config.engine import EmbeddedEngineConfig
 from megatron_gptoss.config.model import MODEL_PRESETS
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.config.train import (
@@ -42,6 +43,7 @@ SECTION_TYPES = {
     "dapo": DAPOConfig,
     "critic": CriticConfig,
     "rollout": RolloutConfig,
+    "embedded": EmbeddedEngineConfig,
     "env": EnvConfig,
     "data": DataConfig,
     "sft": SFTConfig,

@@ -124,14 +124,34 @@ class PagedKVCache:
     """Keys and values of every layer in block pools, grouped by attention window. The scheduler sets
     `layout` before each forward; the attention layers call `attend`."""
 
-    def __init__(self, config, block_size: int, num_blocks: int, dtype, device, kv_heads: int | None = None):
+    def __init__(
+        self,
+        config,
+        block_size: int,
+        num_blocks: int,
+        dtype,
+        device,
+        kv_heads: int | None = None,
+        window_blocks: int | None = None,
+    ):
+        """`num_blocks` per pool of full-attention layers, `window_blocks` (default the same) per pool of
+        sliding-window layers."""
         heads = config.num_query_groups if kv_heads is None else kv_heads
         by_window: dict[int | None, list[int]] = {}
         for layer in range(config.num_layers):
             by_window.setdefault(config.window_of(layer), []).append(layer)
         self.block_size = block_size
         self.pools = [
-            BlockPool(layers, window, num_blocks, block_size, heads, config.head_dim, dtype, device)
+            BlockPool(
+                layers,
+                window,
+                num_blocks if window is None or window_blocks is None else window_blocks,
+                block_size,
+                heads,
+                config.head_dim,
+                dtype,
+                device,
+            )
             for window, layers in by_window.items()
         ]
         self.pool_of = {layer: i for i, pool in enumerate(self.pools) for layer in pool.layers}

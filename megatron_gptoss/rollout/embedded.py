@@ -39,7 +39,7 @@ from megatron_gptoss.model.paged_kv_cache import PagedKVCache
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
-from megatron_gptoss.rollout.scheduler import Scheduler, Sequence
+from megatron_gptoss.rollout.scheduler import Scheduler, Sequence, StepPlan
 
 
 class EmbeddedEngine:
@@ -112,12 +112,22 @@ class EmbeddedEngine:
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: list[int] | None = None
+    ) -> list[Generation]:
+        """One response per prompt. `max_new_tokens` (this engine's extension): a budget per row in place
+        of `params.max_new_tokens`."""
         self._check_awake("generate")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
+        budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        if len(budgets) != len(prompts) or min(budgets) < 1:
+            raise ValueError(
+                f"max_new_tokens needs one budget >= 1 per prompt ({len(prompts)}), got {budgets}"
+            )
         self._check_request(prompts, params)
-        scheduler = self._ensure_scheduler(min(len(prompts), self.options.max_batch_slots), prompts, params)
+        rows = min(len(prompts), self.options.max_batch_slots)
+        scheduler = self._ensure_scheduler(rows, prompts, max(budgets))
         seqs = [
             Sequence(
                 sid=-1,
@@ -125,9 +135,9 @@ class EmbeddedEngine:
                 params=params,
                 seed=None if params.seed is None else params.seed + row,
                 counter_base=len(prompt),
-                budget=params.max_new_tokens,
+                budget=budget,
             )
-            for row, prompt in enumerate(prompts)
+            for row, (prompt, budget) in enumerate(zip(prompts, budgets))
         ]
         for seq in seqs:
             scheduler.add(seq)
@@ -167,7 +177,7 @@ class EmbeddedEngine:
             raise EngineError("sessions need embedded.schedule='continuous'")
         if not prompt_ids:
             raise ValueError("a session's prompt needs at least one token")
-        scheduler = self._ensure_scheduler(self.options.max_batch_slots, [prompt_ids], params)
+        scheduler = self._ensure_scheduler(self.options.max_batch_slots, [prompt_ids], params.max_new_tokens)
         sid = self._next_session
         self._next_session += 1
         seq = Sequence(sid, list(prompt_ids), params, seed, counter_base=0, budget=params.max_new_tokens)
@@ -211,8 +221,9 @@ class EmbeddedEngine:
         return self._sessions[sid]
 
     # ------------------------------------------------------------------------------- one step
-    def _step(self) -> None:
-        """One forward over the scheduler's packed tokens, then sampling and bookkeeping (one host sync)."""
+    def _step(self) -> StepPlan:
+        """One forward over the scheduler's packed tokens, then sampling and bookkeeping (one host sync).
+        Returns the step's plan (its chunks say what was computed)."""
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         plan = scheduler.plan() or scheduler.idle_plan()
@@ -234,6 +245,7 @@ class EmbeddedEngine:
             for seq in list(scheduler.running):  # the static batch's last row finished: free the batch
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
+        return plan
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """One draw per row, rows grouped by their sampling parameters and seeding."""
@@ -291,15 +303,25 @@ class EmbeddedEngine:
             return None
         return self.routing.of(seq, tokens)
 
-    def _ensure_scheduler(self, rows: int, prompts: list[list[int]], params: SamplingParams) -> Scheduler:
-        """The cache and scheduler, created on first use (sized for `rows` of these prompts when
-        `kv_blocks` is 0: such a cache grows between steps when short)."""
+    def _ensure_scheduler(self, rows: int, prompts: list[list[int]], most_new: int) -> Scheduler:
+        """The cache and scheduler, created on first use: `kv_blocks` per full-attention pool (0: sized for
+        `rows` of these prompts, grown between steps when short); sliding-window pools get what
+        `max_batch_slots` windows can hold at most, when that is less."""
         if self._scheduler is None:
-            bs = self.options.block_size
-            longest = max(len(p) for p in prompts) + params.max_new_tokens
-            blocks = self.options.kv_blocks or rows * math.ceil(longest / bs) + 1
+            opts, bs = self.options, self.options.block_size
+            longest = max(len(p) for p in prompts)
+            blocks = opts.kv_blocks or rows * math.ceil((longest + most_new) / bs) + 1
+            chunk = max(opts.max_step_tokens, longest if opts.schedule == "static" else 0)
+            per_window = math.ceil((self.config.sliding_window - 1 + chunk) / bs) + 1
+            window_blocks = min(blocks, (opts.max_batch_slots if opts.kv_blocks else rows) * per_window + 1)
             self._cache = PagedKVCache(
-                self.config, bs, max(blocks, 2), self.dtype, self.device, kv_heads=self._kv_heads()
+                self.config,
+                bs,
+                max(blocks, 2),
+                self.dtype,
+                self.device,
+                kv_heads=self._kv_heads(),
+                window_blocks=max(window_blocks, 2),
             )
             self._scheduler = Scheduler(self._cache, self.options, self.options.kv_blocks == 0, self.device)
         return self._scheduler

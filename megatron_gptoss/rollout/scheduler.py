@@ -180,9 +180,12 @@ class Scheduler:
         for i, pool in enumerate(self.pools):
             table = seq.tables[i]
             while len(table) * pool.block_size < length:
-                if seq.held(i) >= seq.quota[i]:
+                if seq.held(i) < seq.quota[i]:
+                    table.append(pool.allocate())
+                elif seq.ghost:  # past its own length in a static batch: its writes go to the null block
+                    table.append(0)
+                else:
                     raise RuntimeError(f"sequence {seq.sid} exceeds its block quota in pool {i}")
-                table.append(pool.allocate())
 
     def _build(self, chunks: list[Chunk]) -> StepPlan:
         bs = self.cache.block_size

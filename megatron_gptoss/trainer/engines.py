@@ -51,7 +51,7 @@ class EmbeddedHost:
         )
         self.replica = edims.coord("dp")
         self.engine = ParallelEmbeddedEngine(
-            cfg.model, edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed
+            cfg.model, edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, cfg.embedded
         )
         self.exporter = FanoutExporter(
             models,

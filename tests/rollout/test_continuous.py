@@ -92,6 +92,19 @@ def test_a_row_samples_the_same_alone_or_in_any_batch(learner, static_outs):
     assert all_blocks_free(engine)
 
 
+def test_per_row_budgets_static_equals_continuous(learner, static_outs):
+    budgets = [2, 14, 9, 1, 5, 12, 3]  # a static batch's short rows keep computing past their budget
+    runs = [
+        engine_of(learner, **options).generate(PROMPTS, PARAMS, max_new_tokens=budgets)
+        for options in (dict(schedule="static", max_batch_slots=4, block_size=4), dict(max_batch_slots=3))
+    ]
+    for static, continuous, ref, budget in zip(*runs, static_outs, budgets):
+        assert static.token_ids == continuous.token_ids == ref.token_ids[:budget]
+        assert (torch.tensor(static.logprobs) - torch.tensor(continuous.logprobs)).abs().max() <= 1e-6
+    with pytest.raises(ValueError, match="budget"):
+        engine_of(learner).generate(PROMPTS, PARAMS, max_new_tokens=[1])
+
+
 def test_sliding_window_layers_hold_only_their_window(learner):
     bs = 4
     engine = engine_of(learner, max_batch_slots=1, block_size=bs, max_step_tokens=4)
