@@ -11,8 +11,11 @@ One forward of the engine computes a packed set of tokens [1, N] from many seque
 the host by the scheduler and copied to the device once per step). In every layer `PagedKVCache.attend`
 writes the new keys and values at their slots (one `index_copy_`), then per attention group (the decoding
 rows, one new token each; the prefilling rows, their chunks left-padded to the longest) gathers each row's
-blocks into a dense [b, blocks x block_size, Hkv, D] view where slot = position, and calls the layer's
-cached-attention kernel on it. No value is read back on the host inside a layer.
+blocks into a dense [b, blocks x block_size, Hkv, D] view and calls the layer's cached-attention kernel on
+it with the queries' positions in that view: slot = position for full attention; a sliding-window group's
+view starts at the row's first unreleased block f, so its slot = position - f x block_size (keys carry
+their rotary phase already, and visibility depends on position differences only). No value is read back
+on the host inside a layer.
 """
 
 from __future__ import annotations
@@ -101,13 +104,15 @@ class BlockPool:
 @dataclass
 class AttentionGroup:
     """Rows of one attention call. `token_index` [b, t] int64: each padded query's index in the packed
-    tokens (padding repeats a real index, its output is dropped); `q_positions` [b, t] (padding: negative,
-    so it sees no key); `tables` [b, blocks] int64 per pool; `kv_slots`: blocks x block_size."""
+    tokens (padding repeats a real index, its output is dropped). Per pool: `tables` [b, blocks] int64, the
+    blocks of each row's view (a sliding-window pool's view starts at the row's first unreleased block
+    `f`); `q_positions` [b, t] the queries' positions within that view (position - f x block_size;
+    padding: -1, it sees no key); `kv_slots`: blocks x block_size."""
 
     token_index: torch.Tensor
-    q_positions: torch.Tensor
+    q_positions: list[torch.Tensor]
     tables: list[torch.Tensor]
-    kv_slots: int
+    kv_slots: list[int]
 
 
 @dataclass
@@ -186,10 +191,11 @@ class PagedKVCache:
             b, t = group.token_index.shape
             table = group.tables[index]
             qg = q_flat.index_select(0, group.token_index.reshape(-1)).view(b, t, *q.shape[2:])
-            kg = keys[table].view(b, group.kv_slots, *pool.shape[1:])
-            vg = values[table].view(b, group.kv_slots, *pool.shape[1:])
+            slots_of_view = group.kv_slots[index]
+            kg = keys[table].view(b, slots_of_view, *pool.shape[1:])
+            vg = values[table].view(b, slots_of_view, *pool.shape[1:])
             outs.append(
-                attention_fn(qg, kg, vg, group.q_positions, group.kv_slots).reshape(b * t, *q.shape[2:])
+                attention_fn(qg, kg, vg, group.q_positions[index], slots_of_view).reshape(b * t, *q.shape[2:])
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return out.index_select(0, layout.inverse).view(q.shape)

@@ -205,26 +205,26 @@ class Scheduler:
             if not members:
                 continue
             t = max(c.count for c in members)
-            blocks = max(math.ceil((c.start + c.count) / bs) for c in members)
-            index, qpos = [], []
+            index = []
             for r, c in enumerate(members):
                 pad = t - c.count
                 index.append([c.offset] * pad + list(range(c.offset, c.offset + c.count)))
-                qpos.append([-1] * pad + list(range(c.start, c.start + c.count)))
                 for j in range(c.count):
                     inverse[c.offset + j] = row_base + r * t + pad + j
-            tables = [
-                torch.tensor([c.seq.tables[i] + [0] * (blocks - len(c.seq.tables[i])) for c in members])
-                for i in range(len(self.pools))
-            ]
-            groups.append(
-                AttentionGroup(
-                    torch.tensor(index).to(self.device),
-                    torch.tensor(qpos).to(self.device),
-                    [table.to(self.device) for table in tables],
-                    blocks * bs,
-                )
-            )
+            tables, qpos, kv_slots = [], [], []
+            for i in range(len(self.pools)):
+                # a sliding-window pool's view starts at the row's first unreleased block (positions shift)
+                first = [c.seq.released[i] for c in members]
+                width = max(math.ceil((c.start + c.count) / bs) - f for c, f in zip(members, first))
+                rows = [c.seq.tables[i][f : f + width] for c, f in zip(members, first)]
+                tables.append(torch.tensor([row + [0] * (width - len(row)) for row in rows]).to(self.device))
+                shifted = [
+                    [-1] * (t - c.count) + [p - f * bs for p in range(c.start, c.start + c.count)]
+                    for c, f in zip(members, first)
+                ]
+                qpos.append(torch.tensor(shifted).to(self.device))
+                kv_slots.append(width * bs)
+            groups.append(AttentionGroup(torch.tensor(index).to(self.device), qpos, tables, kv_slots))
             row_base += len(members) * t
         layout = StepLayout(
             [torch.tensor(s).to(self.device) for s in slots], groups, torch.tensor(inverse).to(self.device)
@@ -242,7 +242,8 @@ class Scheduler:
         """One padding token written into the null block (a rank with nothing to do that must still join
         its lockstep block's forward)."""
         zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)
-        group = AttentionGroup(zero, zero, [zero for _ in self.pools], self.cache.block_size)
+        every = [zero for _ in self.pools]
+        group = AttentionGroup(zero, every, every, [self.cache.block_size for _ in self.pools])
         layout = StepLayout([zero[0] for _ in self.pools], [group], zero[0])
         return StepPlan([], zero, zero, layout, [])
 
