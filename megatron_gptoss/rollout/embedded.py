@@ -106,6 +106,14 @@ class EmbeddedEngine:
         self.asleep = False
         return taken
 
+    def reconfigure(self, options: EmbeddedEngineConfig) -> None:
+        """Replace the scheduler and cache options (the KV cache is freed; no session may be open)."""
+        if self._sessions:
+            raise EngineError(f"reconfigure with {len(self._sessions)} open session(s): close them first")
+        options.validate()
+        self._release_cache()
+        self.options = options
+
     def shutdown(self) -> None:
         self._cache, self._scheduler = None, None
         del self.model

@@ -1,0 +1,49 @@
+"""tools/bench_rollout.py at toy size on the CPU: the synthetic MXFP4 checkpoint loads, every part runs and
+reports what it measures, the schedule check passes."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_rollout  # noqa: E402
+
+from megatron_gptoss.hf.io import iter_checkpoint  # noqa: E402
+from megatron_gptoss.hf.mxfp4 import FP4_MAGNITUDES  # noqa: E402
+
+
+def test_synthetic_checkpoint_has_the_released_layout(tmp_path):
+    config = bench_rollout.tiny_config()
+    path = bench_rollout.write_synthetic_mxfp4(config, tmp_path / "ckpt")
+    tensors = dict(iter_checkpoint(path, config, torch.float32))
+    gate_up = tensors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (config.num_experts, config.hidden_size, 2 * config.intermediate_size)
+    grid = torch.tensor(FP4_MAGNITUDES) * 2.0**-7  # every value is an FP4 code at scale 2^-7
+    assert torch.isin(gate_up.abs().unique(), grid).all() and gate_up.std() > 0.005
+
+
+def test_every_part_runs_at_toy_size(tmp_path):
+    args = ["--tiny", "--ckpt", str(tmp_path), "--slots", "2", "--decode-steps", "3"]
+    args += ["--prompts-per-slot", "2", "--max-response", "20"]
+    rows = bench_rollout.main(["--part", "all", *args])
+    by_part = {r["part"]: r for r in rows}
+    assert by_part["check"]["tokens_equal"] and by_part["check"]["max_logprob_delta"] <= 1e-5
+    assert by_part["decode"]["step_ms"] > 0 and by_part["decode"]["gbytes_read"] > 0
+    assert by_part["prefill"]["tflops"] > 0
+    workload = [r for r in rows if r["part"] == "workload"]
+    assert [r["schedule"] for r in workload] == ["continuous", "static"]
+    assert all(r["tokens_per_s"] > 0 and r["response_max"] <= 20 for r in workload)
+    assert by_part["slice"]["slots"] == 2
+
+
+@pytest.mark.parametrize("batch, hit", [(1, 2), (1000, 8)])
+def test_roofline_counts_the_experts_a_batch_hits(batch, hit):
+    config = bench_rollout.tiny_config()  # 8 experts, top-2
+    h, i = config.hidden_size, config.intermediate_size
+    per_expert = 3 * h * i + 2 * i + h
+    few, many = (bench_rollout.decode_bytes(config, b, 0, 1, 1) for b in (batch, batch + 1))
+    base = bench_rollout.decode_bytes(config, 1, 0, 1, 1) - config.num_layers * 2 * per_expert
+    assert round((few - base) / (config.num_layers * per_expert), 3) == pytest.approx(hit, abs=0.01)
+    assert many >= few

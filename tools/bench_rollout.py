@@ -1,0 +1,386 @@
+"""Rollout benchmark of the embedded engine: gpt-oss-20b at full size on one GPU, continuous batching against
+the static schedule, decode steps against the HBM roofline.
+
+    python tools/bench_rollout.py                          # check + decode + prefill (one call, < 10 min)
+    python tools/bench_rollout.py --part workload --slots 64      # the long-tailed workload, both schedules
+    python tools/bench_rollout.py --part slice             # 4 layers at gpt-oss-120b width
+    python tools/bench_rollout.py --tiny                   # every part at toy size, on the CPU if no GPU
+
+Weights: random, written once as a synthetic checkpoint in the released layout (expert weights MXFP4
+`_blocks` / `_scales` with random codes and a fixed scale, everything else bf16; --ckpt, reused when
+present) and loaded through `hf.io.iter_checkpoint`, dequantized to bf16. One engine is in memory at a time;
+`EmbeddedEngine.reconfigure` switches the schedule and batch slots without reloading.
+
+Parts:
+    check     a small fp32 model on the same device: continuous (3 slots, chunked prefill) and static
+              schedules give the same tokens, log-probs within 1e-5 of each other; fails the run otherwise
+    decode    per --slots B: B prompts of --prompt-len tokens, --decode-steps tokens each, no stop: the
+              median time of a decode step with B rows, against the roofline time = (bytes of the weights
+              read by that step + bytes of the KV read) / bandwidth, for the spec bandwidth of the GPU
+              (H100 SXM 3.35 TB/s, H200 4.8 TB/s) and a measured device copy rate (2 x bytes / time of a
+              1 GiB copy). Weights read: every non-expert weight and the output layer once, and of each
+              layer's experts those hit, E (1 - (1 - k / E)^B) in expectation for uniform routing
+    prefill   B prompts of --prompt-len, one new token: model FLOPs (2 x active parameters per token, and
+              4 x heads x head_dim per visible query-key pair) over the time of the prefill steps
+    workload  per --slots B: 4 B prompts (--prompts-per-slot) of --prompt-len tokens, response lengths drawn
+              from a log-normal (median --median-response, sigma --sigma) clipped to [16, --max-response]
+              and given to each row as its budget (no stop token): tokens/s and peak memory of the
+              continuous schedule, then of the static one (batches of B prompts run to their longest row);
+              out of memory is reported as such
+    slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights, per --slots
+
+Prints one markdown table per part; --json appends every result as a JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_gptoss.config import EmbeddedEngineConfig, ModelConfig, gpt_oss_20b, gpt_oss_120b
+from megatron_gptoss.engine_api.protocol import SamplingParams
+from megatron_gptoss.hf.convert import iter_hf_tensors
+from megatron_gptoss.hf.io import iter_checkpoint
+from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
+from megatron_gptoss.hf.names import hf_names, hf_shapes, match_hf
+from megatron_gptoss.model import build_model
+from megatron_gptoss.rollout.embedded import EmbeddedEngine
+
+SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
+
+
+class TimedEngine(EmbeddedEngine):
+    """The engine with each step timed (a device sync around it): (seconds, decode rows, prefill tokens,
+    keys read by the decode rows)."""
+
+    log: list[tuple[float, int, int, int]]
+
+    def _step(self):
+        sync(self.device)
+        start = time.perf_counter()
+        plan = super()._step()
+        sync(self.device)
+        decode = [c for c in plan.chunks if c.count == 1]
+        prefill = sum(c.count for c in plan.chunks if c.count > 1)
+        self.log.append((time.perf_counter() - start, len(decode), prefill, sum(c.start + 1 for c in decode)))
+        return plan
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    base = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=64, num_layers=4, num_attention_heads=4,
+        num_query_groups=2, head_dim=16, sliding_window=16, num_experts=8, moe_router_topk=2,
+        make_vocab_size_divisible_by=128, attention_backend="eager",
+    )  # fmt: skip
+    return gpt_oss_20b(**{**base, **overrides})
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def write_synthetic_mxfp4(config: ModelConfig, path: Path, seed: int = 0) -> Path:
+    """A checkpoint directory in the released layout with random weights, one shard per layer (reused if
+    `path` holds one already)."""
+    if (path / "config.json").exists():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name in hf_names(config):
+        match = match_hf(name)
+        assert match is not None
+        shape = hf_shapes(match, config)[match.hf.index(name)]
+        layer = name.split(".")[2] if name.startswith("model.layers.") else "other"
+        shard = shards.setdefault(f"model-{layer}.safetensors", {})
+        packed = packed_shapes(shape) if name.endswith(("gate_up_proj", "down_proj")) else None
+        if packed is not None:  # random FP4 codes; a scale of 2^-7 gives values of about 0.02
+            shard[name + "_blocks"] = torch.randint(0, 256, packed[0], generator=gen, dtype=torch.uint8)
+            shard[name + "_scales"] = torch.full(packed[1], SCALE_BIAS - 7, dtype=torch.uint8)
+        elif "norm" in name:
+            shard[name] = torch.ones(shape, dtype=torch.bfloat16)
+        elif name.endswith("bias"):
+            shard[name] = torch.zeros(shape, dtype=torch.bfloat16)
+        else:
+            shard[name] = (0.02 * torch.randn(shape, generator=gen)).to(torch.bfloat16)
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    hf = config.to_hf_config()
+    hf["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+def engine_options(args, slots: int, schedule: str = "continuous") -> EmbeddedEngineConfig:
+    longest = args.prompt_len + max(args.max_response, args.decode_steps)
+    return EmbeddedEngineConfig(
+        schedule=schedule,
+        max_batch_slots=slots,
+        block_size=args.block_size,
+        max_step_tokens=max(args.step_tokens, slots),
+        kv_blocks=slots * math.ceil(longest / args.block_size) + 1,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ roofline
+def decode_bytes(config: ModelConfig, batch: int, keys_read: int, weight_bytes: int, kv_bytes: int) -> float:
+    """Bytes one decode step of `batch` rows reads: weights (experts hit in expectation) + KV."""
+    h, i, e, k = config.hidden_size, config.intermediate_size, config.num_experts, config.moe_router_topk
+    d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_query_groups
+    attention = h * (hq + 2 * hkv) * d + hq * d * h + 4 * h  # qkv, o_proj, norms and biases (about)
+    expert = 3 * h * i + 2 * i + h
+    hit = e * (1 - (1 - k / e) ** batch)
+    weights = config.num_layers * (attention + e * h + hit * expert) + config.vocab_size * h
+    kv = keys_read * hkv * d * 2  # k and v, per key and layer, at the cache dtype
+    return weights * weight_bytes + kv * kv_bytes
+
+
+def keys_per_step(config: ModelConfig, contexts: list[int]) -> int:
+    """Keys (per layer summed) the decode rows of one step read: full layers their context, sliding ones
+    their window."""
+    full = sum(1 for t in config.layer_types if t != "sliding")
+    sliding = config.num_layers - full
+    return sum(full * c + sliding * min(c, config.sliding_window) for c in contexts)
+
+
+def measured_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * src.element_size() * 10 / (time.perf_counter() - start)
+
+
+def spec_bandwidth(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((bw for key, bw in SPEC_BANDWIDTH.items() if key in name), None)
+
+
+def prefill_flops(config: ModelConfig, prompt_len: int) -> float:
+    active = config.param_counts()["active"]
+    d, hq, w = config.head_dim, config.num_attention_heads, config.sliding_window
+    pairs = 0
+    for kind in config.layer_types:
+        pairs += sum(min(j + 1, w) if kind == "sliding" else j + 1 for j in range(prompt_len))
+    return 2 * active * prompt_len + 4 * hq * d * pairs
+
+
+# ------------------------------------------------------------------------------------------------ parts
+def prompts_of(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def part_check(args, device) -> list[dict]:
+    config = tiny_config(attention_backend="auto" if device.type == "cuda" else "eager")  # GPU: its kernels
+    model = build_model(config, seed=1).to(device)
+    engine = EmbeddedEngine(config, torch.float32, device)
+    engine.update_weights(iter_hf_tensors(model, config))
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,))]
+    budgets = torch.randint(1, 30, (12,), generator=gen).tolist()
+    params = SamplingParams(temperature=0.9, seed=7)
+    results = {}
+    for schedule, slots in (("continuous", 3), ("static", 4)):
+        engine.reconfigure(EmbeddedEngineConfig(schedule=schedule, max_batch_slots=slots, block_size=8,
+                                                max_step_tokens=16))  # fmt: skip
+        results[schedule] = engine.generate(prompts, params, max_new_tokens=budgets)
+    same = all(a.token_ids == b.token_ids for a, b in zip(results["continuous"], results["static"]))
+    worst = max(
+        max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
+        for a, b in zip(results["continuous"], results["static"])
+    )
+    row = {"part": "check", "tokens_equal": same, "max_logprob_delta": worst}
+    if not same or worst > 1e-5:
+        raise SystemExit(f"continuous and static schedules disagree: {row}")
+    return [row]
+
+
+def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:
+    rows = []
+    spec, copy = spec_bandwidth(device), measured_bandwidth(device)
+    size = engine.dtype.itemsize
+    for slots in args.slots:
+        engine.reconfigure(engine_options(args, slots))
+        prompts = prompts_of(slots, args.prompt_len, config.vocab_size, seed=slots)
+        engine.log = []
+        try:
+            engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[args.decode_steps] * slots)
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"part": "decode", "slots": slots, "status": "out of memory"})
+            continue
+        full = [(t, keys) for t, n, p, keys in engine.log if n == slots and p == 0]
+        step = statistics.median(t for t, _ in full)
+        keys = statistics.median(k for _, k in full)
+        contexts = [int(keys // slots)] * slots
+        nbytes = decode_bytes(config, slots, keys_per_step(config, contexts), size, size)
+        rows.append({
+            "part": "decode", "slots": slots, "step_ms": 1e3 * step, "tokens_per_s": slots / step,
+            "gbytes_read": nbytes / 1e9,
+            "roofline_ms_spec": None if spec is None else 1e3 * nbytes / spec,
+            "roofline_ms_copy": None if copy is None else 1e3 * nbytes / copy,
+            "x_roofline_spec": None if spec is None else step / (nbytes / spec),
+            "x_roofline_copy": None if copy is None else step / (nbytes / copy),
+        })  # fmt: skip
+    return rows
+
+
+def part_prefill(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:
+    slots = args.slots[0]
+    engine.reconfigure(engine_options(args, slots))
+    engine.log = []
+    engine.generate(
+        prompts_of(slots, args.prompt_len, config.vocab_size, 3), SamplingParams(max_new_tokens=1)
+    )
+    seconds = sum(t for t, n, p, _ in engine.log if p)
+    flops = slots * prefill_flops(config, args.prompt_len)
+    return [{"part": "prefill", "prompts": slots, "prompt_len": args.prompt_len, "seconds": seconds,
+             "tflops": flops / seconds / 1e12}]  # fmt: skip
+
+
+def response_lengths(args, count: int) -> list[int]:
+    gen = torch.Generator().manual_seed(11)
+    draws = torch.exp(math.log(args.median_response) + args.sigma * torch.randn(count, generator=gen))
+    return draws.round().clamp(16, args.max_response).long().tolist()
+
+
+def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:
+    rows = []
+    for slots in args.slots:
+        count = args.prompts_per_slot * slots
+        prompts = prompts_of(count, args.prompt_len, config.vocab_size, seed=5)
+        budgets = response_lengths(args, count)
+        for schedule in ("continuous", "static"):
+            engine.reconfigure(engine_options(args, slots, schedule))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            engine.log = []
+            row = {"part": "workload", "slots": slots, "schedule": schedule, "prompts": count,
+                   "response_mean": statistics.mean(budgets), "response_max": max(budgets)}  # fmt: skip
+            try:
+                start = time.perf_counter()
+                outs = engine.generate(prompts, SamplingParams(seed=3), max_new_tokens=budgets)
+                seconds = time.perf_counter() - start
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**row, "status": "out of memory"})
+                continue
+            tokens = sum(len(o.token_ids) for o in outs)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            done = {"seconds": seconds, "tokens_per_s": tokens / seconds, "steps": len(engine.log)}
+            rows.append({**row, **done, "peak_gib": peak})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    print("| " + " | ".join(keys) + " |")
+    print("|" + "---|" * len(keys))
+    for r in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in (r.get(k, "") for k in keys)]
+        print("| " + " | ".join(cells) + " |")
+    print()
+
+
+def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> TimedEngine:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    engine = TimedEngine(config, dtype, device, options=engine_options(args, args.slots[0]))
+    engine.log = []
+    if checkpoint is not None:
+        engine.update_weights(iter_checkpoint(checkpoint, config, dtype))
+    else:
+        engine.update_weights(iter_hf_tensors(build_model(config, seed=0), config))
+    engine.generate([[1] * 40, [2] * 3], SamplingParams(max_new_tokens=4))  # warm-up: kernels compiled
+    return engine
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--part", default="default", choices=["default", "check", "decode", "prefill",
+                                                               "workload", "slice", "all"])  # fmt: skip
+    parser.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    parser.add_argument("--tiny", action="store_true", help="toy sizes (a CPU smoke run)")
+    parser.add_argument("--ckpt", type=Path, default=Path("/tmp/bench_rollout_ckpt"))
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--decode-steps", type=int, default=None)
+    parser.add_argument("--prompts-per-slot", type=int, default=4)
+    parser.add_argument("--median-response", type=int, default=None)
+    parser.add_argument("--sigma", type=float, default=1.0)
+    parser.add_argument("--max-response", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--step-tokens", type=int, default=2048)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    small = dict(slots=[2, 4], prompt_len=12, decode_steps=6, median_response=8, max_response=40)
+    large = dict(
+        slots=[64, 256, 512], prompt_len=512, decode_steps=64, median_response=256, max_response=2048
+    )
+    for key, value in (small if args.tiny else large).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    parts = {
+        "default": ["check", "decode", "prefill"],
+        "all": ["check", "decode", "prefill", "workload", "slice"],
+    }
+    rows: list[dict] = []
+    engine = None  # the gpt-oss-20b engine, loaded once for decode, prefill and workload
+    for part in parts.get(args.part, [args.part]):
+        if part == "check":
+            rows += part_check(args, device)
+        elif part == "slice":
+            config = (
+                gpt_oss_120b(num_layers=4)
+                if not args.tiny
+                else tiny_config(num_experts=16, moe_router_topk=4)
+            )
+            engine = None  # one engine in memory at a time
+            sliced = build_engine(config, args, device, None)
+            rows += [{**r, "part": "slice"} for r in part_decode(args, sliced, config, device)]
+            del sliced
+        else:
+            config = tiny_config() if args.tiny else gpt_oss_20b()
+            if engine is None:
+                path = args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b")
+                engine = build_engine(config, args, device, write_synthetic_mxfp4(config, path))
+            fn = {"decode": part_decode, "prefill": part_prefill, "workload": part_workload}[part]
+            rows += fn(args, engine, config, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for part in dict.fromkeys(r["part"] for r in rows):
+        print(f"## {part} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})")
+        print_table([r for r in rows if r["part"] == part])
+    if args.json is not None:
+        with args.json.open("a") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
