@@ -46,6 +46,28 @@ USER_ENV = {
 KILL_GRACE_S = 5.0  # seconds a killed stage may take to be reaped
 MEMORY_POLL_S = 0.05  # seconds between two sums of the sandbox's resident memory
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+DISK_POLL_S = 0.25  # seconds between two sums of the sandbox directory's disk usage
+MAX_DISK_ENTRIES = 10_000  # files and directories a sandbox may create
+
+
+def disk_bytes(top: str) -> float:
+    """Bytes the files below `top` occupy on disk (allocated blocks); infinity past MAX_DISK_ENTRIES
+    entries (counting them all would take too long)."""
+    total, entries, stack = 0, 0, [top]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for entry in it:
+                    entries += 1
+                    if entries > MAX_DISK_ENTRIES:
+                        return float("inf")
+                    st = entry.stat(follow_symlinks=False)
+                    total += st.st_blocks * 512
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(entry.path)
+        except OSError:
+            continue
+    return total
 
 
 def resident_bytes(pid1: int) -> int:
@@ -179,9 +201,7 @@ class Server:
             cwd=top,
         )
         os.close(status_w)
-        out, status, stopped = self._collect(
-            proc, status_r, start + timeout_s, limits["output_bytes"], limits["memory_bytes"]
-        )
+        out, status, stopped = self._collect(proc, status_r, start + timeout_s, limits, top)
         wall = time.monotonic() - start
         exit_code = None
         if "exit" in status and stopped is None:
@@ -195,24 +215,28 @@ class Server:
             "timed_out": stopped == "timeout",
             "truncated": stopped == "output",
             "out_of_memory": stopped == "memory",
+            "out_of_disk": stopped == "disk",
             "error": status.get("error"),
             "layer": status.get("layer"),
             "wall_s": wall,
         }
 
     def _collect(
-        self, proc: subprocess.Popen, status_r: int, deadline: float, budget: int, memory: int
+        self, proc: subprocess.Popen, status_r: int, deadline: float, limits: dict, top: str
     ) -> tuple[dict[int, bytes], dict, str | None]:
         """Read stdout, stderr and the status pipe until all close, or stop the sandbox when the deadline
-        passes ("timeout"), the output exceeds `budget` bytes ("output") or its processes together hold
-        more than `memory` bytes resident ("memory", polled every MEMORY_POLL_S); ({1: stdout, 2:
-        stderr}, status, why it was stopped or None)."""
+        passes ("timeout"), the output exceeds its limit ("output"), its processes together hold more
+        resident memory than `memory_bytes` ("memory", polled every MEMORY_POLL_S) or its directory
+        more than `disk_bytes` ("disk", every DISK_POLL_S); ({1: stdout, 2: stderr}, status, why it was
+        stopped or None)."""
+        budget, memory = limits["output_bytes"], limits["memory_bytes"]
         assert proc.stdout is not None and proc.stderr is not None
         out = {1: b"", 2: b""}
         status: dict = {}
         status_buf = b""
         stopped = None
         next_poll = time.monotonic() + MEMORY_POLL_S
+        next_disk_poll = time.monotonic() + DISK_POLL_S
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, 1)
         sel.register(proc.stderr, selectors.EVENT_READ, 2)
@@ -227,6 +251,11 @@ class Server:
                     next_poll = now + MEMORY_POLL_S
                     if status.get("pid") and resident_bytes(status["pid"]) > memory:
                         stopped = "memory"
+                        break
+                if now >= next_disk_poll:
+                    next_disk_poll = now + DISK_POLL_S
+                    if disk_bytes(top) > limits["disk_bytes"]:
+                        stopped = "disk"
                         break
                 for key, _ in sel.select(timeout=min(deadline, next_poll) - now):
                     chunk = os.read(key.fd, 65536)
@@ -295,6 +324,7 @@ class Server:
             "file_bytes": 1 << 20,
             "open_files": 64,
             "output_bytes": 4096,
+            "disk_bytes": 1 << 20,
         }
         reply = self.run("print(1)", 30.0, limits, None)
         if reply["error"]:

@@ -30,16 +30,24 @@ from megatron_gptoss.errors import ToolError
 LAUNCHER = Path(__file__).with_name("launcher.py")
 START_TIMEOUT_S = 60.0  # seconds the launcher may take to start and run its trial sandbox
 REPLY_SLACK_S = 15.0  # seconds past a call's timeout before the launcher is presumed stuck
-LIMIT_FIELDS = ("memory_bytes", "output_bytes", "cpu_s", "processes", "file_bytes", "open_files")
+LIMIT_FIELDS = (
+    "memory_bytes",
+    "output_bytes",
+    "cpu_s",
+    "processes",
+    "file_bytes",
+    "disk_bytes",
+    "open_files",
+)
 
 
 @dataclass(frozen=True)
 class PythonResult:
     """What a sandboxed run printed and how it ended. `exit_code` is the interpreter's exit status, `-N`
-    when a signal N killed it (SIGKILL past the CPU limit), None when the sandbox was stopped (wall-time
-    limit: `timed_out`; output limit: `truncated`, the output then cut at the limit; its processes
-    together past the memory limit: `out_of_memory`). One process past the memory limit sees its
-    allocation fail (MemoryError) instead."""
+    when a signal N killed it (SIGKILL past the CPU limit), None when the sandbox was stopped: at the
+    wall-time limit (`timed_out`), the output limit (`truncated`, the output then cut at the limit), its
+    processes together past the memory limit (`out_of_memory`; one process past it sees its allocation
+    fail with MemoryError instead) or its directory past the disk limit (`out_of_disk`)."""
 
     stdout: str
     stderr: str
@@ -47,6 +55,7 @@ class PythonResult:
     timed_out: bool
     truncated: bool
     out_of_memory: bool = False
+    out_of_disk: bool = False
     wall_s: float = 0.0
 
 
@@ -157,6 +166,7 @@ class SandboxLauncher:
             timed_out=reply["timed_out"],
             truncated=reply["truncated"],
             out_of_memory=reply["out_of_memory"],
+            out_of_disk=reply["out_of_disk"],
             wall_s=reply["wall_s"],
         )
 

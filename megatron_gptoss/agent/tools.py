@@ -67,6 +67,8 @@ def python_output(result: PythonResult) -> str:
         text += "\n[output truncated]"
     elif result.out_of_memory:
         text += "\n[stopped: out of memory]"
+    elif result.out_of_disk:
+        text += "\n[stopped: out of disk space]"
     elif result.exit_code is not None and result.exit_code < 0:
         text += f"\n[killed by signal {-result.exit_code}]"
     return text

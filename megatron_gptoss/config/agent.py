@@ -32,6 +32,8 @@ class SandboxConfig:
     processes: int = 32
     # Largest file the code may write (RLIMIT_FSIZE), in its temporary directory, the only place it may.
     file_bytes: int = 64 << 20
+    # Bytes the sandbox's directory may occupy on disk (polled; past it the sandbox is stopped).
+    disk_bytes: int = 256 << 20
     # Open files per sandboxed process (RLIMIT_NOFILE).
     open_files: int = 256
     # Directory holding the sandboxes' temporary directories ("": the system's temporary directory).
@@ -41,7 +43,15 @@ class SandboxConfig:
     uid_base: int = 1_500_000_000
 
     def validate(self) -> None:
-        for name in ("memory_bytes", "output_bytes", "cpu_s", "processes", "file_bytes", "open_files"):
+        for name in (
+            "memory_bytes",
+            "output_bytes",
+            "cpu_s",
+            "processes",
+            "file_bytes",
+            "disk_bytes",
+            "open_files",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"sandbox.{name} must be >= 1, got {getattr(self, name)}")
         if self.memory_bytes < 64 << 20:

@@ -171,6 +171,17 @@ def test_memory_of_many_processes_stopped_by_memory_limit(launcher):
     _unharmed(launcher)
 
 
+def test_many_files_stopped_by_disk_limit(launcher):
+    # each file stays below the file-size limit; together they pass the disk limit
+    code = "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(bytes(2**20))\n    i += 1\n"
+    limits = replace(LIMITS, file_bytes=4 * 2**20, disk_bytes=32 * 2**20)
+    result = _run(launcher, code, timeout_s=20.0, limits=limits)
+    assert result.out_of_disk and result.exit_code is None and not result.timed_out
+    result = _run(launcher, "open('big', 'wb').write(bytes(8 * 2**20))", limits=limits)
+    assert result.exit_code == 1 and "File too large" in result.stderr, result  # RLIMIT_FSIZE
+    _unharmed(launcher)
+
+
 def test_100mb_output_stopped_by_output_limit(launcher):
     code = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)\n"
     result = _run(launcher, code)
