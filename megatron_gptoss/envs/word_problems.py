@@ -145,6 +145,22 @@ class Problem:
         values = {"name": name, "x1": x1, "y1": y1, "z1": z1, "x2": x2, "y2": y2, "z2": z2}
         return "\n".join(line.format(**values) for line in template.lines)
 
+    def steps(self) -> str:
+        """The two steps as compact arithmetic, "x1 op y1 = z1. x2 op y2 = z2." (the cold start's analysis)."""
+        (x1, o1, y1, z1), (x2, o2, y2, z2) = BY_NAME[self.template].solve(*self.operands)
+        return f"{x1} {o1} {y1} = {z1}. {x2} {o2} {y2} = {z2}."
+
+    def conversation(self) -> dict[str, list[dict[str, str]]]:
+        """A harmony conversation for supervised training (`megatron_gptoss.data.conversations`): the
+        question, the assistant's analysis (the two steps) and its final message (the answer)."""
+        return {
+            "messages": [
+                {"role": "user", "content": self.question()},
+                {"role": "assistant", "channel": "analysis", "content": self.steps()},
+                {"role": "assistant", "channel": "final", "content": str(self.answer)},
+            ]
+        }
+
     def row(self) -> dict[str, str]:
         """GSM8K's schema: {"question", "answer": "<solution>\\n#### N"}."""
         return {"question": self.question(), "answer": f"{self.solution()}\n#### {self.answer}"}
@@ -192,14 +208,22 @@ def problems(count: int, seed: int, held_out: bool) -> list[Problem]:
     return out
 
 
-def write_splits(out_dir: str | Path, train: int, test: int = DEFAULT_HELD_OUT, seed: int = 0) -> list[Path]:
+def write_splits(
+    out_dir: str | Path, train: int, test: int = DEFAULT_HELD_OUT, seed: int = 0, sft: int = 0
+) -> list[Path]:
     """`out_dir`/train.jsonl (`train` training problems) and `out_dir`/test.jsonl (`test` held-out ones),
-    one GSM8K row a line; returns their paths."""
+    one GSM8K row a line, and with `sft` > 0 `out_dir`/sft.jsonl: the first `sft` training problems as
+    harmony conversations (`Problem.conversation`); returns the paths written."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, count, held_out in (("train", train, False), ("test", test, True)):
         path = out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(p.row()) + "\n" for p in problems(count, seed, held_out)))
+        paths.append(path)
+    if sft:
+        path = out / "sft.jsonl"
+        drawn = problems(max(sft, train), seed, held_out=False)[:sft]
+        path.write_text("".join(json.dumps(p.conversation()) + "\n" for p in drawn))
         paths.append(path)
     return paths

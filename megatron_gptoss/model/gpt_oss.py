@@ -187,8 +187,23 @@ class GPTOSSModel(nn.Module):
         return self._head().real_weight()
 
     def token_logprobs(self, hidden, targets, temperature: float = 1.0, chunk_size: int = 1024):
-        """Per-token (log-prob, entropy) of `targets` from final hidden states (`OutputLayer.logprobs`)."""
-        return self._head().logprobs(hidden, targets, temperature, chunk_size)
+        """Per-token (log-prob, entropy) of `targets` from final hidden states (`OutputLayer.logprobs`).
+
+        A negative target marks a position whose log-prob nobody reads (a prompt, tool or padding token):
+        it reads 0 (log-prob and entropy). On the CPU such positions skip the output layer (their number
+        is known without a device sync); on accelerators every position runs through it and is masked
+        afterwards, so the step keeps no data-dependent host synchronisation."""
+        head = self._head()
+        skip = targets < 0
+        if hidden.device.type != "cpu":
+            lp, ent = head.logprobs(hidden, targets.clamp_min(0), temperature, chunk_size)
+            return lp.masked_fill(skip, 0.0), ent.masked_fill(skip, 0.0)
+        if not bool(skip.any()):
+            return head.logprobs(hidden, targets, temperature, chunk_size)
+        keep = ~skip
+        lp, ent = head.logprobs(hidden[keep], targets[keep], temperature, chunk_size)
+        zeros = torch.zeros(targets.shape, dtype=lp.dtype, device=lp.device)
+        return zeros.masked_scatter(keep, lp), zeros.masked_scatter(keep, ent)
 
     def forward(
         self,

@@ -214,10 +214,24 @@ def visibility_mask(tokens: int, window: int | None, cu_seqlens: torch.Tensor | 
 def eager_sink_attention(
     q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
 ):
-    """Reference: scores materialised, softmax with the sink column, fp32 (fp64 for fp64 inputs)."""
-    packed = cu_seqlens is not None
-    if packed:
-        q, k, v = q[None], k[None], v[None]
+    """Reference: scores materialised, softmax with the sink column, fp32 (fp64 for fp64 inputs). Packed
+    inputs run one document at a time: the scores of a document, never of the whole pack (T^2)."""
+    if cu_seqlens is not None:
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        outs, lses = [], []
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            if stop > start:
+                o, doc_lse = eager_sink_attention(
+                    *(t[None, start:stop] for t in (q, k, v)),
+                    sinks,
+                    window=window,
+                    softmax_scale=softmax_scale,
+                    return_lse=True,
+                )
+                outs.append(o[0])
+                lses.append(doc_lse[0])
+        out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
+        return (out, lse) if return_lse else out
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, tokens, hq, _ = q.shape
@@ -226,7 +240,7 @@ def eager_sink_attention(
     kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    allowed = visibility_mask(tokens, window, cu_seqlens, q.device)
+    allowed = visibility_mask(tokens, window, None, q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(compute).view(1, hq, 1, 1)
     row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
@@ -234,8 +248,6 @@ def eager_sink_attention(
     z = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
     out = ((p / z) @ vf).transpose(1, 2).to(q.dtype)
     lse = (row_max + torch.log(z)).squeeze(-1)
-    if packed:
-        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
 

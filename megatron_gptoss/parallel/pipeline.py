@@ -205,7 +205,7 @@ def pack_micro_batches(
 
     shape = (count, token_budget)
     ids = torch.zeros(shape, dtype=torch.long)
-    tgt = torch.zeros(shape, dtype=torch.long)
+    tgt = torch.full(shape, -1, dtype=torch.long)  # -1: no log-prob needed (padding)
     pos = torch.zeros(shape, dtype=torch.long)
     row_of = torch.full(shape, -1, dtype=torch.long)
     col_of = torch.full(shape, -1, dtype=torch.long)

@@ -23,8 +23,8 @@ class RolloutBatch:
     rollout_logprobs: torch.Tensor  # [B, T] float32, the engine's log-probs of the targets (0 elsewhere)
     rewards: torch.Tensor  # [B] float32
     advantages: torch.Tensor | None = None  # [B] (one per sequence) or [B, T] (per token) float32
-    old_logprobs: torch.Tensor | None = None  # [B, T] learner log-probs before the update
-    ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs
+    old_logprobs: torch.Tensor | None = None  # [B, T] learner log-probs before the update (loss tokens)
+    ref_logprobs: torch.Tensor | None = None  # [B, T] reference-policy log-probs (loss tokens)
     is_weights: torch.Tensor | None = None  # [B, T] rollout-correction weights
     values: torch.Tensor | None = None  # [B, T] the critic's values before the update (gae)
     returns: torch.Tensor | None = None  # [B, T] the critic's targets (gae)
@@ -82,7 +82,8 @@ def build_batch(
 def packed_logprobs(
     model, batch: RolloutBatch, temperature: float, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropy [B, T] (0 at padding) from one packed forward of the valid tokens."""
+    """Per-token log-probs and entropy [B, T] of the loss tokens (0 elsewhere: prompt, tool and padding
+    positions skip the output layer) from one packed forward of the valid tokens."""
     lengths = batch.valid.sum(1)
     device = next(model.parameters()).device
     flat_ids = batch.input_ids[batch.valid].to(device)
@@ -95,7 +96,8 @@ def packed_logprobs(
         cu_seqlens=cu_seqlens.to(device),
         max_seqlen=int(lengths.max()),
     )[0]
-    lp, ent = model.token_logprobs(hidden, batch.targets[batch.valid].to(device), temperature, chunk_size)
+    targets = batch.targets.masked_fill(batch.loss_mask == 0, -1)[batch.valid]
+    lp, ent = model.token_logprobs(hidden, targets.to(device), temperature, chunk_size)
     valid = batch.valid.to(device)
     zeros = torch.zeros(valid.shape, dtype=lp.dtype, device=device)
     return zeros.masked_scatter(valid, lp), zeros.masked_scatter(valid, ent)

@@ -61,7 +61,9 @@ class ParallelPolicy:
             budget = int(top)
         if self.dims.sequence_parallel:
             budget = -(-budget // self.dims.tp) * self.dims.tp
-        return self.runner.pack(batch.input_ids, batch.targets, batch.valid, budget)
+        # only loss tokens need log-probs: the others are marked -1 (GPTOSSModel.token_logprobs)
+        targets = batch.targets.masked_fill(batch.loss_mask == 0, -1)
+        return self.runner.pack(batch.input_ids, targets, batch.valid, budget)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:

@@ -79,8 +79,10 @@ def run(cfg: TrainConfig) -> dict[str, float]:
                     if cfg.run.mode == "rl":
                         last = rl_step(cfg, setup, task, sampling, step, device, cadence.kl_ctrl)
                     else:
+                        start = time.perf_counter()
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
                         last = parallel_learner.supervised_step(setup.policy, batch, cfg.sft.micro_batches)
+                        last["time/step_s"] = time.perf_counter() - start
                     cadence.end_step(step, last)
                 return cadence.finish(last)
 

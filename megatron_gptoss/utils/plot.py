@@ -1,6 +1,10 @@
 """Plot a run's metrics.jsonl as a PNG grid of panels: reward, accuracy, mismatch, optimisation.
 
 python -m megatron_gptoss.utils.plot outputs/run/metrics.jsonl [outputs/run/metrics.png]
+python -m megatron_gptoss.utils.plot rl/metrics.jsonl both.png --before cold_start/metrics.jsonl
+
+With --before, the earlier runs' metrics (a supervised cold start, say) come first on one step axis: each
+run's steps follow the previous run's last step, and a dashed line marks where each run begins.
 """
 
 from __future__ import annotations
@@ -49,19 +53,24 @@ SMOOTH_FRACTION = 0.04  # the smoothing window spans this fraction of the series
 
 
 def plot_metrics(
-    jsonl_path: str | os.PathLike, png_path: str | os.PathLike, keys: list[str] | None = None
+    jsonl_path: str | os.PathLike,
+    png_path: str | os.PathLike,
+    keys: list[str] | None = None,
+    before: list[str | os.PathLike] | None = None,
 ) -> list[str]:
     """Write a PNG of the metrics in `jsonl_path` (see MetricsLogger) and return the keys plotted.
 
     `keys` None plots every name of DEFAULT_KEYS present in the log, grouped into the panels of
     PANELS; given keys keep those groupings and any other key gets a panel of its own. Keys absent
     from the log, and non-finite values, are skipped. With nothing to plot the PNG says so.
-    Uses matplotlib's Agg canvas directly (no pyplot state, no display needed).
+    `before`: metrics logs of earlier runs, plotted first on the same step axis (`join_runs`), each
+    run's start marked. Uses matplotlib's Agg canvas directly (no pyplot state, no display needed).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    records = read_metrics(jsonl_path)
+    paths = [*(before or []), jsonl_path]
+    records, starts = join_runs([read_metrics(path) for path in paths])
     present = {name for record in records for name in record if name != "step"}
     wanted = list(DEFAULT_KEYS) if keys is None else list(keys)
     panels = _panels([key for key in wanted if key in present])
@@ -80,7 +89,7 @@ def plot_metrics(
         wspace=0.38,
         hspace=0.5,
     )
-    fig.suptitle(str(jsonl_path), fontsize=10)
+    fig.suptitle(" -> ".join(str(path) for path in paths), fontsize=10)
     if not panels:
         fig.text(0.5, 0.5, "no metrics to plot", ha="center", va="center")
     plotted: list[str] = []
@@ -101,6 +110,8 @@ def plot_metrics(
             plotted.append(key)
         if log_scale and all_positive:
             ax.set_yscale("log")
+        for start in starts[1:]:
+            ax.axvline(start - 0.5, color="0.4", linestyle="--", linewidth=0.8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
@@ -112,6 +123,20 @@ def plot_metrics(
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png_path, dpi=100)
     return plotted
+
+
+def join_runs(runs: list[list[dict]]) -> tuple[list[dict], list[int]]:
+    """Records of consecutive runs on one step axis: run k's steps shifted to follow run k-1's last step.
+    Returns (the shifted records, the step at which each run starts)."""
+    joined: list[dict] = []
+    starts: list[int] = []
+    offset = 0
+    for records in runs:
+        starts.append(offset)
+        joined += [{**r, "step": r["step"] + offset} for r in records]
+        if records:
+            offset += max(r["step"] for r in records) + 1
+    return joined, starts
 
 
 def _panels(keys: list[str]) -> list[tuple[str, str, tuple[str, ...], bool]]:
@@ -155,9 +180,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("jsonl", help="a metrics.jsonl written by MetricsLogger")
     parser.add_argument("png", nargs="?", help="output PNG (default: beside the JSONL, metrics.png)")
     parser.add_argument("--keys", nargs="+", help="metric names to plot (default: DEFAULT_KEYS)")
+    parser.add_argument("--before", nargs="+", help="metrics.jsonl of earlier runs, plotted first")
     args = parser.parse_args(argv)
     png = args.png or str(Path(args.jsonl).with_suffix(".png"))
-    plotted = plot_metrics(args.jsonl, png, args.keys)
+    plotted = plot_metrics(args.jsonl, png, args.keys, args.before)
     print(f"wrote {png} ({len(plotted)} series)")
 
 

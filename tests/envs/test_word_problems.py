@@ -1,7 +1,8 @@
 """The generated word problems: deterministic by seed, answers right (recomputed here from the operands, and
 every "x op y = z" of the worked solutions checked), operands in 1..99 and in the question, the held-out
 split disjoint from training at any seeds, rows read by the GSM8K schema and scored correct by the GSM8K
-reward; the CLI writes both files."""
+reward; the cold start's conversations train the analysis and the answer, and their completions score
+correct; the CLI writes every file."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from megatron_gptoss.data.conversations import conversation_examples
 from megatron_gptoss.data.rows import parse_gsm8k
 from megatron_gptoss.envs import word_problems
 from megatron_gptoss.envs.word_problems import TEMPLATES, problems, write_splits
+from megatron_gptoss.harmony import parse_completion, render_prompt
+from megatron_gptoss.harmony.tokenizer import get_tokenizer
 from megatron_gptoss.rewards import gsm8k_reward
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,6 +35,7 @@ ANSWERS = {
     "packing": lambda a, b, c: a / b - c,
 }
 STEP = re.compile(r"(\d+) ([-+*/]) (\d+) = \$?(\d+)")
+ANSWERS_OF_STEP = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__, "/": int.__floordiv__}
 
 
 def test_every_template_has_an_independent_answer():
@@ -91,9 +96,32 @@ def test_the_gsm8k_schema_and_reward_accept_the_reference():
         assert right["reward"] == 1.0 and wrong["reward"] == 0.0
 
 
+def test_cold_start_conversations_train_the_steps_and_score_correct():
+    """Each conversation is one trained turn: the tokens the model samples (analysis with both steps, final
+    answer, through <|return|>) are trained, the prompt is not; the trained tokens, parsed as a completion,
+    score 1 with the GSM8K reward against the problem's row and 0 against another answer."""
+    tokenizer = get_tokenizer()
+    for problem in problems(20, 3, held_out=False):
+        (example,) = conversation_examples(problem.conversation(), "low", 0)
+        assert example.prompt == render_prompt(
+            [{"role": "user", "content": problem.question()}], reasoning_effort="low"
+        )
+        assert all(example.response_mask) and not any(example.trained[: example.num_prompt_tokens])
+        messages = parse_completion(example.response)
+        assert [m["channel"] for m in messages] == ["analysis", "final"]
+        steps = STEP.findall(messages[0]["content"])
+        assert len(steps) == 2 and int(steps[-1][3]) == problem.answer
+        for x, op, y, z in steps:
+            assert ANSWERS_OF_STEP[op](int(x), int(y)) == int(z)
+        assert tokenizer.decode(example.response).endswith(f"<|message|>{problem.answer}<|return|>")
+        truth = parse_gsm8k(problem.row(), "generated").ground_truth
+        assert gsm8k_reward(messages, {"ground_truth": truth})["reward"] == 1.0
+        assert gsm8k_reward(messages, {"ground_truth": str(problem.answer + 1)})["reward"] == 0.0
+
+
 def test_the_cli_writes_both_splits(tmp_path):
     cmd = [sys.executable, str(ROOT / "tools/make_word_problems.py"), "--train", "30", "--test", "20",
-           "--seed", "4", "--out", str(tmp_path)]  # fmt: skip
+           "--sft", "12", "--seed", "4", "--out", str(tmp_path)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, env=env)
     train, test = ([json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
@@ -102,3 +130,6 @@ def test_the_cli_writes_both_splits(tmp_path):
     assert test == [p.row() for p in problems(20, 4, held_out=True)]
     assert [p.name for p in write_splits(tmp_path / "again", 30, 20, 4)] == ["train.jsonl", "test.jsonl"]
     assert (tmp_path / "again/train.jsonl").read_text() == (tmp_path / "train.jsonl").read_text()
+    sft = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert sft == [p.conversation() for p in problems(30, 4, held_out=False)[:12]]
+    assert [s["messages"][0]["content"] for s in sft] == [t["question"] for t in train[:12]]

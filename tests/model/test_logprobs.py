@@ -120,3 +120,31 @@ def test_bf16_half_gemms_match_fp32_gemms_gpu():
     ours, ref = results
     assert rel_err(ours[0], ref[0]) <= 1e-6 and rel_err(ours[1], ref[1]) <= 1e-6
     assert rel_err(ours[2], ref[2]) <= 3e-3 and rel_err(ours[3], ref[3]) <= 3e-3
+
+
+def test_negative_targets_skip_the_head_and_read_zero():
+    """GPTOSSModel.token_logprobs: positions with target -1 read 0 (log-prob and entropy) and take no part
+    in the gradient; the others equal the full computation, values and gradients."""
+    from megatron_gptoss.config import gpt_oss_tiny
+    from megatron_gptoss.model import build_model
+
+    model = build_model(gpt_oss_tiny(), seed=3)
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 9, model.config.hidden_size, generator=gen, requires_grad=True)
+    targets = torch.randint(0, model.config.vocab_size, (2, 9), generator=gen)
+    skip = torch.rand(2, 9, generator=gen) < 0.5
+    w_lp, w_ent = torch.randn(2, 9, generator=gen), torch.randn(2, 9, generator=gen)
+    grads = []
+    for t in (targets, targets.masked_fill(skip, -1)):
+        hidden.grad = None
+        model.zero_grad()
+        lp, ent = model.token_logprobs(hidden, t, temperature=0.7, chunk_size=4)
+        lp, ent = lp.masked_fill(skip, 0.0), ent.masked_fill(skip, 0.0)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        grads.append((lp.detach(), ent.detach(), hidden.grad.clone(), model.output_layer.weight.grad.clone()))
+    full, skipped = grads
+    assert bool(skip.any()) and bool((~skip).any())
+    for ours, ref in zip(skipped, full):
+        assert rel_err(ours, ref) <= 1e-6
+    lp, ent = model.token_logprobs(hidden.detach(), targets.masked_fill(skip, -1))
+    assert bool((lp[skip] == 0).all()) and bool((ent[skip] == 0).all())

@@ -95,7 +95,7 @@ def _ppo_through_pipeline() -> dict[str, float]:
 
     runner.forward_backward(packed, loss_fn, TEMPERATURE)
     grads = reduced_full_grads(models, dims)
-    out = {"old_logprobs": rel_err(old, prepared.old_logprobs)}
+    out = {"old_logprobs": rel_err(old * prepared.loss_mask, prepared.old_logprobs)}  # loss tokens only
     ref_grads = dict(ref.named_parameters())
     for name, g in grads.items():
         r = ref_grads[name].grad

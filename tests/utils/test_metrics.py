@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gptoss.utils.metrics import MetricsLogger, flatten_metrics, read_metrics
-from megatron_gptoss.utils.plot import DEFAULT_KEYS, plot_metrics
+from megatron_gptoss.utils.plot import DEFAULT_KEYS, join_runs, plot_metrics
 
 pytest.importorskip("matplotlib.backends.backend_agg")
 
@@ -110,3 +110,22 @@ def test_plot_chosen_keys_and_nothing_to_plot(tmp_path):
     assert plotted == ["mismatch/k3", "custom/thing"]  # grouped panels first, then keys of their own
     assert plot_metrics(logger.path, tmp_path / "none.png", keys=["absent"]) == []
     assert (tmp_path / "none.png").stat().st_size > 0
+
+
+def test_runs_join_on_one_step_axis(tmp_path):
+    """A cold start's 3 steps then an RL run's steps 0..4: one axis 0..7, the RL run starting at 3; the plot
+    holds the keys of both runs."""
+    cold, rl = tmp_path / "cold", tmp_path / "rl"
+    with MetricsLogger(cold, tensorboard=False) as logger:
+        for step in range(3):
+            logger.log(step, {"loss/total": 2.0 - step})
+    with MetricsLogger(rl, tensorboard=False) as logger:
+        for step in range(5):
+            logger.log(step, {"reward/train_mean": step / 4, "loss/total": 0.1})
+    joined, starts = join_runs([read_metrics(cold / "metrics.jsonl"), read_metrics(rl / "metrics.jsonl")])
+    assert starts == [0, 3]
+    assert [r["step"] for r in joined] == list(range(8))
+    assert [r["loss/total"] for r in joined] == [2.0, 1.0, 0.0] + [0.1] * 5
+    png = tmp_path / "both.png"
+    plotted = plot_metrics(rl / "metrics.jsonl", png, before=[cold / "metrics.jsonl"])
+    assert set(plotted) == {"reward/train_mean", "loss/total"} and png.stat().st_size > 10_000
