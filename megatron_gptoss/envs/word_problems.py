@@ -146,7 +146,7 @@ class Problem:
         return "\n".join(line.format(**values) for line in template.lines)
 
     def steps(self) -> str:
-        """The two steps as compact arithmetic, "x1 op y1 = z1. x2 op y2 = z2." (the cold start's analysis)."""
+        """The two steps as arithmetic, "x1 op y1 = z1. x2 op y2 = z2." (the cold start's analysis)."""
         (x1, o1, y1, z1), (x2, o2, y2, z2) = BY_NAME[self.template].solve(*self.operands)
         return f"{x1} {o1} {y1} = {z1}. {x2} {o2} {y2} = {z2}."
 

@@ -211,12 +211,18 @@ def visibility_mask(tokens: int, window: int | None, cu_seqlens: torch.Tensor | 
 
 # ------------------------------------------------------------------------------------------------
 # Eager reference
+# Most [heads, T, T] score elements of a packed input computed at once (256 MiB in fp32); longer packs run
+# one document at a time.
+EAGER_PACKED_SCORES = 1 << 26
+
+
 def eager_sink_attention(
     q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
 ):
     """Reference: scores materialised, softmax with the sink column, fp32 (fp64 for fp64 inputs). Packed
-    inputs run one document at a time: the scores of a document, never of the whole pack (T^2)."""
-    if cu_seqlens is not None:
+    inputs whose [heads, T, T] scores would pass EAGER_PACKED_SCORES elements run one document at a time
+    (the same values up to round-off; memory of the longest document's scores instead of the pack's)."""
+    if cu_seqlens is not None and q.shape[0] ** 2 * q.shape[1] > EAGER_PACKED_SCORES:
         bounds = [int(b) for b in cu_seqlens.tolist()]
         outs, lses = [], []
         for start, stop in zip(bounds[:-1], bounds[1:]):
@@ -232,6 +238,9 @@ def eager_sink_attention(
                 lses.append(doc_lse[0])
         out, lse = torch.cat(outs), torch.cat(lses, dim=-1)
         return (out, lse) if return_lse else out
+    packed = cu_seqlens is not None
+    if packed:
+        q, k, v = q[None], k[None], v[None]
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, tokens, hq, _ = q.shape
@@ -240,7 +249,7 @@ def eager_sink_attention(
     kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
     scores = (qf @ kf.transpose(-1, -2)) * scale
-    allowed = visibility_mask(tokens, window, None, q.device)
+    allowed = visibility_mask(tokens, window, cu_seqlens, q.device)
     scores = scores.masked_fill(~allowed, float("-inf"))
     sink = sinks.to(compute).view(1, hq, 1, 1)
     row_max = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
@@ -248,6 +257,8 @@ def eager_sink_attention(
     z = p.sum(dim=-1, keepdim=True) + torch.exp(sink - row_max)
     out = ((p / z) @ vf).transpose(1, 2).to(q.dtype)
     lse = (row_max + torch.log(z)).squeeze(-1)
+    if packed:
+        out, lse = out[0], lse[0]
     return (out, lse) if return_lse else out
 
 

@@ -308,3 +308,28 @@ def test_triton_decode_rejects_bad_cache_seqlens():
         triton_sink_decode(q[:, -1:], k, v, sinks, torch.tensor([8, 8]))
     with pytest.raises(AttentionInputError, match="do not fit"):
         triton_sink_decode(torch.cat([q, q], 1), k, v, sinks, torch.tensor([8, 8], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_eager_packed_input_one_document_at_a_time(monkeypatch, window):
+    """The eager reference over a pack too large for its whole-pack scores (the bound lowered to 0) equals
+    the whole-pack computation: outputs, LSE and the gradients of q, k, v and the sinks."""
+    import importlib
+
+    module = importlib.import_module("megatron_gptoss.ops.sink_attention")  # the package exports a function
+    gen = torch.Generator().manual_seed(11)
+    cu = torch.tensor([0, 5, 6, 13, 17], dtype=torch.int32)
+    q = torch.randn(17, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(17, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True)
+    w_out, w_lse = torch.randn(17, 4, 8, generator=gen), torch.randn(4, 17, generator=gen)
+    results = []
+    for bound in (module.EAGER_PACKED_SCORES, 0):
+        monkeypatch.setattr(module, "EAGER_PACKED_SCORES", bound)
+        for t in (q, k, v, sinks):
+            t.grad = None
+        out, lse = module.eager_sink_attention(q, k, v, sinks, window=window, cu_seqlens=cu, return_lse=True)
+        ((out * w_out).sum() + (lse * w_lse).sum()).backward()
+        results.append([out.detach(), lse.detach(), *(t.grad.clone() for t in (q, k, v, sinks))])
+    for ours, ref in zip(results[1], results[0]):
+        assert rel_err(ours, ref) <= 1e-6
