@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_gptoss.errors import MegatronGptossError
-from megatron_gptoss.harmony.schema import tools_section
+from megatron_gptoss.harmony.schema import rust_lines, tools_section
 from megatron_gptoss.harmony.tokenizer import (
     CALL,
     CHANNEL,
@@ -201,7 +201,7 @@ def to_harmony_messages(
         unknown = sorted(set(builtin_tools) - set(BUILTIN_TOOLS))
         if unknown:
             raise HarmonyFormatError(f"builtin_tools {unknown} are not among {BUILTIN_TOOLS}")
-        sections = [f"## {name}\n\n{description}" for name, description in builtin_tools.items()]
+        sections = ["\n".join([f"## {name}\n", *rust_lines(desc)]) for name, desc in builtin_tools.items()]
         system_parts.append("\n\n".join(["# Tools", *sections]))
     system = "\n\n".join([*system_parts, channels])
     out = [HarmonyMessage("system", system)]
