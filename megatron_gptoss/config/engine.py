@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatron_gptoss.errors import ConfigError
 
 SCHEDULES = ("continuous", "static")
+GRAPH_MODES = ("auto", "off", "padded")
 
 
 @dataclass
@@ -29,6 +30,11 @@ class EmbeddedEngineConfig:
     kv_blocks: int = 0
     # Record each token's routed experts (top-k ids per layer) for router replay; off costs nothing.
     record_routing: bool = False
+    # Decode steps from CUDA graphs bucketed by batch size: "auto" (on a single CUDA device, unless
+    # routing is recorded), "off", or "padded" (the bucketed buffers run eagerly: a check, on any device).
+    cuda_graphs: str = "auto"
+    # Largest decode batch replayed from a graph (larger steps run eagerly).
+    cuda_graph_max_batch: int = 512
 
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -41,5 +47,9 @@ class EmbeddedEngineConfig:
                 f"embedded.max_step_tokens ({self.max_step_tokens}) must be >= embedded.max_batch_slots "
                 f"({self.max_batch_slots}): every decoding row takes one token of a step"
             )
+        if self.cuda_graphs not in GRAPH_MODES:
+            raise ConfigError(f"embedded.cuda_graphs={self.cuda_graphs!r} not in {GRAPH_MODES}")
+        if self.cuda_graph_max_batch < 1:
+            raise ConfigError(f"embedded.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.kv_blocks < 0:
             raise ConfigError(f"embedded.kv_blocks must be >= 0, got {self.kv_blocks}")

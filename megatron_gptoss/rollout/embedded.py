@@ -36,6 +36,7 @@ from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import load_hf_tensors
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.paged_kv_cache import PagedKVCache
+from megatron_gptoss.rollout.decode_graphs import DecodeGraphs
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
@@ -70,6 +71,7 @@ class EmbeddedEngine:
         self.routing = RoutingRecorder(self.model, self.config) if self.options.record_routing else None
         self._cache: PagedKVCache | None = None
         self._scheduler: Scheduler | None = None
+        self._graphs: DecodeGraphs | None = None
         self._sessions: dict[int, Sequence] = {}
         self._next_session = 0
         self._turns: list[SessionTurn] = []
@@ -97,7 +99,7 @@ class EmbeddedEngine:
     def _release_cache(self) -> int:
         """Drop the KV cache (allocated again by the next request); returns its bytes."""
         kv_bytes = self._cache.storage_bytes() if self._cache is not None else 0
-        self._cache, self._scheduler = None, None
+        self._cache, self._scheduler, self._graphs = None, None, None
         return kv_bytes
 
     def wake_up(self) -> dict[str, int]:
@@ -107,7 +109,8 @@ class EmbeddedEngine:
         return taken
 
     def reconfigure(self, options: EmbeddedEngineConfig) -> None:
-        """Replace the scheduler and cache options (the KV cache is freed; no session may be open)."""
+        """Replace the scheduler and cache options (the KV cache is freed; no session may be open).
+        `record_routing` keeps the value the engine was built with."""
         if self._sessions:
             raise EngineError(f"reconfigure with {len(self._sessions)} open session(s): close them first")
         options.validate()
@@ -235,11 +238,17 @@ class EmbeddedEngine:
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         plan = scheduler.plan() or scheduler.idle_plan()
-        self._cache.layout = plan.layout
-        try:
-            hidden = self.model.hidden_states(plan.input_ids, position_ids=plan.positions, cache=self._cache)
-        finally:
-            self._cache.layout = None
+        hidden = None
+        if self._graphs is not None and plan.chunks:
+            hidden = self._graphs.run(plan.input_ids, plan.positions, plan.layout)
+        if hidden is None:
+            self._cache.layout = plan.layout
+            try:
+                hidden = self.model.hidden_states(
+                    plan.input_ids, position_ids=plan.positions, cache=self._cache
+                )
+            finally:
+                self._cache.layout = None
         if self.routing is not None:
             self.routing.collect(plan)
         scheduler.computed(plan)
@@ -332,7 +341,20 @@ class EmbeddedEngine:
                 window_blocks=max(window_blocks, 2),
             )
             self._scheduler = Scheduler(self._cache, self.options, self.options.kv_blocks == 0, self.device)
+            mode = self._graph_mode()
+            if mode is not None:
+                self._graphs = DecodeGraphs(self.model, self._cache, opts.cuda_graph_max_batch, mode)
         return self._scheduler
+
+    def _graph_mode(self) -> str | None:
+        """ "capture", "padded" or None (decode steps run eagerly): `cuda_graphs` resolved for this engine
+        (a routing record needs the eager step: graph replays call no hook)."""
+        mode = self.options.cuda_graphs
+        if mode == "padded":
+            return mode
+        if mode == "auto" and self.device.type == "cuda" and self.routing is None:
+            return "capture"
+        return None
 
     def kv_blocks_free(self) -> list[tuple[int, int]]:
         """(free, capacity) blocks of every layer group of the KV cache (none before the first request)."""

@@ -172,6 +172,10 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             if not torch.equal(both[: len(values)], -both[len(values) :]):
                 raise ValueError(f"every rank of the engine must pass the same {what}")
 
+    def _graph_mode(self) -> str | None:
+        """Graphs only as the padded check: the collectives of a sharded step are not captured."""
+        return "padded" if self.options.cuda_graphs == "padded" else None
+
     def _kv_heads(self) -> int:
         return self.config.num_query_groups // self.dims.tp
 

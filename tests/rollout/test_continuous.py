@@ -134,6 +134,8 @@ def test_too_small_a_fixed_cache_is_named():
         ("block_size", 0, "block_size"),
         ("max_step_tokens", 2, "max_step_tokens"),
         ("kv_blocks", -1, "kv_blocks"),
+        ("cuda_graphs", "always", "cuda_graphs"),
+        ("cuda_graph_max_batch", 0, "cuda_graph_max_batch"),
     ],
 )
 def test_bad_engine_options_are_named(field, value, match):
