@@ -126,8 +126,10 @@ def write_synthetic_mxfp4(config: ModelConfig, path: Path, seed: int = 0) -> Pat
     return path
 
 
-def engine_options(args, slots: int, schedule: str = "continuous") -> EmbeddedEngineConfig:
-    longest = args.prompt_len + max(args.max_response, args.decode_steps)
+def engine_options(args, slots: int, schedule: str = "continuous", new: int | None = None):
+    """Options for `slots` rows of --prompt-len tokens and `new` new tokens at most (default
+    --decode-steps): a fixed cache of exactly what they need."""
+    longest = args.prompt_len + (args.decode_steps if new is None else new)
     return EmbeddedEngineConfig(
         schedule=schedule,
         max_batch_slots=slots,
@@ -274,7 +276,7 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         prompts = prompts_of(count, args.prompt_len, config.vocab_size, seed=5)
         budgets = response_lengths(args, count)
         for schedule in ("continuous", "static"):
-            engine.reconfigure(engine_options(args, slots, schedule))
+            engine.reconfigure(engine_options(args, slots, schedule, max(budgets)))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
@@ -313,7 +315,8 @@ def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> 
         engine.update_weights(iter_checkpoint(checkpoint, config, dtype))
     else:
         engine.update_weights(iter_hf_tensors(build_model(config, seed=0), config))
-    engine.generate([[1] * 40, [2] * 3], SamplingParams(max_new_tokens=4))  # warm-up: kernels compiled
+    engine.reconfigure(engine_options(args, 2, new=4))  # warm-up: kernels compiled, decode graphs captured
+    engine.generate([[1] * args.prompt_len, [2] * 3], SamplingParams(max_new_tokens=4))
     return engine
 
 
@@ -333,7 +336,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-response", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--step-tokens", type=int, default=2048)
+    parser.add_argument("--step-tokens", type=int, default=512, help="max_step_tokens (prefill chunk budget)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     small = dict(slots=[2, 4], prompt_len=12, decode_steps=6, median_response=8, max_response=40)
