@@ -28,6 +28,13 @@ Public API:
       .submit(call, budget_left=True) -> Future[ToolOutcome]; .run(call) -> ToolOutcome
       .metrics(reset=True) -> ToolMetrics(calls, ok, errors, timeouts, abandoned, peak_running, latencies);
           ToolMetrics.summary() -> {"tool/calls": ..., "tool/latency_mean_s": ...}
+
+    Loop (megatron_gptoss.agent.loop)
+      AgentLoop(engine, executor, params, agent_cfg, call_format=HARMONY, use_sessions=None)
+      .rollout(prompts) -> [Trajectory(prompt_ids, token_ids, sources (MODEL=1 / TOOL=0), logprobs (0.0 on
+          tool tokens), finish_reason, turns, tool_calls, tool_errors, tool_timeouts)]
+          engines with sessions keep each trajectory's KV cache; others re-generate from the trajectory
+      agent_metrics(trajectories, rewards=None) -> {"agent/turns_mean": ..., "agent/tokens_tool": ...}
 """
 
 from megatron_gptoss.agent.calls import (
@@ -39,10 +46,17 @@ from megatron_gptoss.agent.calls import (
     tool_result_tokens,
 )
 from megatron_gptoss.agent.executor import ToolExecutor, ToolMetrics
+from megatron_gptoss.agent.loop import MODEL, TOOL, AgentLoop, CallFormat, Trajectory, agent_metrics
 from megatron_gptoss.agent.sandbox import PythonResult, SandboxLauncher, run_python, start_launcher
 from megatron_gptoss.agent.tools import Tool, ToolRegistry
 
 __all__ = [
+    "MODEL",
+    "TOOL",
+    "AgentLoop",
+    "CallFormat",
+    "Trajectory",
+    "agent_metrics",
     "PythonResult",
     "SandboxLauncher",
     "Tool",

@@ -1,0 +1,261 @@
+"""The multi-turn agent loop: many trajectories in flight, each generating until a tool call or a final
+answer, its calls run on the `ToolExecutor` while the other trajectories keep generating.
+
+    prompt ──open_session──> generate ──<|return|>──> final
+                                │ <|call|>
+                                v
+            parse_tool_call ─> ToolExecutor.submit ─> (other rows keep generating) ─> outcome
+                                │ tool_result_tokens (tool tokens: source tool, log-prob 0)
+                                v
+                   extend_session(result tokens) ──> generate ...   until a final answer, agent.max_turns
+                                                                    or agent.max_total_tokens
+
+An engine with the `SessionEngine` capability keeps each trajectory's KV cache between turns and prefills
+only the appended tool tokens. Any other engine is asked to `generate` from the whole trajectory again at
+every turn (what vLLM's prefix caching serves without recomputation).
+
+A trajectory ends with one of FINISH_REASONS:
+  "final"             the model sampled a final-answer token (`<|return|>`)
+  "max_turns"         it called a tool in its last allowed turn (agent.max_turns assistant turns)
+  "max_total_tokens"  prompt + response reached agent.max_total_tokens, or a tool result would pass it
+  "length"            a turn reached the sampling params' max_new_tokens without a stop token
+  "unanswerable"      it ended with `<|call|>` but named no recipient (there is no tool to answer)
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from megatron_gptoss.agent.calls import ToolCall, ToolOutcome, parse_tool_call, tool_result_tokens
+from megatron_gptoss.agent.executor import ToolExecutor
+from megatron_gptoss.config.agent import AgentConfig
+from megatron_gptoss.engine_api import RolloutEngine, SamplingParams, SessionEngine
+from megatron_gptoss.harmony import CALL, RETURN
+
+MODEL, TOOL = 1, 0  # per-token sources: written by the model (trained) / by a tool (out of the loss)
+FINISH_REASONS = ("final", "max_turns", "max_total_tokens", "length", "unanswerable")
+_SEED_STRIDE = (
+    1_000_003  # re-generation without sessions: turn k of a seeded request samples from seed + k*stride
+)
+
+
+@dataclass(frozen=True)
+class CallFormat:
+    """How tool calls appear in the token stream: the tokens ending a call and a final answer, the parser
+    of a turn ending in a call, and the tokens answering it. `HARMONY` is GPT-OSS's."""
+
+    call_tokens: frozenset[int]
+    final_tokens: frozenset[int]
+    parse: Callable[[Sequence[int]], ToolCall | None]
+    result_tokens: Callable[[Sequence[int], ToolCall, ToolOutcome], list[int]]
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        return sorted(self.call_tokens | self.final_tokens)
+
+
+HARMONY = CallFormat(frozenset({CALL}), frozenset({RETURN}), parse_tool_call, tool_result_tokens)
+
+
+@dataclass
+class Trajectory:
+    """One agentic rollout. `token_ids` is the response (everything after the prompt, model and tool tokens
+    in order); `sources[i]` is MODEL or TOOL (so it is also the response's loss mask); `logprobs[i]` the
+    engine's log-prob of a model token, 0.0 for a tool token."""
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    sources: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+
+    @property
+    def response_mask(self) -> list[int]:
+        """1 on model tokens, 0 on tool tokens: `rl.batch.build_batch`'s `response_masks` row."""
+        return list(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    def append(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
+        """Model tokens with their log-probs, or tool tokens (logprobs None)."""
+        self.token_ids += token_ids
+        self.sources += [MODEL if logprobs is not None else TOOL] * len(token_ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
+
+
+def agent_metrics(trajectories: Sequence[Trajectory], rewards: Sequence[float] | None = None) -> dict:
+    """Flat numbers for the step's log: turns and tool calls per trajectory, tool errors and timeouts,
+    tokens by source, finish reasons, and the mean reward by number of turns when rewards are given."""
+    n = max(len(trajectories), 1)
+    out: dict[str, float] = {
+        "agent/turns_mean": sum(t.turns for t in trajectories) / n,
+        "agent/turns_max": max((t.turns for t in trajectories), default=0),
+        "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
+        "agent/tool_errors": sum(t.tool_errors for t in trajectories),
+        "agent/tool_timeouts": sum(t.tool_timeouts for t in trajectories),
+        "agent/tokens_model": sum(sum(t.sources) for t in trajectories),
+        "agent/tokens_tool": sum(len(t.sources) - sum(t.sources) for t in trajectories),
+    }
+    for reason in FINISH_REASONS:
+        out[f"agent/finish_{reason}"] = sum(t.finish_reason == reason for t in trajectories)
+    if rewards is not None:
+        by_turns: dict[int, list[float]] = {}
+        for t, r in zip(trajectories, rewards, strict=True):
+            by_turns.setdefault(t.turns, []).append(r)
+        for turns, rs in sorted(by_turns.items()):
+            out[f"agent/reward_turns_{turns}"] = sum(rs) / len(rs)
+    return out
+
+
+class AgentLoop:
+    """Runs `rollout(prompts)`: one Trajectory per prompt. `params.max_new_tokens` bounds one turn,
+    `agent.max_total_tokens` the whole trajectory, `agent.max_turns` its assistant turns; the params'
+    stop tokens are replaced by the format's. Seeded params: with sessions, prompt i samples from the
+    stream `params.seed + i` in every turn; re-generating, each request's rows get seeds from a seed of
+    its own."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine | SessionEngine,
+        executor: ToolExecutor,
+        params: SamplingParams,
+        agent: AgentConfig,
+        call_format: CallFormat = HARMONY,
+        *,
+        use_sessions: bool | None = None,
+    ):
+        self.engine = engine
+        self.executor = executor
+        self.params = replace(params, stop_token_ids=call_format.stop_token_ids)
+        self.agent = agent
+        self.format = call_format
+        self.use_sessions = isinstance(engine, SessionEngine) if use_sessions is None else use_sessions
+
+    def rollout(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
+        trajs = [Trajectory(list(p)) for p in prompts]
+        for i, t in enumerate(trajs):
+            if len(t) >= self.agent.max_total_tokens:
+                raise ValueError(
+                    f"prompt {i} has {len(t)} tokens, agent.max_total_tokens={self.agent.max_total_tokens}"
+                )
+        if self.use_sessions:
+            self._rollout_sessions(trajs)
+        else:
+            self._rollout_regenerate(trajs)
+        return trajs
+
+    def _budget(self, traj: Trajectory) -> int:
+        return min(self.params.max_new_tokens, self.agent.max_total_tokens - len(traj))
+
+    def _seed(self, i: int, turn: int = 0) -> int | None:
+        return None if self.params.seed is None else self.params.seed + i + turn * _SEED_STRIDE
+
+    def _end_turn(
+        self, traj: Trajectory, token_ids: list[int], logprobs: list[float], finish_reason: str
+    ) -> tuple[concurrent.futures.Future, ToolCall] | None:
+        """Record a turn; its tool call and the call's future when the trajectory goes on, else None (it
+        ended)."""
+        traj.append(token_ids, logprobs)
+        traj.turns += 1
+        last = token_ids[-1] if token_ids else None
+        if finish_reason == "stop" and last in self.format.final_tokens:
+            traj.finish_reason = "final"
+        elif finish_reason == "stop" and last in self.format.call_tokens:
+            call = self.format.parse(token_ids)
+            if call is None:
+                traj.finish_reason = "unanswerable"
+            elif traj.turns >= self.agent.max_turns:
+                traj.finish_reason = "max_turns"
+            else:
+                traj.tool_calls += 1
+                return self.executor.submit(call), call
+        elif len(traj) >= self.agent.max_total_tokens:
+            traj.finish_reason = "max_total_tokens"
+        else:
+            traj.finish_reason = "length"
+        return None
+
+    def _answer(
+        self, traj: Trajectory, future: concurrent.futures.Future, call: ToolCall
+    ) -> list[int] | None:
+        """The tool tokens appended to the trajectory (None when they would pass max_total_tokens: it
+        ends). A ToolError (the sandbox cannot run) propagates."""
+        outcome: ToolOutcome = future.result()
+        traj.tool_errors += outcome.status == "error"
+        traj.tool_timeouts += outcome.status == "timeout"
+        full = traj.prompt_ids + traj.token_ids
+        tokens = self.format.result_tokens(full, call, outcome)
+        if len(traj) + len(tokens) >= self.agent.max_total_tokens:
+            traj.finish_reason = "max_total_tokens"
+            return None
+        traj.append(tokens, None)
+        return tokens
+
+    def _rollout_sessions(self, trajs: list[Trajectory]) -> None:
+        engine = self.engine
+        assert isinstance(engine, SessionEngine)
+        sids: dict[int, int] = {}
+        try:
+            for i, t in enumerate(trajs):
+                params = replace(self.params, max_new_tokens=self._budget(t))
+                sids[engine.open_session(t.prompt_ids, params, self._seed(i))] = i
+            generating = set(sids)
+            waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}
+            while generating or waiting:
+                if not generating:  # every live trajectory waits on a tool: wait for the first answer
+                    concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+                for future in [f for f in waiting if f.done()]:
+                    sid, call = waiting.pop(future)
+                    traj = trajs[sids[sid]]
+                    tokens = self._answer(traj, future, call)
+                    if tokens is not None:
+                        engine.extend_session(sid, tokens, self._budget(traj))
+                        generating.add(sid)
+                if not generating:
+                    continue
+                for turn in engine.step_sessions():
+                    generating.discard(turn.session_id)
+                    traj = trajs[sids[turn.session_id]]
+                    pending = self._end_turn(traj, turn.token_ids, turn.logprobs, turn.finish_reason)
+                    if pending is not None:
+                        waiting[pending[0]] = (turn.session_id, pending[1])
+        finally:
+            for sid in sids:
+                engine.close_session(sid)
+
+    def _rollout_regenerate(self, trajs: list[Trajectory]) -> None:
+        engine = self.engine
+        generating = list(range(len(trajs)))
+        waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}
+        rounds = 0
+        while generating or waiting:
+            if not generating:
+                concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in [f for f in waiting if f.done()]:
+                i, call = waiting.pop(future)
+                if self._answer(trajs[i], future, call) is not None:
+                    generating.append(i)
+            if not generating:
+                continue
+            by_budget: dict[int, list[int]] = {}
+            for i in sorted(generating):
+                by_budget.setdefault(self._budget(trajs[i]), []).append(i)
+            generating = []
+            for budget, rows in by_budget.items():
+                seed = None if self.params.seed is None else self.params.seed + rounds * _SEED_STRIDE
+                params = replace(self.params, max_new_tokens=budget, seed=seed)
+                gens = engine.generate(  # type: ignore[union-attr]
+                    [trajs[i].prompt_ids + trajs[i].token_ids for i in rows], params
+                )
+                for i, gen in zip(rows, gens, strict=True):
+                    pending = self._end_turn(trajs[i], gen.token_ids, gen.logprobs, gen.finish_reason)
+                    if pending is not None:
+                        waiting[pending[0]] = (i, pending[1])
+            rounds += 1
