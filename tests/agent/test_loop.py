@@ -9,8 +9,10 @@ from test_tool_tokens import USER_TOOLS, _call, _model_writes, _reference_conver
 
 from megatron_gptoss.agent import ToolExecutor, ToolRegistry
 from megatron_gptoss.agent.loop import MODEL, TOOL, AgentLoop, agent_metrics
+from megatron_gptoss.agent.tools import Tool
 from megatron_gptoss.config import AgentConfig, SandboxConfig
 from megatron_gptoss.engine_api import Generation, SamplingParams, SessionTurn
+from megatron_gptoss.errors import ToolError
 from megatron_gptoss.harmony import RETURN, render_conversation, render_prompt
 
 SLEEP_TOOL = {
@@ -248,3 +250,20 @@ def test_regeneration_without_sessions_gives_the_session_trajectories(harmony_re
             assert engine.generate_calls >= 4 and engine.log == []
     assert results[0] == results[1]
     assert [r[2] for r in results[0]] == ["final"] * 3 and [r[4] for r in results[0]] == [2, 0, 3]
+
+
+def test_a_sandbox_that_cannot_run_raises_and_closes_every_session(harmony_reference):
+    oh, enc = harmony_reference
+    ids = _ids(enc)
+
+    def refuse(arguments, timeout):
+        raise ToolError("refusing to run tools: sandbox layer 'landlock' is missing")
+
+    tool = Tool("functions.lookup", "", {"type": "object"}, refuse)
+    executor = ToolExecutor(ToolRegistry([tool]), timeout_s=5.0, max_concurrent=2, max_chars=100)
+    call = _function_call(ids, "lookup", "{}")
+    engine = ScriptedEngine({(1, 2): [call], (3,): [ids("word " * 50)]})
+    loop = AgentLoop(engine, executor, SamplingParams(max_new_tokens=64), AgentConfig())
+    with pytest.raises(ToolError, match="landlock"):
+        loop.rollout([[1, 2], [3]])
+    assert len(engine.sessions) == 2 and all(s["closed"] for s in engine.sessions.values())

@@ -52,7 +52,7 @@ def learner():
     return model
 
 
-def _rollout(learner, prompts, max_turns):
+def _rollout(learner, prompts, max_turns, use_sessions=True):
     engine = EmbeddedEngine(
         CONFIG, seed=0, options=EmbeddedEngineConfig(max_batch_slots=2, block_size=4, max_step_tokens=6)
     )
@@ -60,8 +60,7 @@ def _rollout(learner, prompts, max_turns):
     executor = ToolExecutor(ToolRegistry([LOOKUP]), timeout_s=10.0, max_concurrent=2, max_chars=100)
     agent = AgentConfig(builtin_tools=[], max_turns=max_turns, max_total_tokens=60)
     params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=7)
-    loop = AgentLoop(engine, executor, params, agent, TEST_FORMAT)
-    assert loop.use_sessions
+    loop = AgentLoop(engine, executor, params, agent, TEST_FORMAT, use_sessions=use_sessions)
     return loop.rollout(prompts)
 
 
@@ -121,3 +120,23 @@ def test_loop_through_engine_sessions_matches_the_learner(learner):
     after = build_batch(prompts, responses, logprobs, rewards, [s.response_mask for s in single])
     adv = torch.tensor(rewards)[:, None].expand_as(before.loss_mask).contiguous()
     assert torch.equal(_loss(learner, before, adv)[1], _loss(learner, after, adv)[1])
+
+
+def test_loop_regenerating_through_the_engine_matches_the_learner(learner):
+    """The path of engines without sessions (vLLM): every turn generated from the whole trajectory."""
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 80, (n,), generator=gen).tolist() for n in (6, 4, 8)]
+    trajs = _rollout(learner, prompts, max_turns=4, use_sessions=False)
+    assert sum(TOOL in t.sources for t in trajs) >= 1, [(t.turns, t.finish_reason) for t in trajs]
+    batch = build_batch(
+        prompts,
+        [t.token_ids for t in trajs],
+        [t.logprobs for t in trajs],
+        [0.0] * len(trajs),
+        response_masks=[t.response_mask for t in trajs],
+    )
+    with torch.no_grad():
+        lp, _ = packed_logprobs(learner, batch, temperature=1.0)
+    mask = batch.loss_mask.bool()
+    assert (lp[mask] - batch.rollout_logprobs[mask]).abs().max() <= 1e-6
+    assert (batch.rollout_logprobs[batch.valid & ~mask] == 0).all()
