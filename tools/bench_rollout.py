@@ -12,11 +12,13 @@ present) and loaded through `hf.io.iter_checkpoint`, dequantized to bf16. One en
 `EmbeddedEngine.reconfigure` switches the schedule and batch slots without reloading.
 
 Parts:
-    check     a small fp32 model on the same device: continuous (3 slots, chunked prefill) and static
-              schedules give the same tokens, log-probs within 1e-5 of each other; fails the run otherwise
-    decode    per --slots B: B prompts of --prompt-len tokens, --decode-steps tokens each, no stop: the
-              median time of a decode step with B rows, against the roofline time = (bytes of the weights
-              read by that step + bytes of the KV read) / bandwidth, for the spec bandwidth of the GPU
+    check     a small fp32 model on the same device: continuous (3 slots, chunked prefill, decode graphs on a
+              GPU), static, and continuous with eager decode steps give the same tokens, log-probs within
+              1e-5 of each other; fails the run otherwise (the row says whether the graphs were captured)
+    decode    per --slots B, decode steps eager and (GPU) from CUDA graphs: B prompts of --prompt-len
+              tokens prefilled --decode-chunk tokens a step, then at least --decode-steps steps decoding all
+              B rows (no stop): the median time of such a step, against the roofline time = (bytes of the
+              weights read by that step + bytes of the KV read) / bandwidth, for the spec bandwidth of the GPU
               (H100 SXM 3.35 TB/s, H200 4.8 TB/s) and a measured device copy rate (2 x bytes / time of a
               1 GiB copy). Weights read: every non-expert weight and the output layer once, and of each
               layer's experts those hit, E (1 - (1 - k / E)^B) in expectation for uniform routing
@@ -25,8 +27,9 @@ Parts:
     workload  per --slots B: 4 B prompts (--prompts-per-slot) of --prompt-len tokens, response lengths drawn
               from a log-normal (median --median-response, sigma --sigma) clipped to [16, --max-response]
               and given to each row as its budget (no stop token): tokens/s and peak memory of the
-              continuous schedule, then of the static one (batches of B prompts run to their longest row);
-              out of memory is reported as such
+              continuous schedule with decode graphs, then of the static one with eager decode steps
+              (batches of B prompts run to their longest row: the engine before continuous batching and
+              graphs); out of memory is reported as such
     slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights, per --slots
 
 Prints one markdown table per part; --json appends every result as a JSON line.
@@ -126,17 +129,41 @@ def write_synthetic_mxfp4(config: ModelConfig, path: Path, seed: int = 0) -> Pat
     return path
 
 
-def engine_options(args, slots: int, schedule: str = "continuous", new: int | None = None):
+def engine_options(
+    args,
+    slots: int,
+    schedule: str = "continuous",
+    new: int | None = None,
+    graphs: str = "auto",
+    chunk: int | None = None,
+):
     """Options for `slots` rows of --prompt-len tokens and `new` new tokens at most (default
-    --decode-steps): a fixed cache of exactly what they need."""
+    --decode-steps): a fixed cache of exactly what they need; a step holds every decoding row plus `chunk`
+    prefill tokens (default --step-tokens), so prefill advances however many rows decode."""
     longest = args.prompt_len + (args.decode_steps if new is None else new)
     return EmbeddedEngineConfig(
         schedule=schedule,
         max_batch_slots=slots,
         block_size=args.block_size,
-        max_step_tokens=max(args.step_tokens, slots),
+        max_step_tokens=slots + (args.step_tokens if chunk is None else chunk),
         kv_blocks=slots * math.ceil(longest / args.block_size) + 1,
+        cuda_graphs=graphs,
     )
+
+
+def graph_modes(device: torch.device) -> list[str]:
+    """Decode graph modes to compare: eager ("off") and, on a GPU, captured graphs ("auto")."""
+    return ["off", "auto"] if device.type == "cuda" else ["off"]
+
+
+def graphs_used(engine: EmbeddedEngine) -> str:
+    """How the last request's decode steps ran: "captured", "eager", or the capture's failure."""
+    graphs = engine._graphs
+    if graphs is None:
+        return "eager"
+    if graphs.failure is not None:
+        return f"capture failed ({graphs.failure[:60]})"
+    return "captured" if any(b.graph is not None for b in graphs._buffers.values()) else "eager"
 
 
 # ------------------------------------------------------------------------------------------------ roofline
@@ -205,49 +232,71 @@ def part_check(args, device) -> list[dict]:
     prompts = [torch.randint(0, 512, (int(n),), generator=gen).tolist() for n in torch.randint(1, 40, (12,))]
     budgets = torch.randint(1, 30, (12,), generator=gen).tolist()
     params = SamplingParams(temperature=0.9, seed=7)
-    results = {}
-    for schedule, slots in (("continuous", 3), ("static", 4)):
+    results, ran = {}, "eager"
+    # continuous (decode graphs on a GPU), static, and continuous with every decode step eager
+    for name, schedule, slots, graphs in (
+        ("continuous", "continuous", 3, "auto"),
+        ("static", "static", 4, "auto"),
+        ("eager", "continuous", 3, "off"),
+    ):
         engine.reconfigure(EmbeddedEngineConfig(schedule=schedule, max_batch_slots=slots, block_size=8,
-                                                max_step_tokens=16))  # fmt: skip
-        results[schedule] = engine.generate(prompts, params, max_new_tokens=budgets)
-    same = all(a.token_ids == b.token_ids for a, b in zip(results["continuous"], results["static"]))
+                                                max_step_tokens=16, cuda_graphs=graphs))  # fmt: skip
+        results[name] = engine.generate(prompts, params, max_new_tokens=budgets)
+        ran = graphs_used(engine) if name == "continuous" else ran
+    ref = results["continuous"]
+    same = all(a.token_ids == b.token_ids for other in results.values() for a, b in zip(ref, other))
     worst = max(
         max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs))
-        for a, b in zip(results["continuous"], results["static"])
+        for other in results.values()
+        for a, b in zip(ref, other)
     )
-    row = {"part": "check", "tokens_equal": same, "max_logprob_delta": worst}
+    row = {"part": "check", "continuous_ran": ran, "tokens_equal": same, "max_logprob_delta": worst}
     if not same or worst > 1e-5:
-        raise SystemExit(f"continuous and static schedules disagree: {row}")
+        raise SystemExit(f"continuous, static and eager-decode runs disagree: {row}")
     return [row]
 
 
 def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:
+    """Continuous batching prefills the prompts --decode-chunk tokens a step while the rows prefilled first
+    already decode; every row's budget covers those prefill steps plus --decode-steps, so the last
+    --decode-steps steps (at least) decode all rows and nothing else: those are the measured steps."""
     rows = []
     spec, copy = spec_bandwidth(device), measured_bandwidth(device)
     size = engine.dtype.itemsize
     for slots in args.slots:
-        engine.reconfigure(engine_options(args, slots))
+        prefill_steps = math.ceil(slots * args.prompt_len / args.decode_chunk)
+        new = args.decode_steps + prefill_steps
         prompts = prompts_of(slots, args.prompt_len, config.vocab_size, seed=slots)
-        engine.log = []
-        try:
-            engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[args.decode_steps] * slots)
-        except torch.cuda.OutOfMemoryError:
-            rows.append({"part": "decode", "slots": slots, "status": "out of memory"})
-            continue
-        full = [(t, keys) for t, n, p, keys in engine.log if n == slots and p == 0]
-        step = statistics.median(t for t, _ in full)
-        keys = statistics.median(k for _, k in full)
-        contexts = [int(keys // slots)] * slots
-        nbytes = decode_bytes(config, slots, keys_per_step(config, contexts), size, size)
-        rows.append({
-            "part": "decode", "slots": slots, "step_ms": 1e3 * step, "tokens_per_s": slots / step,
-            "gbytes_read": nbytes / 1e9,
-            "roofline_ms_spec": None if spec is None else 1e3 * nbytes / spec,
-            "roofline_ms_copy": None if copy is None else 1e3 * nbytes / copy,
-            "x_roofline_spec": None if spec is None else step / (nbytes / spec),
-            "x_roofline_copy": None if copy is None else step / (nbytes / copy),
-        })  # fmt: skip
+        for graphs in graph_modes(device):
+            engine.reconfigure(engine_options(args, slots, new=new, graphs=graphs, chunk=args.decode_chunk))
+            engine.log = []
+            head = {"part": "decode", "slots": slots, "graphs": graphs}
+            try:
+                engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * slots)
+            except torch.cuda.OutOfMemoryError:
+                rows.append({**head, "status": "out of memory"})
+                continue
+            rows.append({**head, **decode_row(engine, config, slots, spec, copy, size)})
     return rows
+
+
+def decode_row(engine: TimedEngine, config: ModelConfig, slots: int, spec, copy, size: int) -> dict:
+    """The median decode-only step of all `slots` rows in the engine's log, against the roofline."""
+    full = [(t, keys) for t, n, p, keys in engine.log if n == slots and p == 0]
+    if not full:
+        return {"status": f"no decode-only step of {slots} rows in {len(engine.log)} steps"}
+    step = statistics.median(t for t, _ in full)
+    keys = statistics.median(k for _, k in full)
+    contexts = [int(keys // slots)] * slots
+    nbytes = decode_bytes(config, slots, keys_per_step(config, contexts), size, size)
+    return {
+        "ran": graphs_used(engine), "steps": len(full), "context": contexts[0], "step_ms": 1e3 * step,
+        "tokens_per_s": slots / step, "gbytes_read": nbytes / 1e9,
+        "roofline_ms_spec": None if spec is None else 1e3 * nbytes / spec,
+        "roofline_ms_copy": None if copy is None else 1e3 * nbytes / copy,
+        "x_roofline_spec": None if spec is None else step / (nbytes / spec),
+        "x_roofline_copy": None if copy is None else step / (nbytes / copy),
+    }  # fmt: skip
 
 
 def part_prefill(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:
@@ -275,14 +324,16 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         count = args.prompts_per_slot * slots
         prompts = prompts_of(count, args.prompt_len, config.vocab_size, seed=5)
         budgets = response_lengths(args, count)
-        for schedule in ("continuous", "static"):
-            engine.reconfigure(engine_options(args, slots, schedule, max(budgets)))
+        # after: continuous batching with decode graphs; before: the static schedule, decode eager
+        for schedule, graphs in (("continuous", "auto"), ("static", "off")):
+            engine.reconfigure(engine_options(args, slots, schedule, max(budgets), graphs))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             engine.log = []
-            row = {"part": "workload", "slots": slots, "schedule": schedule, "prompts": count,
-                   "response_mean": statistics.mean(budgets), "response_max": max(budgets)}  # fmt: skip
+            row = {"part": "workload", "slots": slots, "schedule": schedule, "graphs": graphs,
+                   "prompts": count, "response_mean": statistics.mean(budgets),
+                   "response_max": max(budgets)}  # fmt: skip
             try:
                 start = time.perf_counter()
                 outs = engine.generate(prompts, SamplingParams(seed=3), max_new_tokens=budgets)
@@ -292,7 +343,8 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
                 continue
             tokens = sum(len(o.token_ids) for o in outs)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            done = {"seconds": seconds, "tokens_per_s": tokens / seconds, "steps": len(engine.log)}
+            done = {"ran": graphs_used(engine), "seconds": seconds, "tokens_per_s": tokens / seconds,
+                    "steps": len(engine.log)}  # fmt: skip
             rows.append({**row, **done, "peak_gib": peak})
     return rows
 
@@ -336,7 +388,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--sigma", type=float, default=1.0)
     parser.add_argument("--max-response", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--step-tokens", type=int, default=512, help="max_step_tokens (prefill chunk budget)")
+    parser.add_argument(
+        "--step-tokens", type=int, default=512, help="prefill tokens per step (beside decode rows)"
+    )
+    parser.add_argument(
+        "--decode-chunk", type=int, default=4096, help="prefill tokens per step of the decode part"
+    )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     small = dict(slots=[2, 4], prompt_len=12, decode_steps=6, median_response=8, max_response=40)

@@ -118,7 +118,7 @@ class GPTOSSModel(nn.Module):
         rows = config.padded_vocab_size()
         self.pre_process, self.post_process = pre_process, post_process
         self.embedding = Embedding(rows, config.hidden_size, dtype, device) if pre_process else None
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = RotaryEmbedding(config, device)
         self.decoder = Decoder(config, dtype, device, layers, final_norm=post_process)
         self.output_layer = (
             OutputLayer(config.hidden_size, rows, config.vocab_size, dtype, device) if post_process else None

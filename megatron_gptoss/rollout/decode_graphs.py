@@ -8,11 +8,14 @@
          position -1 (they see no key and their outputs are dropped)
       -> replay the bucket's graph (captured on first use) -> final hidden states [1, Bb, H] -> rows [:B]
 
-Capture needs a forward without host synchronisation: the paged cache's `attend` (index copies and
-gathers), the Triton decode kernel or the eager attention with a fixed view width, and the fused expert
-kernels (`Experts.fused`). A capture that fails (an op that syncs) turns graphs off for the engine and the
-step runs eagerly. Graphs hold the cache's storage and the weights' addresses: they live as long as the
-cache (a grown pool, sleep or reconfigure drops them; `update_weights` copies in place and keeps them).
+Capture needs a forward without host synchronisation and without copies from the host: every input is
+in the bucket's device buffers (filled before the replay), every module buffer lives on the device (the
+rotary frequencies too), and the ops are the paged cache's `attend` (index copies and gathers), the
+Triton decode kernel or the eager attention with a fixed view width, and the fused expert kernels
+(`Experts.fused`). A capture that fails (an op that syncs or copies from the host) turns graphs off for the
+engine (`failure` says why) and the step runs eagerly. Graphs hold the cache's storage and the weights'
+addresses: they live as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights`
+copies in place and keeps them).
 
 `mode` "padded" runs the same bucketed buffers eagerly, without capture: on the CPU, where no graph can be
 captured, it checks the bucketing and padding against the unpadded step.
@@ -60,6 +63,8 @@ class DecodeGraphs:
         self.model, self.cache, self.max_batch, self.mode = model, cache, max_batch, mode
         self.device = next(model.parameters()).device
         self.enabled = True
+        # why capture failed (graphs are then off), None while it has not
+        self.failure: str | None = None
         self._buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self._sizes = self._pool_sizes()
         self._pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -133,7 +138,10 @@ class DecodeGraphs:
             b.graph = graph
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)
-            log.warning("CUDA graph capture of the decode step failed, running eagerly: %s", err)
+            log.warning(
+                "CUDA graph capture of the decode step failed, running eagerly: %s", err, exc_info=True
+            )
+            self.failure = f"{type(err).__name__}: {err}"
             self.enabled = False
             self._buffers.clear()
             return False

@@ -20,7 +20,9 @@ def test_engine_with_triton_decode_matches_learner(monkeypatch):
     with torch.no_grad():
         for p in learner.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    engine = EmbeddedEngine(cfg, seed=0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU runs Triton under its interpreter
+    learner.to(device)
+    engine = EmbeddedEngine(cfg, device=device, seed=0)
     engine.update_weights(iter_hf_tensors(learner, cfg))
 
     import megatron_gptoss.model.attention as attention
@@ -32,7 +34,7 @@ def test_engine_with_triton_decode_matches_learner(monkeypatch):
     assert calls  # the cache path went through the Triton decode kernel
     with torch.no_grad():
         for out in outs:
-            ids = torch.tensor(out.prompt_ids + out.token_ids)[None]
+            ids = torch.tensor(out.prompt_ids + out.token_ids, device=device)[None]
             hidden = learner.hidden_states(ids[:, :-1])
             ref = token_logprobs(hidden, learner.output_weight(), ids[:, 1:])[0][len(out.prompt_ids) - 1 :]
-            assert (torch.tensor(out.logprobs) - ref).abs().max() <= 1e-6
+            assert (torch.tensor(out.logprobs) - ref.cpu()).abs().max() <= 1e-6

@@ -7,7 +7,7 @@ import torch
 
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model import build_model
+from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.ops import backend_available
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
@@ -41,13 +41,25 @@ def test_padded_decode_buffers_equal_the_eager_step():
 
 
 def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():
-    """The GPU attention path (the Triton decode kernel, interpreted on the CPU): padding rows with no key
-    and left-padded prefill chunks give the eager path's tokens and log-probs."""
+    """The GPU attention path (the Triton decode kernel: on the GPU where there is one, interpreted on the
+    CPU otherwise): padding rows with no key and left-padded prefill chunks give the eager path's tokens and
+    log-probs."""
     if not backend_available("triton"):
         pytest.skip("triton is not installed")
-    _, outs = generate("cpu", "padded", backend="triton")
-    _, ref = generate("cpu", "off")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, outs = generate(device, "padded", backend="triton")
+    _, ref = generate(device, "off", backend="eager")
     assert_same(outs, ref, 1e-5)
+
+
+def test_model_keeps_every_buffer_on_its_device():
+    """A captured decode step may not copy from the host: the model built for a device holds every parameter
+    and buffer (the rotary frequencies included) there, none on the host."""
+    model = GPTOSSModel(gpt_oss_tiny(), device="meta")
+    on_host = [
+        name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"
+    ]
+    assert not on_host, f"left on the host: {on_host}"
 
 
 @pytest.mark.gpu
@@ -55,6 +67,7 @@ def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():
 def test_captured_decode_graphs_equal_the_eager_step():
     engine, outs = generate("cuda", "auto")
     _, ref = generate("cuda", "off")
-    assert engine._graphs is not None and engine._graphs.enabled, "capture failed: decode ran eagerly"
+    assert engine._graphs is not None
+    assert engine._graphs.enabled, f"capture failed, decode ran eagerly: {engine._graphs.failure}"
     assert any(b.graph is not None for b in engine._graphs._buffers.values())
     assert_same(outs, ref, 1e-5)
