@@ -14,7 +14,8 @@ present) and loaded through `hf.io.iter_checkpoint`, dequantized to bf16. One en
 Parts:
     check     a small fp32 model on the same device: continuous (3 slots, chunked prefill, decode graphs on a
               GPU), static, and continuous with eager decode steps give the same tokens, log-probs within
-              1e-5 of each other; fails the run otherwise (the row says whether the graphs were captured)
+              1e-5 of each other; on a GPU also bf16 decode steps replayed from CUDA graphs against the same
+              bucketed steps run eagerly (tokens equal, log-probs within 1e-6); fails the run otherwise
     decode    per --slots B, decode steps eager and (GPU) from CUDA graphs: B prompts of --prompt-len
               tokens prefilled --decode-chunk tokens a step, then at least --decode-steps steps decoding all
               B rows (no stop): the median time of such a step, against the roofline time = (bytes of the
@@ -250,10 +251,32 @@ def part_check(args, device) -> list[dict]:
         for other in results.values()
         for a, b in zip(ref, other)
     )
-    row = {"part": "check", "continuous_ran": ran, "tokens_equal": same, "max_logprob_delta": worst}
+    row = {"part": "check", "dtype": "float32", "continuous_ran": ran, "tokens_equal": same,
+           "max_logprob_delta": worst}  # fmt: skip
     if not same or worst > 1e-5:
         raise SystemExit(f"continuous, static and eager-decode runs disagree: {row}")
-    return [row]
+    return [row] + ([check_graphs(model, config, prompts, budgets, params)] if device.type == "cuda" else [])
+
+
+def check_graphs(model, config: ModelConfig, prompts, budgets, params: SamplingParams) -> dict:
+    """bf16 (where the decode step is captured): decode steps replayed from CUDA graphs give the tokens and
+    log-probs of the same bucketed buffers run eagerly ("padded"); fails the run otherwise."""
+    engine = EmbeddedEngine(config, torch.bfloat16, model.embedding.weight.device)
+    engine.update_weights(iter_hf_tensors(model, config))
+    results, ran = {}, "eager"
+    for graphs in ("auto", "padded"):
+        engine.reconfigure(EmbeddedEngineConfig(max_batch_slots=3, block_size=8, max_step_tokens=16,
+                                                cuda_graphs=graphs))  # fmt: skip
+        results[graphs] = engine.generate(prompts, params, max_new_tokens=budgets)
+        ran = graphs_used(engine) if graphs == "auto" else ran
+    pairs = list(zip(results["auto"], results["padded"]))
+    same = all(a.token_ids == b.token_ids for a, b in pairs)
+    worst = max(max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) for a, b in pairs)
+    row = {"part": "check", "dtype": "bfloat16", "continuous_ran": ran, "tokens_equal": same,
+           "max_logprob_delta": worst}  # fmt: skip
+    if ran != "captured" or not same or worst > 1e-6:
+        raise SystemExit(f"decode graphs and the eager bucketed step disagree (or no capture): {row}")
+    return row
 
 
 def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[dict]:

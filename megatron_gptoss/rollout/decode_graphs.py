@@ -12,7 +12,8 @@ Capture needs a forward without host synchronisation and without copies from the
 in the bucket's device buffers (filled before the replay), every module buffer lives on the device (the
 rotary frequencies too), and the ops are the paged cache's `attend` (index copies and gathers), the
 Triton decode kernel or the eager attention with a fixed view width, and the fused expert kernels
-(`Experts.fused`). A capture that fails (an op that syncs or copies from the host) turns graphs off for the
+(`Experts.fused`; torch._grouped_mm reads its offsets on the host for float32 weights, so a float32 engine
+is not captured). A capture that fails (an op that syncs or copies from the host) turns graphs off for the
 engine (`failure` says why) and the step runs eagerly. Graphs hold the cache's storage and the weights'
 addresses: they live as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights`
 copies in place and keeps them).
@@ -68,6 +69,13 @@ class DecodeGraphs:
         self._buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
         self._sizes = self._pool_sizes()
         self._pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
+        dtype = next(model.parameters()).dtype
+        if mode == "capture" and dtype == torch.float32:
+            self.enabled = False
+            self.failure = (
+                "float32 weights: torch._grouped_mm (the fused experts) reads its group offsets on the host "
+                "for float32, so the decode step runs eagerly"
+            )
 
     def _pool_sizes(self) -> tuple[int, ...]:
         return tuple(pool.num_blocks for pool in self.cache.pools)

@@ -65,9 +65,14 @@ def test_model_keeps_every_buffer_on_its_device():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_decode_graphs_equal_the_eager_step():
-    engine, outs = generate("cuda", "auto")
-    _, ref = generate("cuda", "off")
+    """bf16 (the fused experts are capturable in bf16): the replayed graphs give the tokens and log-probs of
+    the same bucketed buffers run eagerly, which equal the unpadded step (the CPU tests above); a float32
+    engine is not captured and says why."""
+    engine, outs = generate("cuda", "auto", torch.bfloat16)
+    _, ref = generate("cuda", "padded", torch.bfloat16)
     assert engine._graphs is not None
     assert engine._graphs.enabled, f"capture failed, decode ran eagerly: {engine._graphs.failure}"
     assert any(b.graph is not None for b in engine._graphs._buffers.values())
-    assert_same(outs, ref, 1e-5)
+    assert_same(outs, ref, 1e-6)
+    fp32, _ = generate("cuda", "auto")
+    assert fp32._graphs is not None and not fp32._graphs.enabled and "float32" in str(fp32._graphs.failure)
