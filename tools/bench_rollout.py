@@ -158,12 +158,12 @@ def graph_modes(device: torch.device) -> list[str]:
 
 
 def graphs_used(engine: EmbeddedEngine) -> str:
-    """How the last request's decode steps ran: "captured", "eager", or the capture's failure."""
+    """How the last request's decode steps ran: "captured", or "eager" (and why, where graphs were off)."""
     graphs = engine._graphs
     if graphs is None:
         return "eager"
     if graphs.failure is not None:
-        return f"capture failed ({graphs.failure[:60]})"
+        return f"eager, not captured ({graphs.failure[:60]})"
     return "captured" if any(b.graph is not None for b in graphs._buffers.values()) else "eager"
 
 
@@ -255,13 +255,15 @@ def part_check(args, device) -> list[dict]:
            "max_logprob_delta": worst}  # fmt: skip
     if not same or worst > 1e-5:
         raise SystemExit(f"continuous, static and eager-decode runs disagree: {row}")
-    return [row] + ([check_graphs(model, config, prompts, budgets, params)] if device.type == "cuda" else [])
+    return [row] + (
+        [check_graphs(model, config, prompts, budgets, params, device)] if device.type == "cuda" else []
+    )
 
 
-def check_graphs(model, config: ModelConfig, prompts, budgets, params: SamplingParams) -> dict:
+def check_graphs(model, config: ModelConfig, prompts, budgets, params: SamplingParams, device) -> dict:
     """bf16 (where the decode step is captured): decode steps replayed from CUDA graphs give the tokens and
     log-probs of the same bucketed buffers run eagerly ("padded"); fails the run otherwise."""
-    engine = EmbeddedEngine(config, torch.bfloat16, model.embedding.weight.device)
+    engine = EmbeddedEngine(config, torch.bfloat16, device)
     engine.update_weights(iter_hf_tensors(model, config))
     results, ran = {}, "eager"
     for graphs in ("auto", "padded"):
