@@ -5,31 +5,19 @@ import math
 
 import pytest
 import torch
+from helpers_engine import CONFIG, engine_of, perturbed_learner
 
-from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig, gpt_oss_tiny
+from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig
 from megatron_gptoss.errors import EngineError
-from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model import build_model, token_logprobs
+from megatron_gptoss.model import token_logprobs
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
-CONFIG = gpt_oss_tiny()  # window 8, sliding / full layers
 STOPS = [29, 83, 17]  # rows 0, 1, 2 stop after 5, 7, 8 tokens; the others reach max_new_tokens
 
 
 @pytest.fixture(scope="module")
 def learner():
-    model = build_model(CONFIG, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model
-
-
-def engine_of(learner, **options) -> EmbeddedEngine:
-    engine = EmbeddedEngine(CONFIG, seed=0, options=EmbeddedEngineConfig(**options))
-    engine.update_weights(iter_hf_tensors(learner, CONFIG))
-    return engine
+    return perturbed_learner(3)
 
 
 def prompts_of(lengths, seed=5) -> list[list[int]]:

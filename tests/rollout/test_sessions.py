@@ -3,31 +3,18 @@ router replay, and sleep / wake freeing the cache and the weights."""
 
 import pytest
 import torch
+from helpers_engine import CONFIG, engine_of, perturbed_learner
 
-from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.engine_api import SessionEngine
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model import build_model, token_logprobs
-from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
-
-CONFIG = gpt_oss_tiny()
+from megatron_gptoss.model import token_logprobs
+from megatron_gptoss.rollout import SamplingParams
 
 
 @pytest.fixture(scope="module")
 def learner():
-    model = build_model(CONFIG, seed=11)
-    gen = torch.Generator().manual_seed(12)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    return model
-
-
-def engine_of(learner, **options) -> EmbeddedEngine:
-    engine = EmbeddedEngine(CONFIG, seed=0, options=EmbeddedEngineConfig(**options))
-    engine.update_weights(iter_hf_tensors(learner, CONFIG))
-    return engine
+    return perturbed_learner(11)
 
 
 def learner_logprobs(model, sequence: list[int], start: int) -> torch.Tensor:
