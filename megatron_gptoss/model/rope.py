@@ -37,14 +37,16 @@ class RotaryEmbedding(torch.nn.Module):
     """cos/sin [..., head_dim / 2] of integer positions, computed in fp32, cast to the activation dtype.
 
     The inverse frequencies are computed on the host and kept on `device`, so a forward on that device
-    copies nothing from the host (a decode step captured in a CUDA graph may not)."""
+    copies nothing from the host (a decode step captured in a CUDA graph may not). A model built on the meta
+    device keeps them on the host, with their values, for `parallel.loading.materialize` to move."""
 
     inv_freq: torch.Tensor
 
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         inv_freq, self.concentration = yarn_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        on_meta = device is not None and torch.device(device).type == "meta"
+        self.register_buffer("inv_freq", inv_freq if on_meta else inv_freq.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)

@@ -9,6 +9,7 @@ from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.ops import backend_available
+from megatron_gptoss.parallel.loading import materialize
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
 PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 7, 30, 1], [11], [8, 8, 8, 8, 8], [70, 1], [3, 1, 4, 1, 5, 9]]
@@ -52,12 +53,22 @@ def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():
     assert_same(outs, ref, 1e-5)
 
 
-def test_model_keeps_every_buffer_on_its_device():
-    """A captured decode step may not copy from the host: the model built for a device holds every parameter
-    and buffer (the rotary frequencies included) there, none on the host."""
+def test_a_model_built_on_meta_materializes_its_rotary_frequencies():
+    """The rotary frequencies of a model built on the meta device (the parallel engines' and learners' path)
+    keep their values through `materialize`: equal to those of a model built on the CPU."""
     model = GPTOSSModel(gpt_oss_tiny(), device="meta")
+    materialize(model, "cpu")
+    assert torch.equal(model.rotary.inv_freq, GPTOSSModel(gpt_oss_tiny()).rotary.inv_freq)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_model_keeps_every_buffer_on_its_device():
+    """A captured decode step may not copy from the host: the model built for a GPU holds every parameter
+    and buffer (the rotary frequencies included) there, none on the host."""
+    model = GPTOSSModel(gpt_oss_tiny(), device="cuda")
     on_host = [
-        name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"
+        name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "cuda"
     ]
     assert not on_host, f"left on the host: {on_host}"
 
