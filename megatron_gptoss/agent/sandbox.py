@@ -24,21 +24,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_gptoss.config.agent import SandboxConfig
+from megatron_gptoss.config.agent import SANDBOX_LIMITS, SandboxConfig
 from megatron_gptoss.errors import ToolError
 
 LAUNCHER = Path(__file__).with_name("launcher.py")
 START_TIMEOUT_S = 60.0  # seconds the launcher may take to start and run its trial sandbox
 REPLY_SLACK_S = 15.0  # seconds past a call's timeout before the launcher is presumed stuck
-LIMIT_FIELDS = (
-    "memory_bytes",
-    "output_bytes",
-    "cpu_s",
-    "processes",
-    "file_bytes",
-    "disk_bytes",
-    "open_files",
-)
 
 
 @dataclass(frozen=True)
@@ -139,7 +130,7 @@ class SandboxLauncher:
                 "id": call_id,
                 "code": code,
                 "timeout_s": timeout_s,
-                "limits": {name: getattr(limits, name) for name in LIMIT_FIELDS},
+                "limits": {name: getattr(limits, name) for name in SANDBOX_LIMITS},
                 "temp_root": limits.temp_root or None,
             }
             assert self._proc.stdin is not None

@@ -14,6 +14,16 @@ BUILTIN_TOOLS = ("python", "calculator")
 _USER_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 _TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOOL_KEYS = {"name", "function", "description", "parameters"}
+# The SandboxConfig fields that are limits (each at least 1), in the order the launcher receives them.
+SANDBOX_LIMITS = (
+    "memory_bytes",
+    "output_bytes",
+    "cpu_s",
+    "processes",
+    "file_bytes",
+    "disk_bytes",
+    "open_files",
+)
 
 
 @dataclass
@@ -43,15 +53,7 @@ class SandboxConfig:
     uid_base: int = 1_500_000_000
 
     def validate(self) -> None:
-        for name in (
-            "memory_bytes",
-            "output_bytes",
-            "cpu_s",
-            "processes",
-            "file_bytes",
-            "disk_bytes",
-            "open_files",
-        ):
+        for name in SANDBOX_LIMITS:
             if getattr(self, name) < 1:
                 raise ConfigError(f"sandbox.{name} must be >= 1, got {getattr(self, name)}")
         if self.memory_bytes < 64 << 20:

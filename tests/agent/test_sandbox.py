@@ -16,8 +16,8 @@ import pytest
 from megatron_gptoss.agent import SandboxLauncher, run_python
 from megatron_gptoss.agent import launcher as launcher_module
 from megatron_gptoss.agent import linux_sandbox as ls
-from megatron_gptoss.agent.sandbox import LIMIT_FIELDS
 from megatron_gptoss.config import SandboxConfig
+from megatron_gptoss.config.agent import SANDBOX_LIMITS
 from megatron_gptoss.errors import ToolError
 
 SECRET_VAR = "MEGATRON_GPTOSS_TEST_SECRET"
@@ -244,7 +244,7 @@ def test_launcher_of_a_user_who_is_not_root():
     try:
         hello = json.loads(proc.stdout.readline())
         assert hello["layers"] == {"landlock": None, "seccomp": None, "user namespace": None}
-        limits = {name: getattr(LIMITS, name) for name in LIMIT_FIELDS}
+        limits = {name: getattr(LIMITS, name) for name in SANDBOX_LIMITS}
         codes = [
             "import os; print(os.getuid(), os.getpid())",
             f"open({str(Path(__file__).resolve())!r}).read()",

@@ -3,7 +3,6 @@ from Normal(0, init_std) with the run's seed (a world of one, no engine)."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_gptoss.config import load_config
 from megatron_gptoss.hf.io import save_hf
@@ -14,14 +13,7 @@ from megatron_gptoss.trainer.colocated import Colocated
 BASE = ["algorithm.advantage=gae", "model.num_layers=2", "run.seed=3"]
 
 
-@pytest.fixture(autouse=True)
-def world_of_one(tmp_path):
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # tests/trainer/conftest.py
 
 
 def _setup(overrides):

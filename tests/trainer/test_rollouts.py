@@ -6,22 +6,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_gptoss.config import ConfigError, load_config
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.rl.dapo import overlong_penalty, uniform_groups
 from megatron_gptoss.trainer.rollouts import collect_rollouts, combine_reward_metrics
 
-
-@pytest.fixture(autouse=True)
-def world_of_one(tmp_path):
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")  # tests/trainer/conftest.py
 
 
 @dataclass
