@@ -8,7 +8,7 @@ from torch import nn
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.norm import rms_norm
 from megatron_gptoss.model.rope import apply_rotary
-from megatron_gptoss.ops import backend_available, sink_attention, sink_decode
+from megatron_gptoss.ops import backend_available, sink_attention, sink_decode, sink_paged_decode
 from megatron_gptoss.ops.cached_attention import cached_sink_attention
 from megatron_gptoss.ops.sink_attention import resolve_backend
 
@@ -80,23 +80,36 @@ class SelfAttention(nn.Module):
         q = grouped[..., :r, :].reshape(*lead, self.num_groups * r, d)
         return q, grouped[..., r, :], grouped[..., r + 1, :]
 
-    def _cached_attention(self, q, k_all, v_all, positions, kv_slots=None):
-        """New queries q [b, t] against the KV cache [b, S] (slot = position): the Triton decode kernel where
-        the training forward runs Triton (its decode rows equal its training rows bit for bit; a row's new
-        queries are its last t positions, so padding goes first), the eager path otherwise, over the first
-        `kv_slots` slots (None: up to the largest query position, read on the host)."""
-        sinks = self.core_attention.softmax_offset.float()
-        window = self.core_attention.window
+    def _uses_triton(self, q: torch.Tensor) -> bool:
+        """Whether cached attention runs the Triton kernels: where the training forward runs Triton (its
+        decode rows equal its training rows bit for bit)."""
         backend = self.core_attention.backend
-        use_triton = backend == "triton" or (
+        return backend == "triton" or (
             backend == "auto"
             and resolve_backend(None, q) in ("triton", "fa4")
             and backend_available("triton", q)
         )
-        if use_triton:
+
+    def _cached_attention(self, q, k_all, v_all, positions, kv_slots=None):
+        """New queries q [b, t] against the KV cache [b, S] (slot = position): the Triton decode kernel where
+        the training forward runs Triton (a row's new queries are its last t positions, so padding goes
+        first), the eager path otherwise, over the first `kv_slots` slots (None: up to the largest query
+        position, read on the host)."""
+        sinks = self.core_attention.softmax_offset.float()
+        window = self.core_attention.window
+        if self._uses_triton(q):
             seqlens = (positions[:, -1] + 1).to(torch.int32)
             return sink_decode(q, k_all, v_all, sinks, seqlens, window=window)
         return cached_sink_attention(q, k_all, v_all, sinks, positions, window=window, kv_slots=kv_slots)
+
+    def _paged_decode(self, q, k_pool, v_pool, table, positions, q_view):
+        """One new query per row, q [b, Hq, D], read through the block table (`sink_paged_decode`) where
+        cached attention runs Triton; None otherwise (the cache then gathers a dense view)."""
+        if not self._uses_triton(q):
+            return None
+        sinks = self.core_attention.softmax_offset.float()
+        window = self.core_attention.window
+        return sink_paged_decode(q, k_pool, v_pool, sinks, table, positions, q_view, window=window)
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
         qkv = self.linear_qkv(x)
@@ -105,7 +118,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.split_qkv(qkv)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            out = cache.attend(self.layer, q, k, v, positions, self._cached_attention)
+            out = cache.attend(self.layer, q, k, v, positions, self._cached_attention, self._paged_decode)
         elif cu_seqlens is not None:
             flat = (batch * tokens, -1, self.head_dim)
             out = self.core_attention(

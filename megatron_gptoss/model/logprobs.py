@@ -31,8 +31,8 @@ def _half_gemms(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16) and _mm_out_dtype_supported()
 
 
-def _logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """h [n, H] @ weight[V, H]^T in fp32."""
+def fp32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """h [n, H] @ weight[V, H]^T in fp32 (the rollout engines' logits are computed the same way)."""
     if _half_gemms(h) and weight.dtype == h.dtype:
         return torch.mm(h, weight.t(), out_dtype=torch.float32)
     return h.float() @ weight.float().t()
@@ -46,7 +46,7 @@ def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
 
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
     """One chunk: (log_softmax [n, V], softmax [n, V], logprob of target [n], entropy [n]), fp32."""
-    logp = _logits(h, weight).mul_(inv_temp)
+    logp = fp32_logits(h, weight).mul_(inv_temp)
     logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
     p = torch.exp(logp)
     entropy = -(p * logp).sum(-1)

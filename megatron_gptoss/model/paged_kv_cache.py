@@ -10,12 +10,14 @@
 One forward of the engine computes a packed set of tokens [1, N] from many sequences (`StepLayout`, built on
 the host by the scheduler and copied to the device once per step). In every layer `PagedKVCache.attend`
 writes the new keys and values at their slots (one `index_copy_`), then per attention group (the decoding
-rows, one new token each; the prefilling rows, their chunks left-padded to the longest) gathers each row's
-blocks into a dense [b, blocks x block_size, Hkv, D] view and calls the layer's cached-attention kernel on
-it with the queries' positions in that view: slot = position for full attention; a sliding-window group's
-view starts at the row's first unreleased block f, so its slot = position - f x block_size (keys carry
-their rotary phase already, and visibility depends on position differences only). No value is read back
-on the host inside a layer.
+rows, one new token each; the prefilling rows, their chunks left-padded to the longest) runs attention
+with the queries' positions in the row's view: slot = position for full attention; a sliding-window group's
+view starts at the row's first unreleased block f, so its slot = position - f x block_size. The decoding
+rows go to the layer's paged kernel where it has one (the Triton backend: keys and values read through the
+block table inside the kernel, at their absolute positions); otherwise, and for prefill chunks, each row's
+blocks are gathered into a dense [b, blocks x block_size, Hkv, D] view for the layer's cached-attention
+kernel (keys carry their rotary phase already, and visibility depends on position differences only). No
+value is read back on the host inside a layer.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ import torch
 # attention_fn(q [b, t, Hq, D], keys [b, S, Hkv, D], values, q_positions int64 [b, t], kv_slots)
 #     -> [b, t, Hq, D]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+# paged_fn(q [b, Hq, D], pool keys [blocks, block_size, Hkv, D], pool values, tables [b, blocks],
+#     positions int64 [b], q_positions int64 [b]) -> [b, Hq, D], or None where the layer has no such kernel
+PagedFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None
+]
 
 
 class BlockPool:
@@ -173,8 +180,11 @@ class PagedKVCache:
         v: torch.Tensor,
         positions: torch.Tensor,
         attention_fn: AttentionFn,
+        paged_fn: PagedFn | None = None,
     ) -> torch.Tensor:
-        """q [1, N, Hq, D], k / v [1, N, Hkv, D] of the packed tokens -> attention output [1, N, Hq, D]."""
+        """q [1, N, Hq, D], k / v [1, N, Hkv, D] of the packed tokens -> attention output [1, N, Hq, D].
+        A group of one query per row goes to `paged_fn` (the blocks read through the table, no dense view)
+        where it returns a result."""
         layout = self.layout
         if layout is None:
             raise RuntimeError("PagedKVCache.attend before the scheduler set the step layout")
@@ -191,6 +201,13 @@ class PagedKVCache:
             b, t = group.token_index.shape
             table = group.tables[index]
             qg = q_flat.index_select(0, group.token_index.reshape(-1)).view(b, t, *q.shape[2:])
+            if t == 1 and paged_fn is not None:
+                rows = group.token_index[:, 0]
+                where = positions.reshape(-1).index_select(0, rows)
+                out = paged_fn(qg[:, 0], keys, values, table, where, group.q_positions[index][:, 0])
+                if out is not None:
+                    outs.append(out)
+                    continue
             slots_of_view = group.kv_slots[index]
             kg = keys[table].view(b, slots_of_view, *pool.shape[1:])
             vg = values[table].view(b, slots_of_view, *pool.shape[1:])

@@ -8,6 +8,7 @@ from megatron_gptoss.ops.sink_attention import (
     flex_sink_attention,
     sink_attention,
     sink_decode,
+    sink_paged_decode,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "flex_sink_attention",
     "sink_attention",
     "sink_decode",
+    "sink_paged_decode",
 ]

@@ -11,7 +11,8 @@ Layouts follow flash-attn: padded q [B, T, Hq, D], k/v [B, T, Hkv, D]; packed q 
 Backends:
     eager   PyTorch, materialises the [T, T] scores; accumulates in fp32 (fp64 for fp64 inputs). Reference.
     flex    torch flex_attention with the sink folded in through its log-sum-exp.
-    triton  our fused kernel (megatron_gptoss.ops.triton_sink_attention); `sink_decode` is its decode path.
+    triton  our fused kernel (megatron_gptoss.ops.triton_sink_attention); `sink_decode` is its decode path,
+            `sink_paged_decode` its decode path through a paged cache's block table.
     fa4     flash-attn-4's CuTe kernels with `learnable_sink` (megatron_gptoss.ops.fa4_sink_attention).
 """
 
@@ -92,6 +93,27 @@ def sink_decode(
         window=window,
         softmax_scale=softmax_scale,
         return_lse=return_lse,
+    )
+
+
+def sink_paged_decode(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    sinks: torch.Tensor,
+    block_table: torch.Tensor,
+    positions: torch.Tensor,
+    q_view: torch.Tensor,
+    *,
+    window: int | None = None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """One new query per row against its keys in a paged KV cache, read through the block table (the
+    embedded engine's decode rows); q [B, Hq, D] -> [B, Hq, D]. Runs the triton backend; each row equals its
+    training-forward row bit for bit (contract: `triton_paged_decode`)."""
+    module = importlib.import_module("megatron_gptoss.ops.triton_paged_decode")
+    return module.triton_paged_decode(
+        q, k_pool, v_pool, sinks, block_table, positions, q_view, window=window, softmax_scale=softmax_scale
     )
 
 

@@ -1,47 +1,81 @@
-"""Decode steps replayed from CUDA graphs, one per bucket of batch size and attention-view widths.
+"""Decode steps replayed from CUDA graphs, one per bucket of batch size, attention-view widths and sampling.
 
     a decode-only step of B rows (one new token each)
       -> its bucket: batch Bb = the smallest power of two >= B (up to `max_batch`), and per KV pool a view
-         width = the smallest power of two >= the step's widest block table
-      -> the step's token ids, positions, KV slots, block tables and query positions copied into the
-         bucket's static buffers; padding rows: token 0 at position 0, writing into the null block, query
-         position -1 (they see no key and their outputs are dropped)
-      -> replay the bucket's graph (captured on first use) -> final hidden states [1, Bb, H] -> rows [:B]
+         width = the smallest power of two >= the step's widest block table; with `Sampling` (every row
+         seeded, one temperature / top-k / top-p) also those parameters
+      -> the step's token ids, positions, KV slots, block tables, query positions (and the rows' seeds and
+         counters) copied into the bucket's static buffers; padding rows: token 0 at position 0, writing
+         into the null block, query position -1 (they see no key and their outputs are dropped)
+      -> replay the bucket's graph (captured on first use) -> final hidden states [1, Bb, H]; with
+         `Sampling` the graph goes on: fp32 logits of the output layer (`head`), the seeded sampler
+         (`rollout.sampling`) -> tokens and their log-probs [2, Bb] -> rows [:B]
 
 Capture needs a forward without host synchronisation and without copies from the host: every input is
 in the bucket's device buffers (filled before the replay), every module buffer lives on the device (the
-rotary frequencies too), and the ops are the paged cache's `attend` (index copies and gathers), the
-Triton decode kernel or the eager attention with a fixed view width, and the fused expert kernels
-(`Experts.fused`; torch._grouped_mm reads its offsets on the host for float32 weights, so a float32 engine
-is not captured). A capture that fails (an op that syncs or copies from the host) turns graphs off for the
-engine (`failure` says why) and the step runs eagerly. Graphs hold the cache's storage and the weights'
-addresses: they live as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights`
-copies in place and keeps them).
+rotary frequencies too), and the ops are the paged cache's `attend` (index copies; the Triton paged decode
+kernel reading keys through the block tables, or gathers and the eager attention with a fixed view width),
+the fused expert kernels (`Experts.fused`; torch._grouped_mm reads its offsets on the host for float32
+weights, so a float32 engine is not captured), and the sampler's sorts, cumulative sums and searches. A
+capture that fails (an op that syncs or copies from the host) turns graphs off for the engine (`failure`
+says why) and the step runs eagerly. Graphs hold the cache's storage and the weights' addresses: they live
+as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights` copies in place and
+keeps them).
+
+Host inputs are staged in pinned memory and copied with one non-blocking copy per step.
 
 `mode` "padded" runs the same bucketed buffers eagerly, without capture: on the CPU, where no graph can be
-captured, it checks the bucketing and padding against the unpadded step.
+captured, it checks the bucketing, padding and sampling against the unpadded step.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.paged_kv_cache import AttentionGroup, PagedKVCache, StepLayout
+from megatron_gptoss.rollout.sampling import sample_from_logits
+from megatron_gptoss.rollout.scheduler import staged
 
 log = logging.getLogger(__name__)
+
+# hidden states [B, H] -> fp32 logits [B, vocab_size]
+Head = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-class _Buffers:
-    """Static inputs of one bucket (and, once captured, its graph and output)."""
+@dataclass(frozen=True)
+class Sampling:
+    """Seeded sampling of every row of a decode step inside its graph: one temperature / top-k / top-p, and
+    per row its stream seed and counter (`rollout.sampling.sample_from_logits`)."""
 
-    def __init__(self, batch: int, widths: tuple[int, ...], block_size: int, device: torch.device):
+    params: SamplingParams
+    seeds: list[int]
+    counters: list[int]
+
+    def key(self) -> tuple[float, int, float]:
+        return (self.params.temperature, self.params.top_k, self.params.top_p)
+
+
+class _Buffers:
+    """Static inputs of one bucket (and, once captured, its graph and outputs)."""
+
+    def __init__(
+        self,
+        batch: int,
+        widths: tuple[int, ...],
+        block_size: int,
+        device: torch.device,
+        params: SamplingParams | None,
+    ):
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
@@ -49,24 +83,41 @@ class _Buffers:
         self.slots = [zeros(batch) for _ in widths]
         self.q_positions = [zeros(batch, 1) - 1 for _ in widths]
         self.tables = [zeros(batch, w) for w in widths]
+        # sampler inputs: seeds and counters of each row (padding rows: 0, their draws are dropped)
+        self.params = params
+        self.seeds, self.counters = zeros(batch), zeros(batch)
         index = torch.arange(batch, device=device)
         views = [w * block_size for w in widths]
         group = AttentionGroup(index.view(batch, 1), self.q_positions, self.tables, views)
         self.layout = StepLayout(self.slots, [group], index)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
+        # [2, batch] float64: sampled tokens and their log-probs (with `params`)
+        self.drawn: torch.Tensor | None = None
+
+
+@dataclass
+class GraphStep:
+    """A decode step's result: final hidden states [1, B, H] of its rows, and with `Sampling` the drawn
+    (tokens, log-probs) of each row, read back on the host."""
+
+    hidden: torch.Tensor
+    drawn: tuple[list[int], list[float]] | None
 
 
 class DecodeGraphs:
-    """Bucketed decode forwards of `model` over `cache`. `mode`: "capture" (CUDA graphs) or "padded"."""
+    """Bucketed decode forwards of `model` over `cache`. `mode`: "capture" (CUDA graphs) or "padded".
+    `head`: the engine's fp32 logits of final hidden states; None keeps sampling out of the graphs."""
 
-    def __init__(self, model: GPTOSSModel, cache: PagedKVCache, max_batch: int, mode: str):
-        self.model, self.cache, self.max_batch, self.mode = model, cache, max_batch, mode
+    def __init__(
+        self, model: GPTOSSModel, cache: PagedKVCache, max_batch: int, mode: str, head: Head | None = None
+    ):
+        self.model, self.cache, self.max_batch, self.mode, self.head = model, cache, max_batch, mode, head
         self.device = next(model.parameters()).device
         self.enabled = True
         # why capture failed (graphs are then off), None while it has not
         self.failure: str | None = None
-        self._buffers: dict[tuple[int, tuple[int, ...]], _Buffers] = {}
+        self._buffers: dict[tuple, _Buffers] = {}
         self._sizes = self._pool_sizes()
         self._pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         dtype = next(model.parameters()).dtype
@@ -81,10 +132,15 @@ class DecodeGraphs:
         return tuple(pool.num_blocks for pool in self.cache.pools)
 
     def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, layout: StepLayout
-    ) -> torch.Tensor | None:
-        """Final hidden states [1, B, H] of a decode-only step, or None where the step is not one (prefill
-        rows, more rows than `max_batch`, graphs off): the caller runs it eagerly."""
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        sampling: Sampling | None = None,
+    ) -> GraphStep | None:
+        """The step's result, or None where the step is not a decode-only one (prefill rows, more rows than
+        `max_batch`, graphs off): the caller runs it eagerly. `sampling` is honoured where the graphs have a
+        `head` (else `drawn` is None and the caller samples)."""
         if not self.enabled or len(layout.groups) != 1 or layout.groups[0].token_index.shape[1] != 1:
             return None
         group = layout.groups[0]
@@ -94,42 +150,68 @@ class DecodeGraphs:
         if self._pool_sizes() != self._sizes:  # a pool grew: its storage moved, the graphs are stale
             self._buffers.clear()
             self._sizes = self._pool_sizes()
+        if self.head is None:
+            sampling = None
         widths = tuple(_bucket(t.shape[1]) for t in group.tables)
-        key = (_bucket(rows), widths)
+        key = (_bucket(rows), widths, None if sampling is None else sampling.key())
         buffers = self._buffers.get(key)
         if buffers is None:
-            buffers = self._buffers[key] = _Buffers(key[0], widths, self.cache.block_size, self.device)
-        self._fill(buffers, input_ids, positions, layout)
+            params = None if sampling is None else sampling.params
+            buffers = _Buffers(key[0], widths, self.cache.block_size, self.device, params)
+            self._buffers[key] = buffers
+        self._fill(buffers, input_ids, positions, layout, sampling)
         if self.mode == "padded":
-            return self._forward(buffers)[:, :rows]
-        if buffers.graph is None and not self._capture(buffers):
-            return None
-        assert buffers.graph is not None and buffers.hidden is not None
-        buffers.graph.replay()
-        return buffers.hidden[:, :rows]
+            hidden, drawn = self._forward(buffers)
+        else:
+            if buffers.graph is None and not self._capture(buffers):
+                return None
+            assert buffers.graph is not None and buffers.hidden is not None
+            buffers.graph.replay()
+            hidden, drawn = buffers.hidden, buffers.drawn
+        if drawn is None:
+            return GraphStep(hidden[:, :rows], None)
+        tokens, logprobs = drawn[:, :rows].cpu()  # one copy back (the step's only host sync)
+        return GraphStep(hidden[:, :rows], ([int(t) for t in tokens.tolist()], logprobs.tolist()))
 
     def _fill(
-        self, b: _Buffers, input_ids: torch.Tensor, positions: torch.Tensor, layout: StepLayout
+        self,
+        b: _Buffers,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        layout: StepLayout,
+        sampling: Sampling | None,
     ) -> None:
         rows = input_ids.shape[1]
         group = layout.groups[0]
         for static, real in ((b.input_ids, input_ids), (b.positions, positions)):
-            static.zero_()
             static[:, :rows].copy_(real)
+            static[:, rows:].zero_()
         for i in range(len(b.tables)):
-            b.slots[i].zero_()  # padding writes slot 0: the null block
             b.slots[i][:rows].copy_(layout.slots[i])
-            b.q_positions[i].fill_(-1)
+            b.slots[i][rows:].zero_()  # padding writes slot 0: the null block
             b.q_positions[i][:rows].copy_(group.q_positions[i])
-            b.tables[i].zero_()
-            b.tables[i][:rows, : group.tables[i].shape[1]].copy_(group.tables[i])
+            b.q_positions[i][rows:].fill_(-1)
+            width = group.tables[i].shape[1]
+            b.tables[i][:rows, :width].copy_(group.tables[i])
+            b.tables[i][:rows, width:].zero_()
+            b.tables[i][rows:].zero_()
+        if sampling is not None:
+            both = staged(sampling.seeds + sampling.counters, self.device)
+            b.seeds[:rows].copy_(both[:rows])
+            b.counters[:rows].copy_(both[rows:])
+            b.seeds[rows:].zero_()
+            b.counters[rows:].zero_()
 
-    def _forward(self, b: _Buffers) -> torch.Tensor:
+    def _forward(self, b: _Buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.layout = b.layout
         try:
-            return self.model.hidden_states(b.input_ids, position_ids=b.positions, cache=self.cache)
+            hidden = self.model.hidden_states(b.input_ids, position_ids=b.positions, cache=self.cache)
         finally:
             self.cache.layout = None
+        if b.params is None or self.head is None:
+            return hidden, None
+        tokens, logprobs = sample_from_logits(self.head(hidden[0]), b.params, None, b.seeds, b.counters)
+        return hidden, torch.stack([tokens.double(), logprobs.float().double()])
 
     def _capture(self, b: _Buffers) -> bool:
         """Warm up on a side stream, then capture; on failure turn graphs off (False)."""
@@ -142,7 +224,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                b.hidden = self._forward(b)
+                b.hidden, b.drawn = self._forward(b)
             b.graph = graph
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)

@@ -35,8 +35,9 @@ from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, Sess
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import load_hf_tensors
 from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.model.logprobs import fp32_logits
 from megatron_gptoss.model.paged_kv_cache import PagedKVCache
-from megatron_gptoss.rollout.decode_graphs import DecodeGraphs
+from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Sampling
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
@@ -238,10 +239,12 @@ class EmbeddedEngine:
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         plan = scheduler.plan() or scheduler.idle_plan()
-        hidden = None
+        step = None
         if self._graphs is not None and plan.chunks:
-            hidden = self._graphs.run(plan.input_ids, plan.positions, plan.layout)
-        if hidden is None:
+            step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, self._graph_sampling(plan))
+        if step is not None:
+            hidden = step.hidden
+        else:
             self._cache.layout = plan.layout
             try:
                 hidden = self.model.hidden_states(
@@ -253,9 +256,12 @@ class EmbeddedEngine:
             self.routing.collect(plan)
         scheduler.computed(plan)
         if plan.samplers:
-            rows = torch.tensor([c.offset + c.count - 1 for c in plan.samplers], device=self.device)
-            logits = self._logits(hidden[0].index_select(0, rows))
-            tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
+            if step is not None and step.drawn is not None:
+                tokens, logprobs = step.drawn
+            else:
+                rows = torch.tensor([c.offset + c.count - 1 for c in plan.samplers], device=self.device)
+                logits = self._logits(hidden[0].index_select(0, rows))
+                tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
             for chunk, token, logprob in zip(plan.samplers, tokens, logprobs):
                 self._advance(chunk.seq, token, logprob)
         if scheduler.static and scheduler.running and all(s.ghost for s in scheduler.running):
@@ -263,6 +269,24 @@ class EmbeddedEngine:
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
         return plan
+
+    def _graph_sampling(self, plan: StepPlan) -> Sampling | None:
+        """Sampling inside the decode graph where every row of the step samples, seeded, with one
+        temperature / top-k / top-p (the draws are those of `_sample`: one sampler, seeds, counters)."""
+        if len(plan.samplers) != len(plan.chunks):
+            return None
+        seqs = [c.seq for c in plan.samplers]
+        first = seqs[0].params
+        key = (first.temperature, first.top_k, first.top_p)
+        if any(s.seed is None or (s.params.temperature, s.params.top_k, s.params.top_p) != key for s in seqs):
+            return None
+        seeds = [s.seed for s in seqs if s.seed is not None]
+        return Sampling(first, seeds, [len(s.tokens) - s.counter_base for s in seqs])
+
+    def _graph_head(self):
+        """The fp32 logits the decode graphs compute for sampling inside the graph (None: sampling stays out
+        of the graphs)."""
+        return self._logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
         """One draw per row, rows grouped by their sampling parameters and seeding."""
@@ -282,7 +306,8 @@ class EmbeddedEngine:
                 logits.index_select(0, index), members[0].params, self.generator, seeds, counters
             )
             tokens[index], logprobs[index] = tok, lp.float()
-        return tokens.tolist(), logprobs.tolist()
+        drawn = torch.stack([tokens.double(), logprobs.double()]).cpu()  # one copy back to the host
+        return [int(t) for t in drawn[0].tolist()], drawn[1].tolist()
 
     def _advance(self, seq: Sequence, token: int, logprob: float) -> None:
         """Record a sampled token; stop the row on a stop token or at its budget."""
@@ -343,7 +368,9 @@ class EmbeddedEngine:
             self._scheduler = Scheduler(self._cache, self.options, self.options.kv_blocks == 0, self.device)
             mode = self._graph_mode()
             if mode is not None:
-                self._graphs = DecodeGraphs(self.model, self._cache, opts.cuda_graph_max_batch, mode)
+                self._graphs = DecodeGraphs(
+                    self.model, self._cache, opts.cuda_graph_max_batch, mode, self._graph_head()
+                )
         return self._scheduler
 
     def _graph_mode(self) -> str | None:
@@ -379,9 +406,10 @@ class EmbeddedEngine:
         return self.config.num_query_groups
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        """Last hidden states [B, H] -> fp32 logits [B, vocab_size] of the real vocabulary."""
-        weight = self.model.output_weight()
-        return last.float() @ weight.float().t()
+        """Last hidden states [B, H] -> fp32 logits [B, vocab_size] of the real vocabulary: the learner's
+        GEMM (`model.logprobs.fp32_logits`: half-precision tensor cores with fp32 accumulation and output on
+        a GPU, fp32 elsewhere)."""
+        return fp32_logits(last, self.model.output_weight())
 
     def _block_any(self, flag: bool) -> bool:
         """Whether any rank stepping in lockstep with this one has `flag` set (this rank alone here)."""

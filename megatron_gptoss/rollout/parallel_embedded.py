@@ -176,6 +176,10 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         """Graphs only as the padded check: the collectives of a sharded step are not captured."""
         return "padded" if self.options.cuda_graphs == "padded" else None
 
+    def _graph_head(self):
+        """None: a sharded step's logits are gathered over the tp group, outside the bucketed step."""
+        return None
+
     def _kv_heads(self) -> int:
         return self.config.num_query_groups // self.dims.tp
 

@@ -59,7 +59,7 @@ def sample_from_logits(
     seeded, counter-based one at counter `position` (an int, or int64 [B] per row); otherwise `generator`'s
     multinomial."""
     logp = torch.log_softmax(logits.float() * (1.0 / params.temperature), dim=-1)
-    filtered = logp.clone()
+    filtered = logp  # truncation below is out of place: logp stays the untruncated distribution
     if params.top_k and params.top_k < filtered.shape[-1]:
         kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
         filtered = filtered.masked_fill(filtered < kth, float("-inf"))

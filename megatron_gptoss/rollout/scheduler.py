@@ -83,6 +83,38 @@ class StepPlan:
     samplers: list[Chunk]  # chunks whose sequence samples its next token after this step
 
 
+def staged(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 `values` on `device`: on a GPU through pinned host memory and one non-blocking copy (the caching
+    host allocator keeps the pinned block until the copy has run)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
+class _Staging:
+    """The int64 arrays of one step, built on the host and copied to the device together."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+        self.shapes: list[tuple[int, int]] = []  # (start, row width: 0 for a flat array)
+
+    def add(self, flat: list[int], width: int = 0) -> int:
+        """Append an array (rows of `width` when > 0); returns its handle for `upload`'s result."""
+        self.shapes.append((len(self.values), width))
+        self.values.extend(flat)
+        return len(self.shapes) - 1
+
+    def upload(self, device: torch.device) -> list[torch.Tensor]:
+        """Every array as a view of one device tensor, in the order added."""
+        flat = staged(self.values, device)
+        ends = [start for start, _ in self.shapes[1:]] + [len(self.values)]
+        views = []
+        for (start, width), end in zip(self.shapes, ends):
+            part = flat[start:end]
+            views.append(part.view(-1, width) if width else part)
+        return views
+
+
 class Scheduler:
     """Running, waiting and paused sequences over one `PagedKVCache`. `growable`: the pools grow between
     steps when a sequence cannot be admitted (the cache was sized by the engine, not fixed by the user)."""
@@ -189,17 +221,20 @@ class Scheduler:
 
     def _build(self, chunks: list[Chunk]) -> StepPlan:
         bs = self.cache.block_size
-        ids = [t for c in chunks for t in c.seq.tokens[c.start : c.start + c.count]]
-        pos = [p for c in chunks for p in range(c.start, c.start + c.count)]
+        host = _Staging()
+        ids = host.add([t for c in chunks for t in c.seq.tokens[c.start : c.start + c.count]])
+        pos = host.add([p for c in chunks for p in range(c.start, c.start + c.count)])
         slots = [
-            [
-                c.seq.tables[i][p // bs] * bs + p % bs
-                for c in chunks
-                for p in range(c.start, c.start + c.count)
-            ]
+            host.add(
+                [
+                    c.seq.tables[i][p // bs] * bs + p % bs
+                    for c in chunks
+                    for p in range(c.start, c.start + c.count)
+                ]
+            )
             for i in range(len(self.pools))
         ]
-        groups, inverse = [], [0] * len(ids)
+        groups, inverse = [], [0] * sum(c.count for c in chunks)
         row_base = 0
         for members in ([c for c in chunks if c.count == 1], [c for c in chunks if c.count > 1]):
             if not members:
@@ -208,7 +243,7 @@ class Scheduler:
             index = []
             for r, c in enumerate(members):
                 pad = t - c.count
-                index.append([c.offset] * pad + list(range(c.offset, c.offset + c.count)))
+                index += [c.offset] * pad + list(range(c.offset, c.offset + c.count))
                 for j in range(c.count):
                     inverse[c.offset + j] = row_base + r * t + pad + j
             tables, qpos, kv_slots = [], [], []
@@ -217,26 +252,28 @@ class Scheduler:
                 first = [c.seq.released[i] for c in members]
                 width = max(math.ceil((c.start + c.count) / bs) - f for c, f in zip(members, first))
                 rows = [c.seq.tables[i][f : f + width] for c, f in zip(members, first)]
-                tables.append(torch.tensor([row + [0] * (width - len(row)) for row in rows]).to(self.device))
+                tables.append(host.add([b for row in rows for b in row + [0] * (width - len(row))], width))
                 shifted = [
-                    [-1] * (t - c.count) + [p - f * bs for p in range(c.start, c.start + c.count)]
+                    q
                     for c, f in zip(members, first)
+                    for q in [-1] * (t - c.count) + [p - f * bs for p in range(c.start, c.start + c.count)]
                 ]
-                qpos.append(torch.tensor(shifted).to(self.device))
+                qpos.append(host.add(shifted, t))
                 kv_slots.append(width * bs)
-            groups.append(AttentionGroup(torch.tensor(index).to(self.device), qpos, tables, kv_slots))
+            groups.append((host.add(index, t), qpos, tables, kv_slots))
             row_base += len(members) * t
+        inv = host.add(inverse)
+        staged = host.upload(self.device)
         layout = StepLayout(
-            [torch.tensor(s).to(self.device) for s in slots], groups, torch.tensor(inverse).to(self.device)
+            [staged[s] for s in slots],
+            [
+                AttentionGroup(staged[index], [staged[q] for q in qp], [staged[x] for x in tb], kv)
+                for index, qp, tb, kv in groups
+            ],
+            staged[inv],
         )
         samplers = [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
-        return StepPlan(
-            chunks,
-            torch.tensor([ids]).to(self.device),
-            torch.tensor([pos]).to(self.device),
-            layout,
-            samplers,
-        )
+        return StepPlan(chunks, staged[ids].view(1, -1), staged[pos].view(1, -1), layout, samplers)
 
     def idle_plan(self) -> StepPlan:
         """One padding token written into the null block (a rank with nothing to do that must still join

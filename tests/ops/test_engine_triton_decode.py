@@ -1,5 +1,6 @@
-"""The embedded engine on the Triton backend: its cached decode runs `sink_decode`, and its log-probs
-equal the learner's (Triton training forward) for the same tokens."""
+"""The embedded engine on the Triton backend: its prefill chunks run `sink_decode`, its decode rows
+`sink_paged_decode` (keys read through the block table), and its log-probs equal the learner's (Triton
+training forward) for the same tokens."""
 
 import torch
 
@@ -27,11 +28,20 @@ def test_engine_with_triton_decode_matches_learner(monkeypatch):
 
     import megatron_gptoss.model.attention as attention
 
-    calls = []
-    real = attention.sink_decode
-    monkeypatch.setattr(attention, "sink_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls: dict[str, int] = {}
+
+    def counted(name, real):
+        def run(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        return run
+
+    for name in ("sink_decode", "sink_paged_decode"):
+        monkeypatch.setattr(attention, name, counted(name, getattr(attention, name)))
     outs = engine.generate([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=6, seed=3))
-    assert calls  # the cache path went through the Triton decode kernel
+    # prefill chunks went through the dense decode kernel, decode rows through the paged one
+    assert calls.get("sink_decode", 0) > 0 and calls.get("sink_paged_decode", 0) > 0
     with torch.no_grad():
         for out in outs:
             ids = torch.tensor(out.prompt_ids + out.token_ids, device=device)[None]

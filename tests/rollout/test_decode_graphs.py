@@ -16,13 +16,14 @@ PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 7, 30, 1], [11], [8, 8, 8, 8, 8], [7
 BUDGETS = [12, 3, 20, 7, 1, 9]  # rows leave one by one: the decode batch crosses buckets 8, 4, 2, 1
 
 
-def generate(device, graphs: str, dtype=torch.float32, backend=None):
+def generate(device, graphs: str, dtype=torch.float32, backend=None, params=None):
     config = gpt_oss_tiny(attention_backend=backend or ("eager" if device == "cpu" else "auto"))
     learner = build_model(config, seed=4)
     options = EmbeddedEngineConfig(max_batch_slots=5, block_size=4, max_step_tokens=8, cuda_graphs=graphs)
     engine = EmbeddedEngine(config, dtype, device, options=options)
     engine.update_weights(iter_hf_tensors(learner, config))
-    outs = engine.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3), max_new_tokens=BUDGETS)
+    params = params or SamplingParams(temperature=0.8, seed=3)
+    outs = engine.generate(PROMPTS, params, max_new_tokens=BUDGETS)
     return engine, outs
 
 
@@ -36,9 +37,21 @@ def test_padded_decode_buffers_equal_the_eager_step():
     engine, outs = generate("cpu", "padded")
     _, ref = generate("cpu", "off")
     assert_same(outs, ref, 1e-6)
-    buckets = {batch for batch, _ in engine._graphs._buffers}
+    buckets = {batch for batch, _, _ in engine._graphs._buffers}
     assert {8, 4, 2, 1} <= buckets  # 5 rows pad to 8; 3 to 4; ...
+    # every row seeded with one temperature: the buckets sampled inside the step (the reference outside it)
+    assert {sampling for _, _, sampling in engine._graphs._buffers} == {(0.8, 0, 1.0)}
     assert all(free == cap for free, cap in engine.kv_blocks_free())  # padding wrote only the null block
+
+
+def test_truncated_sampling_inside_the_padded_step_equals_sampling_outside():
+    """top-k and top-p sampled inside the bucketed step (the graph's sampler) draw the tokens the unpadded
+    step draws outside it."""
+    params = SamplingParams(temperature=1.3, top_k=40, top_p=0.9, seed=5)
+    engine, outs = generate("cpu", "padded", params=params)
+    _, ref = generate("cpu", "off", params=params)
+    assert_same(outs, ref, 1e-6)
+    assert {sampling for _, _, sampling in engine._graphs._buffers} == {(1.3, 40, 0.9)}
 
 
 def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():

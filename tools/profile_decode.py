@@ -1,0 +1,138 @@
+"""Where one decode step of the embedded engine spends its GPU time: gpt-oss-20b at full size (random bf16
+weights drawn on the device), B rows decoding after prompts of --prompt-len tokens, one step profiled with
+torch.profiler with its decode step eager (`cuda_graphs=off`: kernels attributed to their ops) and replayed
+from a CUDA graph; prints the kernels by GPU time and the median time of the decode-only steps.
+
+    python tools/profile_decode.py --slots 256
+    python tools/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_20b
+from megatron_gptoss.engine_api.protocol import SamplingParams
+from megatron_gptoss.rollout.embedded import EmbeddedEngine
+
+
+class ProfiledEngine(EmbeddedEngine):
+    """Times every step; profiles the `profile_at`-th step in which all `rows` rows decode."""
+
+    rows: int = 0
+    profile_at: int = 8
+    times: list[float]
+    kernels: dict[str, float] | None = None
+
+    def _step(self):
+        sync(self.device)
+        start = time.perf_counter()
+        ready = self._scheduler is not None and len(self._scheduler.running) == self.rows
+        ready = ready and all(len(s.tokens) - s.computed == 1 for s in self._scheduler.running)
+        if ready and len(self.times) == self.profile_at and self.kernels is None:
+            activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
+            with profile(activities=activities) as prof:
+                plan = super()._step()
+                sync(self.device)
+            self.kernels = kernel_times(prof)
+        else:
+            plan = super()._step()
+        sync(self.device)
+        if ready:
+            self.times.append(time.perf_counter() - start)
+        return plan
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """Seconds per kernel name (device time; CPU time without a GPU)."""
+    out: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        device = getattr(event, "device_type", None)
+        if device is not None and "CUDA" not in str(device) and torch.cuda.is_available():
+            continue
+        micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cpu_time_total", 0)
+        out[event.name] += micros * 1e-6
+    return dict(out)
+
+
+def random_init(engine: EmbeddedEngine, seed: int = 0) -> None:
+    """Normal(0, 0.02) matrices and sinks, unit norms, zero biases, drawn on the engine's device."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(0.02))
+    engine.memory.weights_loaded()
+
+
+def short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--slots", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--modes", default="off,auto", help="cuda_graphs modes to profile")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.tiny:
+        tiny = dict(vocab_size=512, hidden_size=64, intermediate_size=64, num_layers=2, num_attention_heads=4,
+                    num_query_groups=2, head_dim=16, sliding_window=16, num_experts=8, moe_router_topk=2,
+                    attention_backend="eager")  # fmt: skip
+        config = gpt_oss_20b(**tiny)
+        args.slots, args.prompt_len, args.decode_steps = min(args.slots, 4), min(args.prompt_len, 12), 10
+    else:
+        config = gpt_oss_20b()
+    engine = ProfiledEngine(config, dtype, device)
+    random_init(engine)
+    chunk = 4096
+    new = args.decode_steps + math.ceil(args.slots * args.prompt_len / chunk)
+    prompts = torch.randint(0, config.vocab_size, (args.slots, args.prompt_len)).tolist()
+    for mode in args.modes.split(","):
+        engine.reconfigure(
+            EmbeddedEngineConfig(
+                max_batch_slots=args.slots,
+                max_step_tokens=args.slots + chunk,
+                kv_blocks=args.slots * math.ceil((args.prompt_len + new) / 16) + 1,
+                cuda_graphs=mode,
+            )
+        )
+        engine.rows, engine.times, engine.kernels = args.slots, [], None
+        engine.profile_at = min(8, args.decode_steps // 2)
+        engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
+        step = statistics.median(engine.times) if engine.times else float("nan")
+        print(f"\n## cuda_graphs={mode}: {args.slots} rows, {len(engine.times)} decode-only steps, "
+              f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s)")  # fmt: skip
+        kernels = engine.kernels or {}
+        total = sum(kernels.values())
+        print(f"profiled step: {1e3 * total:.2f} ms of kernel time")
+        print("| kernel | ms | share |\n|---|---|---|")
+        for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
+            print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
+
+
+if __name__ == "__main__":
+    main()
