@@ -10,7 +10,10 @@ from a CUDA graph; prints the kernels by GPU time and the median time of the dec
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import math
+import pstats
 import statistics
 import time
 from collections import defaultdict
@@ -30,6 +33,7 @@ class ProfiledEngine(EmbeddedEngine):
     profile_at: int = 8
     times: list[float]
     kernels: dict[str, float] | None = None
+    host: cProfile.Profile | None = None  # host time of the decode-only steps, where asked for
 
     def _step(self):
         sync(self.device)
@@ -42,6 +46,10 @@ class ProfiledEngine(EmbeddedEngine):
                 plan = super()._step()
                 sync(self.device)
             self.kernels = kernel_times(prof)
+        elif ready and self.host is not None:
+            self.host.enable()
+            plan = super()._step()
+            self.host.disable()
         else:
             plan = super()._step()
         sync(self.device)
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--modes", default="off,auto", help="cuda_graphs modes to profile")
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--host", action="store_true", help="also print the host functions by own time")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -121,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
         engine.rows, engine.times, engine.kernels = args.slots, [], None
+        engine.host = cProfile.Profile() if args.host else None
         engine.profile_at = min(8, args.decode_steps // 2)
         engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
         step = statistics.median(engine.times) if engine.times else float("nan")
@@ -132,6 +142,11 @@ def main(argv: list[str] | None = None) -> None:
         print("| kernel | ms | share |\n|---|---|---|")
         for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
+        if engine.host is not None:
+            text = io.StringIO()
+            pstats.Stats(engine.host, stream=text).sort_stats("tottime").print_stats(args.top)
+            print(f"host functions over {len(engine.times)} steps (the device sync shows as the copy back):")
+            print(text.getvalue().split("\n", 4)[-1])
 
 
 if __name__ == "__main__":
