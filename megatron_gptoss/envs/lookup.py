@@ -1,0 +1,219 @@
+"""A task a small model can solve only through a tool: a table of facts it cannot know, read by `lookup`.
+
+table      keys "100" ... "999"; the value of a key is a keyed hash of it (salted BLAKE2b) mapped to
+           100 ... 999. Keys and values are each one o200k_harmony token, so a call copies the key
+           from the question and the answer copies the value from the tool's result.
+lookup     the tool: `lookup(key: str) -> str`, the value as text, or an "error: ..." string for an
+           unknown key; `tool_spec()` is its `agent.tools` entry (name, function, description, schema).
+splits     held-out keys: those whose (separately salted) hash falls in HELD_OUT_BUCKETS of BUCKETS
+           buckets (98 of the 900 keys); training keys are the rest. The split is fixed, whatever
+           the seeds.
+rows       verl's schema: the question as the one user message, the value as the ground truth, so
+           the GSM8K reward on the final answer scores it (`reward.name: gsm8k`).
+cold start harmony conversations: arithmetic questions answered through the calculator (the call
+           format, on a different tool), questions on training keys answered directly with a guess,
+           and at most `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with
+           its result). Every conversation lists the tools the agentic rollouts offer
+           (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from megatron_gptoss.agent.tools import ToolRegistry
+from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
+
+NAME = "lookup"
+# The salt of the table: a different salt is a different table.
+SALT = "megatron-gptoss/lookup/v1"
+KEYS = tuple(str(k) for k in range(100, 1000))
+KEY_SET = frozenset(KEYS)
+# Values lie in [VALUE_LOW, VALUE_HIGH].
+VALUE_LOW, VALUE_HIGH = 100, 999
+# The held-out keys: those hashing into HELD_OUT_BUCKETS of BUCKETS buckets.
+BUCKETS = 9
+HELD_OUT_BUCKETS = 1
+# The largest share of cold-start conversations that may call the lookup tool.
+MAX_LOOKUP_FRACTION = 0.05
+DESCRIPTION = "Returns the value stored under a key of the facts table."
+PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"key": {"type": "string", "description": "A key of the table, e.g. 417"}},
+    "required": ["key"],
+    "additionalProperties": False,
+}
+QUESTIONS = (
+    "What is the value of key {key}?",
+    "Look up key {key} in the facts table. What is its value?",
+    "Which value does the facts table hold for key {key}?",
+)
+ARITHMETIC = "What is {a} {op} {b}?"
+
+
+def _hash(kind: str, key: str) -> int:
+    digest = hashlib.blake2b(f"{SALT}:{kind}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def value(key: str) -> int:
+    """The value of `key` (one of KEYS); KeyError for any other string."""
+    if key not in KEY_SET:
+        raise KeyError(key)
+    return VALUE_LOW + _hash("value", key) % (VALUE_HIGH - VALUE_LOW + 1)
+
+
+def lookup(key: str) -> str:
+    """The tool: the value of `key` as text, or an error message naming the key when the table has none."""
+    if key not in KEY_SET:
+        return f"error: no key {key!r} in the table (keys are {KEYS[0]} to {KEYS[-1]})"
+    return str(value(key))
+
+
+def tool_spec() -> dict[str, Any]:
+    """The `agent.tools` entry of the lookup tool."""
+    return {
+        "name": NAME,
+        "function": f"{__name__}:lookup",
+        "description": DESCRIPTION,
+        "parameters": PARAMETERS,
+    }
+
+
+def is_held_out(key: str) -> bool:
+    return _hash("split", key) % BUCKETS < HELD_OUT_BUCKETS
+
+
+@functools.cache
+def split_keys(held_out: bool) -> tuple[str, ...]:
+    """The keys of one split, in table order."""
+    return tuple(k for k in KEYS if is_held_out(k) == held_out)
+
+
+@functools.cache
+def rollout_tools() -> tuple[dict[str, Any], ...]:
+    """The function tools as the agentic rollouts list them in the developer message (the calculator, then
+    lookup: `agent.builtin_tools: [calculator]`, `agent.tools: [tool_spec()]`)."""
+    agent = AgentConfig(builtin_tools=["calculator"], tools=[tool_spec()])
+    tools = ToolRegistry.from_config(agent, SandboxConfig()).prompt_keywords()["tools"]
+    return tuple(tools or ())
+
+
+def question(key: str, rng: random.Random) -> str:
+    return rng.choice(QUESTIONS).format(key=key)
+
+
+def row(key: str, rng: random.Random) -> dict[str, Any]:
+    """A prompt row in verl's schema; the ground truth is the value."""
+    return {
+        "prompt": [{"role": "user", "content": question(key, rng)}],
+        "data_source": "lookup",
+        "reward_model": {"ground_truth": str(value(key)), "style": "rule"},
+        "extra_info": {"key": key, "held_out": is_held_out(key)},
+    }
+
+
+def _conversation(messages: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"messages": messages, "tools": [dict(t) for t in rollout_tools()]}
+
+
+def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
+    """A conversation that calls lookup on `key` and answers with the result."""
+    return _conversation(
+        [
+            {"role": "user", "content": question(key, rng)},
+            {"role": "assistant", "recipient": f"functions.{NAME}", "content": json.dumps({"key": key})},
+            {"role": "tool", "name": NAME, "content": lookup(key)},
+            {"role": "assistant", "channel": "final", "content": lookup(key)},
+        ]
+    )
+
+
+def guess(key: str, rng: random.Random) -> dict[str, Any]:
+    """A conversation that answers a question on `key` directly with a wrong value (a guess)."""
+    wrong = rng.randint(VALUE_LOW, VALUE_HIGH - 1)
+    wrong += wrong >= value(key)
+    return _conversation(
+        [
+            {"role": "user", "content": question(key, rng)},
+            {"role": "assistant", "channel": "final", "content": str(wrong)},
+        ]
+    )
+
+
+def calculation(rng: random.Random) -> dict[str, Any]:
+    """An arithmetic question (a in 100..999, so every key's token is written in a call) answered through
+    the calculator."""
+    a, b, op = rng.randint(100, 999), rng.randint(1, 99), rng.choice("+-")
+    expression = f"{a} {op} {b}"
+    result = str(a + b if op == "+" else a - b)
+    return _conversation(
+        [
+            {"role": "user", "content": ARITHMETIC.format(a=a, op=op, b=b)},
+            {
+                "role": "assistant",
+                "recipient": "functions.calculator",
+                "content": json.dumps({"expression": expression}),
+            },
+            {"role": "tool", "name": "calculator", "content": result},
+            {"role": "assistant", "channel": "final", "content": result},
+        ]
+    )
+
+
+def conversations(
+    count: int, seed: int, lookup_fraction: float = MAX_LOOKUP_FRACTION, arithmetic_fraction: float = 0.5
+) -> list[dict[str, Any]]:
+    """`count` cold-start conversations, shuffled: round(count * arithmetic_fraction) calculator ones,
+    floor(count * lookup_fraction) lookup calls on training keys, guesses on training keys for the rest.
+    ValueError when `lookup_fraction` exceeds MAX_LOOKUP_FRACTION or the fractions exceed 1."""
+    if not 0 <= lookup_fraction <= MAX_LOOKUP_FRACTION:
+        raise ValueError(f"lookup_fraction={lookup_fraction} must be in [0, {MAX_LOOKUP_FRACTION}]")
+    if not 0 <= arithmetic_fraction <= 1 - lookup_fraction:
+        raise ValueError(f"arithmetic_fraction={arithmetic_fraction} must be in [0, 1 - lookup_fraction]")
+    rng = random.Random(f"lookup-cold-start:{seed}")
+    keys = split_keys(held_out=False)
+    arithmetic = round(count * arithmetic_fraction)
+    calls = int(count * lookup_fraction)
+    out = [calculation(rng) for _ in range(arithmetic)]
+    out += [lookup_call(rng.choice(keys), rng) for _ in range(calls)]
+    out += [guess(rng.choice(keys), rng) for _ in range(count - arithmetic - calls)]
+    rng.shuffle(out)
+    return out
+
+
+def rows(held_out: bool, seed: int) -> list[dict[str, Any]]:
+    """One row per key of the split, in a seeded order."""
+    rng = random.Random(f"lookup-rows:{seed}:{held_out}")
+    keys = list(split_keys(held_out))
+    rng.shuffle(keys)
+    return [row(key, rng) for key in keys]
+
+
+def write_files(
+    out_dir: str | Path,
+    sft: int,
+    seed: int = 0,
+    lookup_fraction: float = MAX_LOOKUP_FRACTION,
+    arithmetic_fraction: float = 0.5,
+) -> list[Path]:
+    """`out_dir`/train.jsonl (every training key), `out_dir`/test.jsonl (every held-out key) and
+    `out_dir`/sft.jsonl (`sft` cold-start conversations); returns the three paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    contents = {
+        "train.jsonl": rows(False, seed),
+        "test.jsonl": rows(True, seed),
+        "sft.jsonl": conversations(sft, seed, lookup_fraction, arithmetic_fraction),
+    }
+    paths = []
+    for name, lines in contents.items():
+        path = out / name
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        paths.append(path)
+    return paths
