@@ -11,8 +11,10 @@ call past its timeout is answered as a timeout and its thread is left to finish 
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -80,6 +82,14 @@ class ToolExecutor:
             target=self._supervise, args=(call, budget_left, future, time.monotonic()), daemon=True
         ).start()
         return future
+
+    def done(self, futures: Sequence[Future], *, wait: bool, wait_all: bool = False) -> list[Future]:
+        """The futures of `futures` that hold their outcome, in the given order; with `wait`, after the
+        first of them has one; with `wait_all`, after all have."""
+        if (wait or wait_all) and futures:
+            until = concurrent.futures.ALL_COMPLETED if wait_all else concurrent.futures.FIRST_COMPLETED
+            concurrent.futures.wait(futures, return_when=until)
+        return [f for f in futures if f.done()]
 
     def run(self, call: ToolCall, *, budget_left: bool = True) -> ToolOutcome:
         """submit(call).result(): one call, in the calling thread's time."""

@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from megatron_gptoss.agent.calls import ToolCall, ToolOutcome, parse_tool_call, tool_result_tokens
 from megatron_gptoss.agent.executor import ToolExecutor
+from megatron_gptoss.agent.lockstep import LockstepExecutor
 from megatron_gptoss.config.agent import AgentConfig
-from megatron_gptoss.engine_api import RolloutEngine, SamplingParams, SessionEngine
+from megatron_gptoss.engine_api import Generation, RolloutEngine, SamplingParams, SessionEngine
 from megatron_gptoss.harmony import CALL, RETURN
 
 MODEL, TOOL = 1, 0  # per-token sources: written by the model (trained) / by a tool (out of the loss)
@@ -89,12 +90,42 @@ class Trajectory:
         self.sources += [MODEL if logprobs is not None else TOOL] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
 
+    def generation(self) -> AgentGeneration:
+        """The trajectory as the trainer's rollouts hold it."""
+        return AgentGeneration(
+            list(self.prompt_ids),
+            list(self.token_ids),
+            list(self.logprobs),
+            self.finish_reason,
+            sources=list(self.sources),
+            turns=self.turns,
+            tool_calls=self.tool_calls,
+            tool_errors=self.tool_errors,
+            tool_timeouts=self.tool_timeouts,
+        )
 
-def agent_metrics(trajectories: Sequence[Trajectory], rewards: Sequence[float] | None = None) -> dict:
-    """Flat numbers for the step's log: turns and tool calls per trajectory, tool errors and timeouts,
-    tokens by source, finish reasons, and the mean reward by number of turns when rewards are given."""
+
+@dataclass
+class AgentGeneration(Generation):
+    """A trajectory as a `Generation`: `token_ids` / `logprobs` span every turn (0.0 on tool tokens),
+    `finish_reason` is one of FINISH_REASONS, `sources` marks each response token MODEL or TOOL."""
+
+    sources: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_timeouts: int = 0
+
+
+def agent_metrics(
+    trajectories: Sequence[Trajectory | AgentGeneration], rewards: Sequence[float] | None = None
+) -> dict:
+    """Flat numbers for the step's log: turns and tool calls per trajectory, the fraction that called a
+    tool, tool errors and timeouts, tokens by source, finish reasons, and the mean reward by number of
+    turns when rewards are given."""
     n = max(len(trajectories), 1)
     out: dict[str, float] = {
+        "agent/call_rate": sum(t.tool_calls > 0 for t in trajectories) / n,
         "agent/turns_mean": sum(t.turns for t in trajectories) / n,
         "agent/turns_max": max((t.turns for t in trajectories), default=0),
         "agent/tool_calls_mean": sum(t.tool_calls for t in trajectories) / n,
@@ -118,13 +149,14 @@ class AgentLoop:
     """Runs `rollout(prompts)`: one Trajectory per prompt. `params.max_new_tokens` bounds one turn,
     `agent.max_total_tokens` the whole trajectory, `agent.max_turns` its assistant turns; the params'
     stop tokens are replaced by the format's. Seeded params: with sessions, prompt i samples from the
-    stream `params.seed + i` in every turn; re-generating, each request's rows get seeds from a seed of
-    its own."""
+    stream `params.seed + i` in every turn, however the engine schedules it; re-generating, each request's
+    rows get seeds from a seed of its own, so which rows share a round (whose calls have answered) decides
+    what they sample, unless `agent.wait_for_tools` makes every round wait for all pending calls."""
 
     def __init__(
         self,
         engine: RolloutEngine | SessionEngine,
-        executor: ToolExecutor,
+        executor: ToolExecutor | LockstepExecutor,
         params: SamplingParams,
         agent: AgentConfig,
         call_format: CallFormat = HARMONY,
@@ -209,9 +241,8 @@ class AgentLoop:
             generating = set(sids)
             waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}
             while generating or waiting:
-                if not generating:  # every live trajectory waits on a tool: wait for the first answer
-                    concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-                for future in [f for f in waiting if f.done()]:
+                # every live trajectory waiting on a tool: wait for the first answer
+                for future in self.executor.done(list(waiting), wait=not generating):
                     sid, call = waiting.pop(future)
                     traj = trajs[sids[sid]]
                     tokens = self._answer(traj, future, call)
@@ -236,9 +267,8 @@ class AgentLoop:
         waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}
         rounds = 0
         while generating or waiting:
-            if not generating:
-                concurrent.futures.wait(waiting, return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in [f for f in waiting if f.done()]:
+            everyone = self.agent.wait_for_tools
+            for future in self.executor.done(list(waiting), wait=not generating, wait_all=everyone):
                 i, call = waiting.pop(future)
                 if self._answer(trajs[i], future, call) is not None:
                     generating.append(i)

@@ -70,6 +70,18 @@ class SandboxConfig:
 class AgentConfig:
     """The tools an agentic rollout offers the model, and the budgets of one trajectory."""
 
+    # Agentic rollouts: the trainer's rollouts (and its evaluation) are multi-turn trajectories that call
+    # the tools below; tool tokens are out of the loss. Needs harmony prompts (env.name: dataset).
+    enabled: bool = False
+    # Keep each trajectory's KV cache across turns through the engine's sessions, where the engine layout
+    # allows it (the embedded engine, one rank per replica); false: every turn re-generates from the whole
+    # trajectory (what vLLM does, served by its prefix cache).
+    sessions: bool = True
+    # Without sessions: each round of re-generation waits for every pending tool call, so the rows of a
+    # round and their seeds do not depend on how fast tools answer (a seeded run is reproducible on any
+    # layout); a slow call then delays the round. False: rows whose calls have not answered wait for a
+    # later round while the others generate.
+    wait_for_tools: bool = False
     # Built-in tools offered: "python" (model-written code in the sandbox; harmony's built-in `python`
     # recipient) and "calculator" (arithmetic, a function tool).
     builtin_tools: list[str] = field(default_factory=lambda: ["python", "calculator"])

@@ -423,6 +423,11 @@ class TrainConfig:
         self.algorithm.validate()
         self.dapo.validate(self.rollout.max_new_tokens)
         self.agent.validate()
+        if self.agent.enabled and self.dapo.overlong_buffer:
+            raise ConfigError(
+                "dapo.overlong_buffer with agent.enabled: the overlong penalty is defined for one response "
+                "of at most rollout.max_new_tokens, a trajectory spans several turns (set it to 0)"
+            )
         self.sandbox.validate()
         self.critic.validate()
         self.embedded.validate()

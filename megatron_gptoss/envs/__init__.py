@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from megatron_gptoss.agent.tools import ToolRegistry
+from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.config.train import EnvConfig
@@ -15,15 +17,25 @@ TASKS = {"arithmetic": ArithmeticTask, "dataset": DatasetTask}
 
 
 def make_task(
-    cfg: EnvConfig, data: DataConfig | None = None, reward: RewardConfig | None = None
+    cfg: EnvConfig,
+    data: DataConfig | None = None,
+    reward: RewardConfig | None = None,
+    agent: AgentConfig | None = None,
 ) -> tuple[ArithmeticTask | DatasetTask, CharTokenizer | HarmonyTokenizer]:
     """The task named by `cfg.name` and its tokenizer: "arithmetic" (character tokens) or "dataset" (prompt
-    files in harmony's format, scored by `reward`). Raises ConfigError for an unknown name."""
+    files in harmony's format, scored by `reward`). With `agent` (agentic rollouts), the dataset's prompts
+    describe its tools to the model. Raises ConfigError for an unknown name, or tools on a task without
+    harmony prompts."""
     if cfg.name == "arithmetic":
+        if agent is not None:
+            raise ConfigError("agent.enabled needs harmony prompts (env.name='dataset'), not 'arithmetic'")
         tokenizer = CharTokenizer()
         return ArithmeticTask(cfg, tokenizer), tokenizer
     if cfg.name == "dataset":
-        task = DatasetTask(data or DataConfig(), reward or RewardConfig(), cfg.eval_size)
+        tools = None
+        if agent is not None:  # descriptions only: the tools that run are the trainer's
+            tools = ToolRegistry.from_config(agent, SandboxConfig()).prompt_keywords()
+        task = DatasetTask(data or DataConfig(), reward or RewardConfig(), cfg.eval_size, tools)
         return task, task.tokenizer
     raise ConfigError(f"env.name={cfg.name!r} not in {sorted(TASKS)}")
 

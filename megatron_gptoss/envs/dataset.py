@@ -9,8 +9,9 @@ run draws the prompts an uninterrupted one would. Every rank draws the same prom
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_gptoss.config.data import DataConfig
@@ -28,14 +29,23 @@ class DatasetTask:
     """Prompts from `data.train_files`, held-out prompts from `data.eval_files` (at most `eval_size`), and
     the reward of `reward` on parsed harmony completions."""
 
-    def __init__(self, data: DataConfig, reward: RewardConfig, eval_size: int):
+    def __init__(
+        self,
+        data: DataConfig,
+        reward: RewardConfig,
+        eval_size: int,
+        tools: Mapping[str, Any] | None = None,
+    ):
+        """`tools`: keywords of `harmony.render_prompt` (`tools`, `builtin_tools`) describing the tools
+        of an agentic rollout to the model in every prompt."""
         if not data.train_files:
             raise ConfigError("env.name='dataset' needs data.train_files (parquet or JSONL prompt files)")
         self.tokenizer: HarmonyTokenizer = get_tokenizer()
-        self.train = PromptDataset(data, render_prompt)
+        render = functools.partial(render_prompt, **(tools or {}))
+        self.train = PromptDataset(data, render)
         self._eval: list[PromptRow] = []
         if data.eval_files:
-            held_out = PromptDataset(data, render_prompt, split="eval")
+            held_out = PromptDataset(data, render, split="eval")
             for row in (row for batch in held_out.batches(64) for row in batch):
                 if len(self._eval) == eval_size:
                     break

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_gptoss.agent.loop import AgentGeneration, agent_metrics
 from megatron_gptoss.config import TrainConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams
 
@@ -40,7 +41,12 @@ def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
         return {}
     generations = engine.generate([list(p.token_ids) for p in prompts], params)
     scores, _ = task.score_batch(prompts, [g.token_ids for g in generations])
-    return {
+    out = {
         "eval/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
         "reward/eval_mean": sum(float(s["reward"]) for s in scores) / len(scores),
     }
+    if all(isinstance(g, AgentGeneration) for g in generations):  # agentic: how often it called a tool
+        agent = agent_metrics(generations)  # type: ignore[arg-type]
+        out["eval/call_rate"] = agent["agent/call_rate"]
+        out["eval/tool_calls_mean"] = agent["agent/tool_calls_mean"]
+    return out

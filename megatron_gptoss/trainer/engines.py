@@ -17,7 +17,8 @@ would.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -68,15 +69,21 @@ class EmbeddedHost:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Every row's generation on every rank: replica r generates its block of rows."""
+        return self.by_replica(prompts, params, self.engine.generate)
+
+    def by_replica(self, prompts: list[list[int]], params: SamplingParams, generate: Callable) -> list:
+        """`generate(rows, params)` of replica r on its block of rows (row i keeps the seed stream
+        `params.seed + i`), every replica's results gathered on every rank in row order (collective)."""
         replicas = self.engine_dims.dp
-        if len(prompts) < replicas:
-            raise ConfigError(
+        tp, ep = self.engine_dims.tp, self.engine_dims.ep
+        if len(prompts) < replicas and math.lcm(tp, ep) > tp:
+            raise ConfigError(  # the tp groups of an expert-parallel block step together, each with rows
                 f"{len(prompts)} rollout rows for {replicas} engine replicas: every replica needs one"
             )
         rows = torch.tensor_split(torch.arange(len(prompts)), replicas)[self.replica].tolist()
         if params.seed is not None and rows:  # row i keeps its stream (seed + i) whatever the split
             params = dataclasses.replace(params, seed=params.seed + rows[0])
-        mine = self.engine.generate([prompts[i] for i in rows], params)
+        mine = generate([prompts[i] for i in rows], params) if rows else []
         if self.dims.layout.world == 1:
             return mine
         gathered: list = [None] * self.dims.layout.world

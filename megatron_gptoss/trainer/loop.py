@@ -29,6 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_gptoss.agent import agent_metrics
 from megatron_gptoss.config import TrainConfig
 from megatron_gptoss.data.conversations import ConversationSet
 from megatron_gptoss.envs import make_task
@@ -41,6 +42,7 @@ from megatron_gptoss.rl.batch import RolloutBatch, build_batch
 from megatron_gptoss.rl.critic import critic_update
 from megatron_gptoss.rl.guards import drop_nonfinite_groups
 from megatron_gptoss.rl.kl_control import KLController
+from megatron_gptoss.trainer.agentic import AgentRollout, start_tools
 from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
@@ -51,9 +53,11 @@ from megatron_gptoss.trainer.session import session
 def run(cfg: TrainConfig) -> dict[str, float]:
     """Train (collective over the default process group, or a world of one made here); returns the last
     evaluation's metrics (RL) or the last step's (SFT) on every rank."""
+    launcher = start_tools(cfg)  # the python tool's sandbox launcher, before CUDA
     with session(cfg.run) as run_session:
         device = run_session.device
-        task, tokenizer = make_task(cfg.env, cfg.data, cfg.reward)
+        agent = cfg.agent if cfg.agent.enabled else None
+        task, tokenizer = make_task(cfg.env, cfg.data, cfg.reward, agent)
         if cfg.model.vocab_size < tokenizer.vocab_size:
             raise ConfigError(
                 f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}"
@@ -71,13 +75,14 @@ def run(cfg: TrainConfig) -> dict[str, float]:
             )
         with claim_output_dir(cfg) as claim:
             setup = Colocated(cfg, device, with_engine=cfg.run.mode == "rl")
+            rollout = AgentRollout(cfg, setup, launcher) if agent and cfg.run.mode == "rl" else setup
             with Cadence(cfg, setup, run_session, claim, task) as cadence:
                 sampling = sampling_params(cfg, task.stop_token_ids)
-                evaluation = (lambda: evaluate(setup, task, sampling)) if cfg.run.mode == "rl" else None
+                evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
                 last: dict[str, float] = {}
                 for step in cadence.steps(evaluation):
                     if cfg.run.mode == "rl":
-                        last = rl_step(cfg, setup, task, sampling, step, device, cadence.kl_ctrl)
+                        last = rl_step(cfg, setup, rollout, task, sampling, step, device, cadence.kl_ctrl)
                     else:
                         start = time.perf_counter()
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
@@ -88,19 +93,29 @@ def run(cfg: TrainConfig) -> dict[str, float]:
 
 
 def rl_step(
-    cfg: TrainConfig, setup: Colocated, task, sampling, step: int, device, kl_ctrl: KLController
+    cfg: TrainConfig,
+    setup: Colocated,
+    rollout: Colocated | AgentRollout,
+    task,
+    sampling,
+    step: int,
+    device,
+    kl_ctrl: KLController,
 ) -> dict[str, float]:
-    """generate -> score -> prepare -> update -> sync; the step's metrics. `kl_ctrl`: the coefficient of
-    the KL penalty in the reward, updated with the step's KL."""
+    """generate -> score -> prepare -> update -> sync; the step's metrics. `rollout`: the setup itself, or
+    its agentic rollouts (tool tokens out of the loss). `kl_ctrl`: the coefficient of the KL penalty in the
+    reward, updated with the step's KL."""
     t0 = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
-    rollouts, rollout_extra = collect_rollouts(cfg, setup, task, sampling, step)
+    rollouts, rollout_extra = collect_rollouts(cfg, rollout, task, sampling, step)
     generations = rollouts.generations
+    agentic = isinstance(rollout, AgentRollout)
     batch = build_batch(
         rollouts.prompt_ids,
         [g.token_ids for g in generations],
         [g.logprobs for g in generations],
         rollouts.rewards,
+        [g.sources for g in generations] if agentic else None,  # type: ignore[attr-defined]
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guard)
@@ -131,6 +146,9 @@ def rl_step(
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
     metrics.update(rollout_extra)
     metrics.update(kept.metrics())
+    if isinstance(rollout, AgentRollout):
+        metrics.update(agent_metrics(generations, rollouts.rewards))  # type: ignore[arg-type]
+        metrics.update(rollout.tool_metrics())
     return metrics
 
 
