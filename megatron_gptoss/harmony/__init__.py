@@ -43,7 +43,8 @@ Public API (stable; other packages import only these names from `megatron_gptoss
           "content", "end"} dicts with .error (None when well-formed: the last message ends in
           <|return|> or <|call|>) and .ok; a tool call has channel "commentary", recipient
           "functions.NAME", content_type "<|constrain|>json", end "call". Both recipient placements
-          parse.
+          parse. A multi-turn trajectory parses whole: a <|call|> followed by <|start|> goes on with
+          the tool's message and the later turns.
 
 `recipient_placement`: "channel" writes `<|channel|>commentary to=functions.NAME` (oss-harmony 0.0.11,
 the reference the project installs; on other channels the recipient stays in the header, and content types

@@ -6,6 +6,10 @@ The first message's header starts right away (its role is `assistant`); every la
 type (`<|constrain|>json`, or a bare word such as `json`). A message's content runs to `<|end|>`,
 `<|return|>` or `<|call|>`; other special tokens inside content are read as their spelling, as
 openai-harmony's parser reads them. Header rules follow openai-harmony's `parse_header_from_string`.
+
+An agentic trajectory (`agent.AgentLoop`: model turns and tool results in one stream) parses whole: after a
+`<|call|>`, a `<|start|>` goes on with the tool's message (author `functions.NAME` or `python`) and the
+turns after it, so a reward reads the trajectory's final answer.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ class ParsedCompletion(list):
     token that closed the message: `"end"`, `"return"`, `"call"`, or None when the tokens ran out first.
 
     `error` is None for a well-formed completion: messages, the last one closed by `<|return|>` or
-    `<|call|>`, nothing after it. Otherwise it names the first problem (truncation, an id outside the
-    vocabulary, a malformed header, tokens after the end); the messages read before it are kept, and a
-    message cut short is kept with `end` None."""
+    `<|call|>`, nothing after it (after a `<|call|>`, further messages starting with `<|start|>` belong to
+    it). Otherwise it names the first problem (truncation, an id outside the vocabulary, a malformed
+    header, tokens after the end); the messages read before it are kept, and a message cut short is kept
+    with `end` None."""
 
     error: str | None = None
 
@@ -136,7 +141,8 @@ def parse_completion(token_ids: Iterable[int]) -> ParsedCompletion:
             out.error = out.error or "truncated in a message's content (no <|end|>, <|return|> or <|call|>)"
             return out
         pos = end_at + 1
-        if end in ("return", "call"):
+        continues = end == "call" and pos < len(ids) and ids[pos] == START  # a tool's result follows
+        if end in ("return", "call") and not continues:
             if pos < len(ids):
                 out.error = out.error or f"{len(ids) - pos} tokens after <|{end}|>"
             return out

@@ -147,7 +147,8 @@ def test_config_offers_the_tool_as_the_cold_start_lists_it():
 )
 def test_gsm8k_reward_scores_the_final_answer(data_dir, final, reward):
     """The dataset task (GSM8K reward in a worker) on a held-out row: the value as the final answer scores
-    1, another number (the key among them) 0, and a completion without a final message 0."""
+    1 and another number (the key among them) 0, answered directly or after a lookup call and its result
+    (the agentic trajectory as one stream); a completion without a final message scores 0."""
     task = DatasetTask(
         DataConfig(train_files=[str(data_dir / "train.jsonl")], eval_files=[str(data_dir / "test.jsonl")]),
         RewardConfig(name="gsm8k", workers=1),
@@ -159,16 +160,22 @@ def test_gsm8k_reward_scores_the_final_answer(data_dir, final, reward):
         assert value == lookup.value(key) and row.messages[-1]["content"].count(key) == 1
         wrong = value + 1 if value < lookup.VALUE_HIGH else value - 1
         text = final.format(value=value, wrong=wrong, key=key)
+        call = [
+            {"role": "assistant", "recipient": "functions.lookup", "content": json.dumps({"key": key})},
+            {"role": "tool", "name": "lookup", "content": lookup.lookup(key)},
+        ]
+        answers = {
+            "direct": [{"role": "assistant", "channel": "final", "content": text}],
+            "after a call": [*call, {"role": "assistant", "channel": "final", "content": text}],
+            "no final": [*call, {"role": "assistant", "channel": "analysis", "content": text}],
+        }
         responses = []
-        for message in (
-            {"role": "assistant", "channel": "final", "content": text},
-            {"role": "assistant", "channel": "analysis", "content": text},
-        ):
-            rendered = render_conversation([*row.messages, message], reasoning_effort="low")
+        for turn in answers.values():
+            rendered = render_conversation([*row.messages, *turn], reasoning_effort="low")
             responses.append(rendered.token_ids[rendered.num_prompt_tokens :])
-        assert parse_completion(responses[0])[-1]["content"] == text
-        scores, _ = task.score_batch([row, row], responses)
-        assert [s["reward"] for s in scores] == [reward, 0.0]
+        assert parse_completion(responses[1])[-1]["content"] == text
+        scores, _ = task.score_batch([row] * 3, responses)
+        assert [s["reward"] for s in scores] == [reward, reward, 0.0]
     finally:
         task.close()
 

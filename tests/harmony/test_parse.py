@@ -164,3 +164,32 @@ def test_random_and_truncated_streams_never_raise():
             assert isinstance(msg["content"], str) and msg["end"] in ("end", "return", "call", None)
         if parsed.ok:
             assert parsed[-1]["end"] in ("return", "call")
+
+
+def test_a_multi_turn_trajectory_parses_whole():
+    """An agentic trajectory (a call, the tool's result, the next turn's final answer) parses as its four
+    messages, equal to the conversation rendered by `render_conversation`; a call followed by anything but
+    `<|start|>` is still an error, and a trajectory cut inside the tool's message is truncated."""
+    messages = [
+        {"role": "user", "content": "What is the value of key 417?"},
+        {"role": "assistant", "channel": "analysis", "content": "Look it up."},
+        {"role": "assistant", "recipient": "functions.lookup", "content": '{"key": "417"}'},
+        {"role": "tool", "name": "lookup", "content": "482"},
+        {"role": "assistant", "channel": "final", "content": "482"},
+    ]
+    for placement in ("channel", "header"):
+        rendered = render_conversation(messages, reasoning_effort="low", recipient_placement=placement)
+        response = rendered.token_ids[rendered.num_prompt_tokens :]
+        parsed = parse_completion(response)
+        assert parsed.ok, parsed.error
+        assert [(m["role"], m["channel"], m["recipient"], m["content"], m["end"]) for m in parsed] == [
+            ("assistant", "analysis", None, "Look it up.", "end"),
+            ("assistant", "commentary", "functions.lookup", '{"key": "417"}', "call"),
+            ("tool", "commentary", "assistant", "482", "end"),
+            ("assistant", "final", None, "482", "return"),
+        ]
+        assert parsed[2]["name"] == "functions.lookup"
+        call_end = response.index(CALL) + 1
+        assert parse_completion(response[:call_end]).ok
+        assert "after <|call|>" in parse_completion([*response[:call_end], END]).error
+        assert parse_completion(response[: call_end + 3]).error.startswith("truncated")
