@@ -29,7 +29,6 @@ from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.bridge.transport import sync_in_process
 from megatron_gptoss.config import ParallelConfig, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
-from megatron_gptoss.errors import ConfigError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
@@ -74,12 +73,11 @@ class EmbeddedHost:
     def by_replica(self, prompts: list[list[int]], params: SamplingParams, generate: Callable) -> list:
         """`generate(rows, params)` of replica r on its block of rows (row i keeps the seed stream
         `params.seed + i`), every replica's results gathered on every rank in row order (collective)."""
-        replicas = self.engine_dims.dp
+        replicas, wanted = self.engine_dims.dp, len(prompts)
         tp, ep = self.engine_dims.tp, self.engine_dims.ep
-        if len(prompts) < replicas and math.lcm(tp, ep) > tp:
-            raise ConfigError(  # the tp groups of an expert-parallel block step together, each with rows
-                f"{len(prompts)} rollout rows for {replicas} engine replicas: every replica needs one"
-            )
+        if 0 < wanted < replicas and math.lcm(tp, ep) > tp:
+            # the tp groups of an expert-parallel block step together: each gets a row, extras dropped
+            prompts = prompts + [prompts[0]] * (replicas - wanted)
         rows = torch.tensor_split(torch.arange(len(prompts)), replicas)[self.replica].tolist()
         if params.seed is not None and rows:  # row i keeps its stream (seed + i) whatever the split
             params = dataclasses.replace(params, seed=params.seed + rows[0])
@@ -88,8 +86,8 @@ class EmbeddedHost:
             return mine
         gathered: list = [None] * self.dims.layout.world
         dist.all_gather_object(gathered, (self.replica, self.engine_dims.coord("tp"), mine))
-        by_replica = {r: gens for r, tp, gens in gathered if tp == 0}
-        return [g for r in range(replicas) for g in by_replica[r]]
+        by_replica = {r: gens for r, tp_rank, gens in gathered if tp_rank == 0}
+        return [g for r in range(replicas) for g in by_replica[r]][:wanted]
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -3,8 +3,9 @@ policy that calls the calculator (tests/agent/scripted_policy.py):
 
 - world 1 with engine sessions, and world 1 re-generating every turn (rounds waiting for every tool call);
 - world 4 (gloo), the embedded engine with one rank per replica: each replica's own loop with sessions;
-- world 4, the embedded engine at tensor parallel 2: every rank runs the loop in lockstep, rank 0 the tools
-  (rounds waiting for every tool call, as the world-1 run it is compared with).
+- world 4, the embedded engine at tensor parallel 2 x expert parallel 4 (two tp groups stepping together):
+  every rank runs the loop in lockstep, rank 0 the tools (rounds waiting for every tool call, as the
+  world-1 run it is compared with); a round with fewer rows than engine replicas pads them.
 
 Every run trains on trajectories with tool tokens out of the loss: the engine's log-probs of the model's
 tokens equal the learner's (fp32), the on-policy ratio is exactly 1, the tool metrics count the calls. A
@@ -75,7 +76,8 @@ def runs(tmp_path_factory):
     train(str(base), str(base / "w1_regen"), regen)
     workers = pool(4)
     workers.run(train, str(base), str(base / "w4"), [])
-    workers.run(train, str(base), str(base / "w4_tp2"), ["rollout.tensor_parallel_size=2", *regen])
+    tp2_ep4 = ["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4", *regen]
+    workers.run(train, str(base), str(base / "w4_tp2"), tp2_ep4)
     return {name: metrics(base / name) for name in ("w1", "w1_regen", "w4", "w4_tp2")}
 
 
