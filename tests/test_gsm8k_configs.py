@@ -1,6 +1,6 @@
-"""The GSM8K RL configs: the command line in each header loads (the world it launches is the config's),
-the learner's and the engine's layouts fit that world at full size and at the tiny width run here, and
-each config trains: at tiny width (hidden 64, the real o200k_harmony tokenizer and its 201,088-way output
+"""The GSM8K RL configs (and ReTool's: GSM8K with the python tool): the command line in each header
+loads (the world it launches is the config's), the learner's and the engine's layouts fit that world at
+full size and at the tiny width run here, and each config trains: at tiny width (hidden 64, the real o200k_harmony tokenizer and its 201,088-way output
 layer) on one rank, the layout shrunk to 1 x 1, two RL steps on generated GSM8K-format word problems
 through the one trainer, scored by the GSM8K reward in a worker process."""
 
@@ -20,7 +20,11 @@ from megatron_gptoss.parallel.dims import validate_layout
 from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[1]
-WORLDS = {"configs/gpt_oss_20b_gsm8k.yaml": 8, "configs/gpt_oss_120b_gsm8k.yaml": 64}
+WORLDS = {
+    "configs/gpt_oss_20b_gsm8k.yaml": 8,
+    "configs/gpt_oss_120b_gsm8k.yaml": 64,
+    "configs/gpt_oss_20b_retool.yaml": 8,
+}
 PROCS_PER_NODE = 8  # launch/slurm_train.sbatch's default
 COMMAND = re.compile(r"^#   ((?:torchrun|CONFIG=).*)$")
 
@@ -117,3 +121,5 @@ def test_two_rl_steps_at_tiny_width(name, tmp_path):
         assert line["mismatch/tokens"] > 0 and math.isfinite(line["pg/loss"])
         assert line["train/grad_norm"] < 1e3
         assert line["train/skipped"] == 0.0
+        if cfg.agent.enabled:  # ReTool: python-tool trajectories (a random model seldom calls it)
+            assert 0.0 <= line["agent/call_rate"] <= 1.0 and line["agent/turns_mean"] >= 1.0
