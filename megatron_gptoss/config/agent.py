@@ -89,7 +89,8 @@ class AgentConfig:
     # a JSON schema of the arguments}; the function takes the arguments as keywords and returns a string
     # or a JSON-serialisable value.
     tools: list[Any] = field(default_factory=list)
-    # Assistant turns (model generations) of one trajectory at most; a call past it gets an error message.
+    # Assistant turns (model generations) of one trajectory at most; a call in the last turn is not run (no
+    # turn is left to read its result): the trajectory ends with finish reason "max_turns".
     max_turns: int = 8
     # Tokens of one trajectory (prompt, model and tool tokens) at most.
     max_total_tokens: int = 8192
