@@ -1,8 +1,9 @@
 """The GSM8K RL configs (and ReTool's: GSM8K with the python tool): the command line in each header
 loads (the world it launches is the config's), the learner's and the engine's layouts fit that world at
-full size and at the tiny width run here, and each config trains: at tiny width (hidden 64, the real o200k_harmony tokenizer and its 201,088-way output
-layer) on one rank, the layout shrunk to 1 x 1, two RL steps on generated GSM8K-format word problems
-through the one trainer, scored by the GSM8K reward in a worker process."""
+full size and at the tiny width run here, and each config trains: at tiny width (hidden 64, the real
+o200k_harmony tokenizer and its 201,088-way output layer) on one rank, the layout shrunk to 1 x 1, two RL
+steps on generated GSM8K-format word problems through the one trainer, scored by the GSM8K reward in a
+worker process."""
 
 from __future__ import annotations
 
