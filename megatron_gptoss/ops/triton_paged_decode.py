@@ -12,15 +12,19 @@ in that view, so shift = position - q_view (a multiple of the page) and keys bef
 visible. A row with q_view < 0 (padding) sees no key: O = 0, LSE = sink.
 
 Bitwise contract: every output row equals the row of `triton_sink_attention` (its training forward) at the
-same absolute position, under the same `KernelConfig`. The tile has the training forward's shape (BLOCK_M
-rows, BLOCK_N keys, the same warps); its rows are the group's query heads, all at position p, and the key
-blocks visited, their order and their masked / unmasked code path are those of the training tile that
-holds p (key blocks aligned to absolute positions). A row's result depends only on its own q row and the
-key blocks it visits, so it takes the same bits.
+same absolute position, under the same `KernelConfig`. The tile's rows are the group's query heads, all at
+position p; the key blocks visited (BLOCK_N keys, aligned to absolute positions), their order and their
+masked / unmasked code path are those of the training tile that holds p, and each row's dot products run on
+the training tile's instructions: the training tile's shape, or on a GPU where the training tile is 128 rows
+over 8 warps, one warpgroup's share of it, 64 rows over 4 warps (`decode_config`: each warpgroup of the
+training tile computes its own 64 rows alike; half the work for the 8 heads of a group; bit-for-bit
+equality checked on an H100 by tests/ops/test_paged_decode.py). A row's result depends only on its own q
+row and the key blocks it visits, so it takes the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -30,6 +34,14 @@ import triton.language as tl
 from megatron_gptoss.errors import AttentionInputError
 from megatron_gptoss.ops.triton_sink_attention import KernelConfig, _check, _dot_precision, default_config
 from megatron_gptoss.ops.triton_sink_kernels import LN2, LOG2E, _key_ranges, _visible
+
+
+def decode_config(config: KernelConfig) -> KernelConfig:
+    """The paged decode tile of a training forward `config`: a 128-row tile over 8 warps becomes one
+    warpgroup's 64 rows over 4 warps (same BLOCK_N, same per-row instructions); any other tile is kept."""
+    if config.block_m == 128 and config.fwd_warps == 8:
+        return dataclasses.replace(config, block_m=64, fwd_warps=4)
+    return config
 
 
 @triton.jit
@@ -146,7 +158,8 @@ def triton_paged_decode(
     sees no key). Query b sees keys j <= positions[b] (and positions[b] - window < j), key j read from block
     block_table[b, (j - shift) // page] at offset (j - shift) % page, shift = positions[b] - q_view[b].
     Returns out [B, Hq, D] in q's dtype (and LSE [B, Hq] fp32, sink included). Nothing is checked on the
-    device (no host sync): the table must cover every visible key of its row."""
+    device (no host sync): the table must cover every visible key of its row. `config`: the training
+    forward's (default `default_config`), run with its `decode_config` tile."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise AttentionInputError(
             f"paged decode expects q [B, Hq, D] and k/v pools [blocks, page, Hkv, D], got "
@@ -175,7 +188,7 @@ def triton_paged_decode(
     if window is not None and window < 1:
         raise AttentionInputError(f"window must be >= 1 (query sees itself), got {window}")
     _check(q, k_pool, v_pool, softmax_scale)
-    cfg = config or default_config(d, q.dtype, window is not None, q.device)
+    cfg = decode_config(config or default_config(d, q.dtype, window is not None, q.device))
     group = hq // hkv
     if group > cfg.block_m:
         raise AttentionInputError(f"{group} query heads per KV head exceed the tile's {cfg.block_m} rows")

@@ -98,11 +98,11 @@ class _Buffers:
 
 @dataclass
 class GraphStep:
-    """A decode step's result: final hidden states [1, B, H] of its rows, and with `Sampling` the drawn
-    (tokens, log-probs) of each row, read back on the host."""
+    """A decode step's result on the device, not waited for: final hidden states [1, B, H] of its rows, and
+    with `Sampling` the drawn tokens and their log-probs of each row, float64 [2, B]."""
 
     hidden: torch.Tensor
-    drawn: tuple[list[int], list[float]] | None
+    drawn: torch.Tensor | None
 
 
 class DecodeGraphs:
@@ -168,10 +168,7 @@ class DecodeGraphs:
             assert buffers.graph is not None and buffers.hidden is not None
             buffers.graph.replay()
             hidden, drawn = buffers.hidden, buffers.drawn
-        if drawn is None:
-            return GraphStep(hidden[:, :rows], None)
-        tokens, logprobs = drawn[:, :rows].cpu()  # one copy back (the step's only host sync)
-        return GraphStep(hidden[:, :rows], ([int(t) for t in tokens.tolist()], logprobs.tolist()))
+        return GraphStep(hidden[:, :rows], None if drawn is None else drawn[:, :rows])
 
     def _fill(
         self,

@@ -41,7 +41,7 @@ from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Sampling
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
-from megatron_gptoss.rollout.scheduler import Scheduler, Sequence, StepPlan
+from megatron_gptoss.rollout.scheduler import Scheduler, Sequence, StepPlan, staged
 
 
 class EmbeddedEngine:
@@ -73,6 +73,8 @@ class EmbeddedEngine:
         self._cache: PagedKVCache | None = None
         self._scheduler: Scheduler | None = None
         self._graphs: DecodeGraphs | None = None
+        # the next decode step's plan, built while the last step ran (`_step`)
+        self._ahead: StepPlan | None = None
         self._sessions: dict[int, Sequence] = {}
         self._next_session = 0
         self._turns: list[SessionTurn] = []
@@ -100,7 +102,7 @@ class EmbeddedEngine:
     def _release_cache(self) -> int:
         """Drop the KV cache (allocated again by the next request); returns its bytes."""
         kv_bytes = self._cache.storage_bytes() if self._cache is not None else 0
-        self._cache, self._scheduler, self._graphs = None, None, None
+        self._cache, self._scheduler, self._graphs, self._ahead = None, None, None, None
         return kv_bytes
 
     def wake_up(self) -> dict[str, int]:
@@ -235,10 +237,14 @@ class EmbeddedEngine:
     # ------------------------------------------------------------------------------- one step
     def _step(self) -> StepPlan:
         """One forward over the scheduler's packed tokens, then sampling and bookkeeping (one host sync).
-        Returns the step's plan (its chunks say what was computed)."""
+        Returns the step's plan (its chunks say what was computed).
+
+        A decode step replayed from a graph with its sampling inside lets the host build the next step's
+        plan (`Scheduler.plan_ahead`) while the device computes; the next step takes that plan where every
+        row went on (no stop), with the sampled tokens written in, and plans afresh otherwise."""
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
-        plan = scheduler.plan() or scheduler.idle_plan()
+        plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
         step = None
         if self._graphs is not None and plan.chunks:
             step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, self._graph_sampling(plan))
@@ -257,17 +263,36 @@ class EmbeddedEngine:
         scheduler.computed(plan)
         if plan.samplers:
             if step is not None and step.drawn is not None:
-                tokens, logprobs = step.drawn
+                ahead = scheduler.plan_ahead()  # on the host while the device runs the step
+                drawn = step.drawn.cpu()  # the step's one host sync
+                tokens, logprobs = [int(t) for t in drawn[0].tolist()], drawn[1].tolist()
             else:
                 rows = torch.tensor([c.offset + c.count - 1 for c in plan.samplers], device=self.device)
                 logits = self._logits(hidden[0].index_select(0, rows))
                 tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
+                ahead = None
             for chunk, token, logprob in zip(plan.samplers, tokens, logprobs):
                 self._advance(chunk.seq, token, logprob)
+            self._ahead = ahead
         if scheduler.static and scheduler.running and all(s.ghost for s in scheduler.running):
             for seq in list(scheduler.running):  # the static batch's last row finished: free the batch
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
+        return plan
+
+    def _take_ahead(self) -> StepPlan | None:
+        """The plan built ahead during the last step, where it still holds: the same rows run, in the same
+        order, each having sampled exactly its one token since (nothing waits); its token ids written."""
+        plan, self._ahead = self._ahead, None
+        scheduler = self._scheduler
+        if plan is None or scheduler is None or scheduler.waiting:
+            return None
+        chunks = plan.chunks
+        if len(chunks) != len(scheduler.running) or any(
+            c.seq is not s or len(s.tokens) != c.start + 1 for c, s in zip(chunks, scheduler.running)
+        ):
+            return None
+        plan.input_ids.copy_(staged([c.seq.tokens[-1] for c in chunks], self.device).view(1, -1))
         return plan
 
     def _graph_sampling(self, plan: StepPlan) -> Sampling | None:

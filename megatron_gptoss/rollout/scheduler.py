@@ -23,6 +23,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
@@ -86,9 +87,10 @@ class StepPlan:
 def staged(values: list[int], device: torch.device) -> torch.Tensor:
     """int64 `values` on `device`: on a GPU through pinned host memory and one non-blocking copy (the caching
     host allocator keeps the pinned block until the copy has run)."""
+    host = torch.from_numpy(np.asarray(values, dtype=np.int64))  # numpy converts a list of ints fast
     if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class _Staging:
@@ -207,6 +209,20 @@ class Scheduler:
             self._allocate(chunk.seq, chunk.start + chunk.count)
         return self._build(chunks)
 
+    def plan_ahead(self) -> StepPlan | None:
+        """The next decode step's plan, built while the current one runs on the device, as if every running
+        row samples one more token and goes on (None where that cannot hold: a static schedule, waiting
+        sequences, a row still prefilling or at its last token). Its token ids are placeholders (0): the
+        engine writes the sampled ones before it uses the plan, and drops it where a row stopped."""
+        if self.static or self.waiting or not self.running:
+            return None
+        if any(len(s.tokens) != s.computed or s.budget < 2 for s in self.running):
+            return None
+        chunks = [Chunk(seq, seq.computed, 1, row) for row, seq in enumerate(self.running)]
+        for chunk in chunks:
+            self._allocate(chunk.seq, chunk.start + 1)
+        return self._build(chunks, ahead=True)
+
     def _allocate(self, seq: Sequence, length: int) -> None:
         """Blocks for positions < length in every pool's table."""
         for i, pool in enumerate(self.pools):
@@ -219,10 +235,14 @@ class Scheduler:
                 else:
                     raise RuntimeError(f"sequence {seq.sid} exceeds its block quota in pool {i}")
 
-    def _build(self, chunks: list[Chunk]) -> StepPlan:
+    def _build(self, chunks: list[Chunk], ahead: bool = False) -> StepPlan:
+        """The packed layout of `chunks`; `ahead`: one placeholder token per chunk (`plan_ahead`)."""
         bs = self.cache.block_size
         host = _Staging()
-        ids = host.add([t for c in chunks for t in c.seq.tokens[c.start : c.start + c.count]])
+        if ahead:
+            ids = host.add([0] * len(chunks))
+        else:
+            ids = host.add([t for c in chunks for t in c.seq.tokens[c.start : c.start + c.count]])
         pos = host.add([p for c in chunks for p in range(c.start, c.start + c.count)])
         slots = [
             host.add(
@@ -272,7 +292,7 @@ class Scheduler:
             ],
             staged[inv],
         )
-        samplers = [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
+        samplers = chunks if ahead else [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
         return StepPlan(chunks, staged[ids].view(1, -1), staged[pos].view(1, -1), layout, samplers)
 
     def idle_plan(self) -> StepPlan:

@@ -92,3 +92,20 @@ def test_paged_decode_rejects_bad_inputs():
         triton_paged_decode(q[..., :8], pool, pool, sinks, table, pos, pos)
     with pytest.raises(AttentionInputError, match="sinks"):
         triton_paged_decode(q, pool, pool, sinks[:3], table, pos, pos)
+
+
+def test_decode_tile_is_one_warpgroup_of_a_two_warpgroup_training_tile():
+    from megatron_gptoss.ops.triton_paged_decode import decode_config
+    from megatron_gptoss.ops.triton_sink_attention import default_config
+
+    gpu = torch.device("cuda")
+    full = decode_config(default_config(64, torch.bfloat16, False, gpu))
+    trained = default_config(64, torch.bfloat16, False, gpu)
+    assert (full.block_m, full.fwd_warps, full.block_n) == (64, 4, trained.block_n)
+    for windowed, dtype, device in (
+        (True, torch.bfloat16, gpu),
+        (False, torch.float32, gpu),
+        (False, torch.float32, torch.device("cpu")),
+    ):
+        kept = default_config(64, dtype, windowed, device)
+        assert decode_config(kept) == kept

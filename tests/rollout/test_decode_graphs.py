@@ -33,10 +33,15 @@ def assert_same(outs, ref, tolerance):
         assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() <= tolerance
 
 
-def test_padded_decode_buffers_equal_the_eager_step():
+def test_padded_decode_buffers_equal_the_eager_step(monkeypatch):
+    taken = []
+    real = EmbeddedEngine._take_ahead
+    monkeypatch.setattr(EmbeddedEngine, "_take_ahead", lambda self: taken.append(real(self)) or taken[-1])
     engine, outs = generate("cpu", "padded")
     _, ref = generate("cpu", "off")
     assert_same(outs, ref, 1e-6)
+    # the bucketed steps were planned ahead, while the step before ran, where no row stopped
+    assert sum(plan is not None for plan in taken) >= 5
     buckets = {batch for batch, _, _ in engine._graphs._buffers}
     assert {8, 4, 2, 1} <= buckets  # 5 rows pad to 8; 3 to 4; ...
     # every row seeded with one temperature: the buckets sampled inside the step (the reference outside it)
@@ -52,6 +57,17 @@ def test_truncated_sampling_inside_the_padded_step_equals_sampling_outside():
     _, ref = generate("cpu", "off", params=params)
     assert_same(outs, ref, 1e-6)
     assert {sampling for _, _, sampling in engine._graphs._buffers} == {(1.3, 40, 0.9)}
+
+
+def test_stop_tokens_drop_the_plan_built_ahead():
+    """Rows stopping on a stop token (unknown before the step's sampling) with the next step planned ahead
+    during each bucketed step: the tokens and log-probs of the unpadded steps planned one at a time."""
+    params = SamplingParams(temperature=1.0, seed=11, stop_token_ids=list(range(0, 512, 9)))
+    engine, outs = generate("cpu", "padded", params=params)
+    _, ref = generate("cpu", "off", params=params)
+    assert_same(outs, ref, 1e-6)
+    assert any(o.finish_reason == "stop" for o in outs) and any(o.finish_reason == "length" for o in outs)
+    assert all(free == cap for free, cap in engine.kv_blocks_free())
 
 
 def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():
