@@ -349,8 +349,8 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         count = args.prompts_per_slot * slots
         prompts = prompts_of(count, args.prompt_len, config.vocab_size, seed=5)
         budgets = response_lengths(args, count)
-        # after: continuous batching with decode graphs; before: the static schedule, decode eager
-        for schedule, graphs in (("continuous", "auto"), ("static", "off")):
+        # default: after = continuous batching with decode graphs; before = the static schedule, decode eager
+        for schedule, graphs in (run.split(":") for run in args.runs.split(",")):
             engine.reconfigure(engine_options(args, slots, schedule, max(budgets), graphs))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -418,6 +418,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument(
         "--decode-chunk", type=int, default=4096, help="prefill tokens per step of the decode part"
+    )
+    parser.add_argument(
+        "--runs", default="continuous:auto,static:off", help="workload: schedule:cuda_graphs, in order"
     )
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
