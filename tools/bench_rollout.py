@@ -31,7 +31,8 @@ Parts:
               continuous schedule with decode graphs, then of the static one with eager decode steps
               (batches of B prompts run to their longest row: the engine before continuous batching and
               graphs); out of memory is reported as such
-    slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights, per --slots
+    slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights drawn on the
+              device, per --slots
 
 Prints one markdown table per part; --json appends every result as a JSON line.
 """
@@ -384,6 +385,21 @@ def print_table(rows: list[dict]) -> None:
     print()
 
 
+def random_weights(engine: EmbeddedEngine, seed: int = 0) -> None:
+    """Normal(0, 0.02) matrices and sinks, unit norms, zero biases, drawn on the engine's device (no host copy
+    of the model: the 120b-width slice has 12.7B parameters)."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if name.endswith(("layer_norm_weight", "layernorm.weight")):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device).mul_(0.02))
+    engine.memory.weights_loaded()
+
+
 def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> TimedEngine:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engine = TimedEngine(config, dtype, device, options=engine_options(args, args.slots[0]))
@@ -391,7 +407,7 @@ def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> 
     if checkpoint is not None:
         engine.update_weights(iter_checkpoint(checkpoint, config, dtype))
     else:
-        engine.update_weights(iter_hf_tensors(build_model(config, seed=0), config))
+        random_weights(engine)
     engine.reconfigure(engine_options(args, 2, new=4))  # warm-up: kernels compiled, decode graphs captured
     engine.generate([[1] * args.prompt_len, [2] * 3], SamplingParams(max_new_tokens=4))
     return engine

@@ -15,8 +15,10 @@ import io
 import math
 import pstats
 import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -24,6 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_20b
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_rollout import random_weights  # noqa: E402
 
 
 class ProfiledEngine(EmbeddedEngine):
@@ -75,20 +80,6 @@ def kernel_times(prof) -> dict[str, float]:
     return dict(out)
 
 
-def random_init(engine: EmbeddedEngine, seed: int = 0) -> None:
-    """Normal(0, 0.02) matrices and sinks, unit norms, zero biases, drawn on the engine's device."""
-    gen = torch.Generator(device=engine.device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in engine.model.named_parameters():
-            if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32).mul_(0.02))
-    engine.memory.weights_loaded()
-
-
 def short(name: str, width: int = 70) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -116,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         config = gpt_oss_20b()
     engine = ProfiledEngine(config, dtype, device)
-    random_init(engine)
+    random_weights(engine)
     chunk = 4096
     new = args.decode_steps + math.ceil(args.slots * args.prompt_len / chunk)
     prompts = torch.randint(0, config.vocab_size, (args.slots, args.prompt_len)).tolist()
