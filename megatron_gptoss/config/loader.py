@@ -22,6 +22,7 @@ from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
 from megatron_gptoss.config.model import MODEL_PRESETS
+from megatron_gptoss.config.moe import MoEReplayConfig
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.config.train import (
     EnvConfig,
@@ -42,6 +43,7 @@ SECTION_TYPES = {
     "algorithm": AlgorithmConfig,
     "dapo": DAPOConfig,
     "critic": CriticConfig,
+    "moe": MoEReplayConfig,
     "rollout": RolloutConfig,
     "embedded": EmbeddedEngineConfig,
     "env": EnvConfig,

@@ -11,6 +11,7 @@ from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
 from megatron_gptoss.config.model import ModelConfig
+from megatron_gptoss.config.moe import MoEReplayConfig
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.errors import ConfigError
 
@@ -404,6 +405,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dapo: DAPOConfig = field(default_factory=DAPOConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    moe: MoEReplayConfig = field(default_factory=MoEReplayConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     embedded: EmbeddedEngineConfig = field(default_factory=EmbeddedEngineConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -423,6 +425,21 @@ class TrainConfig:
         self.algorithm.validate()
         self.dapo.validate(self.rollout.max_new_tokens)
         self.agent.validate()
+        self.moe.validate()
+        if self.moe.router_replay == "r3":
+            if self.rollout.engine != "embedded":
+                raise ConfigError(
+                    "moe.router_replay='r3' needs the engine's routing: "
+                    f"rollout.engine={self.rollout.engine!r} does not return it (use the embedded engine, "
+                    "or moe.router_replay='r2')"
+                )
+            if self.rollout.tensor_parallel_size != 1:
+                raise ConfigError(
+                    "moe.router_replay='r3' records routing in an engine of rollout.tensor_parallel_size=1, "
+                    f"got {self.rollout.tensor_parallel_size}"
+                )
+            if self.agent.enabled:
+                raise ConfigError("moe.router_replay='r3' with agent.enabled is not supported yet: use 'r2'")
         if self.agent.enabled and self.dapo.overlong_buffer:
             raise ConfigError(
                 "dapo.overlong_buffer with agent.enabled: the overlong penalty is defined for one response "

@@ -35,9 +35,10 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = RMSNorm(config.hidden_size, config.norm_epsilon, dtype, device)
         self.mlp = MoE(config, dtype, device)
 
-    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None):
+    def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None, replay=None):
         x = x + self.self_attention(x, cos, sin, cu_seqlens, max_seqlen, cache, positions)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+        mlp_in = self.pre_mlp_layernorm(x)
+        return x + (self.mlp(mlp_in) if replay is None else self.mlp(mlp_in, replay))
 
 
 class Decoder(nn.Module):
@@ -151,8 +152,11 @@ class GPTOSSModel(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         cache=None,
+        routing: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-norm hidden states [B, T, H]. With `cache`, `position_ids` give each token's slot.
+        `routing` [B * T, num_layers, k] (router replay): the experts of every token at every layer of the
+        model (a stage reads its own layers'), `moe.no_route` where a token routes as usual.
 
         A stage without the embedding takes the previous stage's hidden states [B, T, H] in place of
         `input_ids` (then `position_ids` are required); a stage without the final norm returns its last
@@ -167,13 +171,23 @@ class GPTOSSModel(nn.Module):
             position_ids = torch.arange(tokens, device=input_ids.device).expand(batch, tokens)
         x = self.embedding(input_ids) if self.embedding is not None else input_ids
         cos, sin = self.rotary(position_ids, x.dtype)
-        for layer in self.decoder.layers.values():
+        for index, layer in self.decoder.layers.items():
+            replay = None if routing is None else routing[:, int(index)]
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(
-                    layer, x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids, use_reentrant=False
+                    layer,
+                    x,
+                    cos,
+                    sin,
+                    cu_seqlens,
+                    max_seqlen,
+                    cache,
+                    position_ids,
+                    replay,
+                    use_reentrant=False,
                 )
             else:
-                x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids)
+                x = layer(x, cos, sin, cu_seqlens, max_seqlen, cache, position_ids, replay)
         norm = self.decoder.final_layernorm
         return norm(x) if norm is not None else x
 

@@ -14,7 +14,24 @@ from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.ops import fused_moe
 
 
+def no_route(dtype: torch.dtype) -> int:
+    """The value marking a token without a replayed routing in a routing tensor of `dtype` (uint8: 255;
+    wider integers: -1)."""
+    return 255 if dtype == torch.uint8 else -1
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """One byte per choice when the experts and the no-route mark fit (<= 255 experts), else int16."""
+    return torch.uint8 if num_experts <= 255 else torch.int16
+
+
 class Router(nn.Module):
+    """Top-k routing. Router replay: `forward(x, replay)` with replay [N, k] routes each token to the given
+    experts (rows holding `no_route` route as usual), the gates being the softmax of the router's logits
+    at those experts, so the router still receives gradients. `capture` (a list, or None) collects each
+    forward's experts; `flips` (a [2] int64 tensor, or None) accumulates (replayed tokens whose experts
+    differ from the router's own top-k, replayed tokens)."""
+
     def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
         self.topk, self.fp32 = config.moe_router_topk, config.moe_router_fp32
@@ -23,15 +40,30 @@ class Router(nn.Module):
         )
         bias = torch.zeros(config.num_experts, dtype=dtype, device=device)
         self.bias = nn.Parameter(bias) if config.add_bias_linear else None
+        self.capture: list[torch.Tensor] | None = None
+        self.flips: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [N, H] -> (logits [N, E], probs [N, k] fp32, indices [N, k])."""
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] (replay [N, k] or None) -> (logits [N, E], probs [N, k] fp32, indices [N, k])."""
         if self.fp32:
             bias = None if self.bias is None else self.bias.float()
             logits = nn.functional.linear(x.float(), self.weight.float(), bias)
         else:
             logits = nn.functional.linear(x, self.weight, self.bias)
         top, indices = torch.topk(logits, self.topk, dim=-1)
+        if replay is not None:
+            replay = replay.to(logits.device)
+            free = replay[:, 0] == no_route(replay.dtype)
+            own = indices
+            indices = torch.where(free[:, None], own, replay.long())
+            top = logits.gather(-1, indices)
+            if self.flips is not None:
+                differs = (indices.sort(-1).values != own.sort(-1).values).any(-1) & ~free
+                self.flips += torch.stack([differs.sum(), (~free).sum()]).to(self.flips)
+        if self.capture is not None:
+            self.capture.append(indices.detach())
         return logits, torch.softmax(top.float(), dim=-1), indices
 
 
@@ -137,8 +169,9 @@ class MoE(nn.Module):
         self.router = Router(config, dtype, device)
         self.experts = Experts(config, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H]; replay [tokens, k] (router replay) or None."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        _, probs, indices = self.router(flat)
+        _, probs, indices = self.router(flat, replay)
         return self.experts(flat, probs, indices).reshape(shape)

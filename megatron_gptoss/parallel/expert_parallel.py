@@ -35,6 +35,7 @@ from megatron_gptoss.model.moe import Experts, MoE, Router
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.parallel.collectives import (
     all_to_all,
+    chunk_sizes,
     gather_to_replicated,
     scatter_to_sequence_parallel,
 )
@@ -145,13 +146,19 @@ class ParallelMoE(nn.Module):
         self.aux_loss_coeff = 0.0
         self.last_aux_loss: Tensor | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, replay: Tensor | None = None) -> Tensor:
+        """x as the module doc; replay [tokens, k] (router replay) for every token of the micro-batch, also
+        where this rank holds a chunk of them (sequence parallel, or tokens split over tp)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         total = flat.shape[0]
         if self.split_tokens:
             flat = scatter_to_sequence_parallel(flat, self.tp_group, 0)
-        logits, probs, indices = self.router(flat)
+        if replay is not None and replay.shape[0] != flat.shape[0]:  # this rank's chunk of the tokens
+            sizes = chunk_sizes(replay.shape[0], self.tp)
+            rank = dist.get_rank(self.tp_group)
+            replay = replay[sum(sizes[:rank]) : sum(sizes[: rank + 1])]
+        logits, probs, indices = self.router(flat, replay)
         y = self.experts(flat, probs, indices)
         if self.aux_loss_coeff > 0 and torch.is_grad_enabled():
             counts = torch.bincount(indices.reshape(-1), minlength=logits.shape[-1]).float()

@@ -42,6 +42,8 @@ from torch.distributed.pipelining import (
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.errors import LayoutError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.moe import Router, no_route, routing_dtype
+from megatron_gptoss.parallel.collectives import chunk_sizes
 from megatron_gptoss.parallel.dims import ParallelDims
 
 # (source rows of a micro-batch [R], log-probs [R, T], entropy [R, T]) -> this micro-batch's loss share
@@ -144,6 +146,7 @@ class PackedBatch:
     col_of: Tensor  # [M, N] int64
     local_row_of: Tensor  # [M, N] int64: index into rows[m], -1 for filler
     shape: tuple[int, int]  # (B, T)
+    routing: Tensor | None = None  # [M, N, layers, k]: router replay's experts (`moe.no_route` for filler)
 
     @property
     def num_micro_batches(self) -> int:
@@ -179,10 +182,12 @@ def pack_micro_batches(
     token_budget: int,
     min_micro_batches: int = 1,
     multiple_of: int = 1,
+    routing: Tensor | None = None,
 ) -> PackedBatch:
     """Pack the rows of input_ids / targets / valid [B, T] (valid: a prefix of each row) in order into
     micro-batches of `token_budget` tokens, greedily; at least `min_micro_batches`, a multiple of
-    `multiple_of` (filler-only micro-batches are added). A row longer than the budget is an error."""
+    `multiple_of` (filler-only micro-batches are added). A row longer than the budget is an error.
+    `routing` [B, T, layers, k] (router replay) is packed alike."""
     lengths = valid.sum(1).tolist()
     for b, n in enumerate(lengths):
         if n > token_budget:
@@ -224,7 +229,14 @@ def pack_micro_batches(
             at += n
         pos[m, at:] = torch.arange(token_budget - at)
     rows = [torch.tensor(g, dtype=torch.long) for g in groups]
-    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, (valid.shape[0], valid.shape[1]))
+    packed_routing = None
+    if routing is not None:
+        keep = row_of >= 0
+        fill = no_route(routing.dtype)
+        packed_routing = torch.full((*shape, *routing.shape[2:]), fill, dtype=routing.dtype)
+        packed_routing[keep] = routing.cpu()[row_of[keep], col_of[keep]]
+    shape_bt = (valid.shape[0], valid.shape[1])
+    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, shape_bt, packed_routing)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -237,9 +249,13 @@ class StageModule(nn.Module):
         self.model, self.plan = model, plan
         self.temperature, self.chunk_size = 1.0, 1024
 
-    def forward(self, x: Tensor, positions: Tensor, targets: Tensor | None = None):
+    def forward(
+        self, x: Tensor, positions: Tensor, targets: Tensor | None = None, routing: Tensor | None = None
+    ):
         cu_seqlens, max_seqlen = cu_seqlens_from_positions(positions)
-        hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen)
+        if routing is not None:  # [1, N, layers, k] -> [N, layers, k]
+            routing = routing.reshape(-1, *routing.shape[2:])
+        hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen, routing=routing)
         if not self.plan.is_last:
             return hidden
         if targets is None:
@@ -274,7 +290,14 @@ class PipelineRunner:
         self._loss: tuple[PackedBatch, LossFn] | None = None
 
     # packing ------------------------------------------------------------------------------------
-    def pack(self, input_ids: Tensor, targets: Tensor, valid: Tensor, token_budget: int) -> PackedBatch:
+    def pack(
+        self,
+        input_ids: Tensor,
+        targets: Tensor,
+        valid: Tensor,
+        token_budget: int,
+        routing: Tensor | None = None,
+    ) -> PackedBatch:
         """`pack_micro_batches` with the same number of micro-batches on every data-parallel rank (expert
         parallelism exchanges tokens across them), at least pp of them (the 1F1B schedules need a
         micro-batch per stage; the extra ones are filler) and, for the interleaved schedule, a multiple
@@ -288,7 +311,7 @@ class PipelineRunner:
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
         multiple = self.dims.pp if self.dims.vpp > 1 else 1
         least = max(int(count), self.dims.pp)
-        return pack_micro_batches(input_ids, targets, valid, token_budget, least, multiple)
+        return pack_micro_batches(input_ids, targets, valid, token_budget, least, multiple, routing)
 
     # passes -------------------------------------------------------------------------------------
     def forward_backward(self, packed: PackedBatch, loss_fn: LossFn, temperature: float = 1.0) -> Tensor:
@@ -337,6 +360,58 @@ class PipelineRunner:
             lp, ent = both[0], both[1]
         return packed.unpack(lp), packed.unpack(ent)
 
+    @torch.no_grad()
+    def routed_logprobs(self, packed: PackedBatch, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """`logprobs` and the experts every token was routed to (the replayed ones where `packed` carries a
+        routing): [B, T, num_layers, k] in `routing_dtype`, `no_route` at padding, on every rank of the tp
+        and pp groups."""
+        routers = self.routers()
+        captured: dict[int, list[Tensor]] = {layer: [] for layer in routers}
+        for layer, router in routers.items():
+            router.capture = captured[layer]
+        try:
+            lp, _ = self.logprobs(packed, temperature)
+        finally:
+            for router in routers.values():
+                router.capture = None
+        return lp, self._assemble_routing(packed, captured)
+
+    def routers(self) -> dict[int, Router]:
+        """This rank's routers by global layer index."""
+        return {
+            int(index): layer.mlp.router  # type: ignore[union-attr,misc]
+            for module in self.modules
+            for index, layer in module.model.decoder.layers.items()
+        }
+
+    def _assemble_routing(self, packed: PackedBatch, captured: dict[int, list[Tensor]]) -> Tensor:
+        """The micro-batches' captured experts of this rank's layers (chunks of the tokens under tp) ->
+        [B, T, layers, k] of every layer (gathered over tp and pp), no-route -1 while int32."""
+        m, n = packed.input_ids.shape
+        k, layers = self.config.moe_router_topk, self.config.num_layers
+        device = self.comm_device()
+        full = torch.full((m, n, layers, k), -1, dtype=torch.int32, device=device)
+        for layer in sorted(captured):
+            chunks = captured[layer]
+            if len(chunks) != m:
+                raise RuntimeError(f"layer {layer} routed {len(chunks)} micro-batches of {m}")
+            x = torch.stack([c.to(device=device, dtype=torch.int32) for c in chunks])  # [M, n_r, k]
+            if x.shape[1] != n:  # this tp rank's chunk of every micro-batch's tokens
+                sizes = chunk_sizes(n, self.dims.tp)
+                padded = torch.full((m, max(sizes), k), -1, dtype=torch.int32, device=device)
+                padded[:, : x.shape[1]] = x
+                parts = [torch.empty_like(padded) for _ in sizes]
+                dist.all_gather(parts, padded, group=self.dims.group("tp"))
+                x = torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1)
+            full[:, :, layer] = x
+        if self.dims.pp > 1:  # each stage holds its own layers: -1 elsewhere
+            dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.dims.group("pp"))
+        dtype = routing_dtype(self.config.num_experts)
+        out = torch.full((*packed.shape, layers, k), -1, dtype=torch.int32)
+        keep = packed.row_of >= 0
+        out[packed.row_of[keep], packed.col_of[keep]] = full.cpu()[keep]
+        return out.masked_fill(out < 0, no_route(dtype)).to(dtype)
+
     # internals ----------------------------------------------------------------------------------
     def comm_device(self) -> torch.device:
         """Where this rank's small collectives live (the parameters' device; the CPU for meta)."""
@@ -351,7 +426,8 @@ class PipelineRunner:
         ids, pos, tgt = (
             t[m : m + 1].to(self.device) for t in (packed.input_ids, packed.positions, packed.targets)
         )
-        return module(ids, positions=pos, targets=tgt)
+        routing = None if packed.routing is None else packed.routing[m : m + 1].to(self.device)
+        return module(ids, positions=pos, targets=tgt, routing=routing)
 
     @staticmethod
     def _micro_loss(packed: PackedBatch, loss_fn: LossFn, m: int, lp: Tensor, ent: Tensor) -> Tensor:
@@ -370,6 +446,8 @@ class PipelineRunner:
         kwargs = {"positions": packed.positions.to(self.device)}
         if self.has_last:
             kwargs["targets"] = packed.targets.to(self.device)
+        if packed.routing is not None:
+            kwargs["routing"] = packed.routing.to(self.device)
         return args, kwargs
 
     def _from_last(self, value: Tensor) -> Tensor:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from megatron_gptoss.model.moe import no_route
+
 
 @dataclass
 class RolloutBatch:
@@ -28,6 +30,9 @@ class RolloutBatch:
     is_weights: torch.Tensor | None = None  # [B, T] rollout-correction weights
     values: torch.Tensor | None = None  # [B, T] the critic's values before the update (gae)
     returns: torch.Tensor | None = None  # [B, T] the critic's targets (gae)
+    # [B, T, layers, k] router replay: the experts of input token t at every layer (`moe.no_route` where
+    # it routes itself); the engine's (r3) or the old policy's (r2)
+    routing: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -50,9 +55,12 @@ def build_batch(
     rollout_logprobs: list[list[float]],
     rewards: list[float],
     response_masks: list[list[int]] | None = None,
+    routing: list[torch.Tensor | None] | None = None,
 ) -> RolloutBatch:
     """Rows from token lists. `response_masks[b][i]` = 0 marks response token i as written by a tool or
-    the environment (excluded from the loss and the correction statistics); default all 1."""
+    the environment (excluded from the loss and the correction statistics); default all 1. `routing[b]`:
+    the engine's experts of row b's input tokens [len(prompt) + len(response) - 1, layers, k] (router
+    replay), or None where a row routes itself."""
     if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards)):
         raise ValueError("prompts, responses, rollout_logprobs and rewards must have one entry per row")
     rows = len(prompts)
@@ -74,9 +82,20 @@ def build_batch(
         mask = response_masks[b] if response_masks is not None else [1] * len(response)
         loss_mask[b, start : start + len(response)] = torch.tensor(mask, dtype=torch.float32)
         rollout[b, start : start + len(response)] = torch.tensor(lps, dtype=torch.float32)
-    return RolloutBatch(
+    batch = RolloutBatch(
         input_ids, targets, valid, loss_mask, rollout, torch.tensor(rewards, dtype=torch.float32)
     )
+    known = [r for r in routing or [] if r is not None]
+    if known:
+        table = torch.full((rows, width, *known[0].shape[1:]), no_route(known[0].dtype), dtype=known[0].dtype)
+        for b, r in enumerate(routing or []):
+            if r is not None:
+                n = int(valid[b].sum())
+                if r.shape[0] != n:
+                    raise ValueError(f"row {b}: routing of {r.shape[0]} tokens for {n} input tokens")
+                table[b, :n] = r
+        batch.routing = table
+    return batch
 
 
 def packed_logprobs(
@@ -95,6 +114,7 @@ def packed_logprobs(
         position_ids=positions[None],
         cu_seqlens=cu_seqlens.to(device),
         max_seqlen=int(lengths.max()),
+        routing=None if batch.routing is None else batch.routing[batch.valid].to(device),
     )[0]
     targets = batch.targets.masked_fill(batch.loss_mask == 0, -1)[batch.valid]
     lp, ent = model.token_logprobs(hidden, targets.to(device), temperature, chunk_size)

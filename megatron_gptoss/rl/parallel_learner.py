@@ -23,6 +23,8 @@ import torch.distributed as dist
 
 from megatron_gptoss.config import PPOConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.moe import MoEReplayConfig
+from megatron_gptoss.model.moe import no_route
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
@@ -42,8 +44,12 @@ class ParallelPolicy:
         dims: ParallelDims,
         optimizer: DistributedOptimizer | None = None,
         token_budget: int = 0,
+        replays: bool = True,
     ):
+        """`replays`: whether this model's forwards use a batch's `routing` (router replay); a critic's
+        routers are its own."""
         self.runner, self.dims, self.optimizer, self.token_budget = runner, dims, optimizer, token_budget
+        self.replays = replays
 
     # ----------------------------------------------------------------------------------------------
     def my_rows(self, rows: int) -> torch.Tensor:
@@ -63,7 +69,8 @@ class ParallelPolicy:
             budget = -(-budget // self.dims.tp) * self.dims.tp
         # only loss tokens need log-probs: the others are marked -1 (GPTOSSModel.token_logprobs)
         targets = batch.targets.masked_fill(batch.loss_mask == 0, -1)
-        return self.runner.pack(batch.input_ids, targets, batch.valid, budget)
+        routing = batch.routing if self.replays else None
+        return self.runner.pack(batch.input_ids, targets, batch.valid, budget, routing)
 
     @torch.no_grad()
     def logprobs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
@@ -77,6 +84,45 @@ class ParallelPolicy:
         if self.dims.dp > 1:
             dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.dims.group("dp"))
         return full.cpu()
+
+    @torch.no_grad()
+    def routed_logprobs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` and the experts of every input token at every layer [B, T, layers, k] (the replayed
+        ones where `batch.routing` has them), on every rank."""
+        rows = self.my_rows(len(batch))
+        lp, routing = self.runner.routed_logprobs(self.pack(batch.select(rows)), temperature)
+        full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=lp.device)
+        full[rows.to(lp.device)] = lp.float()
+        table = torch.full((*batch.input_ids.shape, *routing.shape[2:]), -1, dtype=torch.int32)
+        table[rows] = routing.to(torch.int32).masked_fill(routing == no_route(routing.dtype), -1)
+        if self.dims.dp > 1:
+            dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.dims.group("dp"))
+            device = self.runner.comm_device()
+            table = table.to(device)
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
+            table = table.cpu()
+        return full.cpu(), table.masked_fill(table < 0, no_route(routing.dtype)).to(routing.dtype)
+
+    @torch.no_grad()
+    def replay_flips(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The old policy's log-probs [B, T] with `batch.routing` replayed, and per layer [layers, 2] the
+        replayed tokens whose experts differ from the ones the learner's routers pick, and the replayed
+        tokens, summed over the world (collective)."""
+        routers = self.runner.routers()
+        device = self.runner.comm_device()
+        for router in routers.values():
+            router.flips = torch.zeros(2, dtype=torch.int64, device=device)
+        try:
+            lp = self.logprobs(batch, temperature)
+            counts = torch.zeros(self.runner.config.num_layers, 2, dtype=torch.int64, device=device)
+            for layer, router in routers.items():
+                assert router.flips is not None
+                counts[layer] = router.flips
+        finally:
+            for router in routers.values():
+                router.flips = None
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        return lp, counts.cpu()
 
     # ----------------------------------------------------------------------------------------------
     def accumulate_gradients(
@@ -141,13 +187,62 @@ def prepare(
     algorithm: AlgorithmConfig | None = None,
     kl_reward_coef: float | None = None,
     critic: ParallelPolicy | None = None,
+    replay: MoEReplayConfig | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """`learner.prepare` on the parallel policy: the prepared whole batch, identical on every rank.
-    `critic`: the value model (`rl.critic`) whose values gae needs."""
+    `critic`: the value model (`rl.critic`) whose values gae needs. `replay` (router replay): with r3 the
+    batch carries the engine's routing, replayed in every pass, and the metrics say how often the learner
+    would have routed otherwise (`replay/flip_frac*`) and, with `replay_metrics`, the mismatch without
+    replay (`replay/mismatch_off_*`); with r2 the old-policy pass records its routing into the batch."""
+    mode = "none" if replay is None else replay.router_replay
     ref = None if reference is None else (lambda b: reference.logprobs(b, temperature))
     values = None if critic is None else (lambda b: critic.logprobs(b, 1.0))
-    logprobs_of = lambda b: policy.logprobs(b, temperature)  # noqa: E731
-    return prepare_with(logprobs_of, ref, batch, cfg, group_size, algorithm, kl_reward_coef, values)
+    extra: dict[str, float] = {}
+    captured: list[torch.Tensor] = []
+    if mode == "r3" and batch.routing is not None:
+
+        def logprobs_of(b: RolloutBatch) -> torch.Tensor:
+            lp, counts = policy.replay_flips(b, temperature)
+            extra.update(flip_metrics(counts))
+            return lp
+
+        if replay is not None and replay.replay_metrics:
+            free = policy.logprobs(batch.with_(routing=None), temperature)
+            extra.update(mismatch_stats(free, batch.rollout_logprobs, batch.loss_mask, "replay/mismatch_off"))
+    elif mode == "r2":
+
+        def logprobs_of(b: RolloutBatch) -> torch.Tensor:
+            lp, routing = policy.routed_logprobs(b, temperature)
+            captured.append(routing)
+            return lp
+
+    else:
+        logprobs_of = lambda b: policy.logprobs(b, temperature)  # noqa: E731
+    prepared, metrics = prepare_with(
+        logprobs_of, ref, batch, cfg, group_size, algorithm, kl_reward_coef, values
+    )
+    if captured:
+        prepared = prepared.with_(routing=captured[0])
+    return prepared, {**metrics, **extra}
+
+
+def flip_metrics(counts: torch.Tensor) -> dict[str, float]:
+    """`replay/flip_frac` (replayed tokens whose experts differ from the learner's own choice, over all
+    layers) and `replay/flip_frac_layer{i}` from per-layer (differing, replayed) counts [layers, 2]."""
+    total = counts.sum(0).double()
+    out = {"replay/flip_frac": float(total[0] / total[1].clamp(min=1)), "replay/tokens": float(total[1])}
+    for i, (diff, n) in enumerate(counts.double().tolist()):
+        out[f"replay/flip_frac_layer{i}"] = diff / max(n, 1.0)
+    return out
+
+
+def mismatch_stats(learner: torch.Tensor, engine: torch.Tensor, mask: torch.Tensor, prefix: str) -> dict:
+    """Mean and largest |learner - engine| log-prob over the loss tokens, as `{prefix}_abs_diff_*`."""
+    diff = (learner - engine).abs()[mask > 0]
+    if diff.numel() == 0:
+        return {}
+    mean, largest = float(diff.double().mean()), float(diff.max())
+    return {f"{prefix}_abs_diff_mean": mean, f"{prefix}_abs_diff_max": largest}
 
 
 def update(

@@ -115,7 +115,7 @@ class Colocated:
                 shard=self.cfg.parallel.use_distributed_optimizer,
             )
             runner = PipelineRunner(self.critic, self.plans, self.dims)
-            self.critic_policy = ParallelPolicy(runner, self.dims, self.critic_optimizer)
+            self.critic_policy = ParallelPolicy(runner, self.dims, self.critic_optimizer, replays=False)
 
     def group_optimizers(self) -> dict[str, DistributedOptimizer]:
         """The optimizers of module groups other than the policy's (checkpointed beside it)."""

@@ -50,8 +50,11 @@ class EmbeddedHost:
             cfg.model,
         )
         self.replica = edims.coord("dp")
+        options = cfg.embedded
+        if cfg.moe.router_replay == "r3":  # the learner replays the experts the engine chose
+            options = dataclasses.replace(options, record_routing=True)
         self.engine = ParallelEmbeddedEngine(
-            cfg.model, edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, cfg.embedded
+            cfg.model, edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, options
         )
         self.exporter = FanoutExporter(
             models,

@@ -116,6 +116,7 @@ def rl_step(
         [g.logprobs for g in generations],
         rollouts.rewards,
         [g.sources for g in generations] if agentic else None,  # type: ignore[attr-defined]
+        [g.routing for g in generations] if cfg.moe.router_replay == "r3" else None,
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guard)
@@ -131,6 +132,7 @@ def rl_step(
         cfg.algorithm,
         kl_ctrl.value,
         setup.critic_policy,
+        cfg.moe,
     )
     if "kl_reward/kl" in metrics:
         kl_ctrl.update(metrics["kl_reward/kl"], len(batch))
