@@ -33,7 +33,10 @@ class KVCache:
         self.values[layer][rows, positions] = v.to(self.values[layer].dtype)
         return self.keys[layer], self.values[layer]
 
-    def attend(self, layer: int, q, k, v, positions: torch.Tensor, attention_fn) -> torch.Tensor:
-        """Store this layer's new k/v, then `attention_fn(q, keys, values, positions, None)` on the cache."""
+    def attend(
+        self, layer: int, q, k, v, positions: torch.Tensor, attention_fn, paged_fn=None
+    ) -> torch.Tensor:
+        """Store this layer's new k/v, then `attention_fn(q, keys, values, positions, None)` on the cache
+        (`paged_fn`, the paged cache's block-table decode, has no use here: the cache is contiguous)."""
         k_all, v_all = self.write(layer, k, v, positions)
         return attention_fn(q, k_all, v_all, positions, None)
