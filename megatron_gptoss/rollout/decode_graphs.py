@@ -22,7 +22,8 @@ says why) and the step runs eagerly. Graphs hold the cache's storage and the wei
 as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights` copies in place and
 keeps them).
 
-Host inputs are staged in pinned memory and copied with one non-blocking copy per step.
+Host inputs arrive through pinned memory in non-blocking copies: the step's layout in the scheduler's one
+copy, the rows' seeds and counters in one more; the bucket's buffers are filled from them on the device.
 
 `mode` "padded" runs the same bucketed buffers eagerly, without capture: on the CPU, where no graph can be
 captured, it checks the bucketing, padding and sampling against the unpadded step.

@@ -129,3 +129,42 @@ def test_sleep_frees_the_cache_and_wake_restores_generation(learner, level):
     engine.open_session([1, 2], params, seed=0)
     with pytest.raises(EngineError, match="open session"):
         engine.sleep()
+
+
+def run_sessions(learner, graphs: str) -> list[tuple]:
+    """Three sessions with stop tokens, each extended twice with tool tokens, then closed: every turn."""
+    engine = engine_of(learner, max_batch_slots=3, block_size=4, max_step_tokens=8, cuda_graphs=graphs)
+    params = SamplingParams(temperature=1.0, max_new_tokens=7, stop_token_ids=[5, 17, 33, 60])
+    prompts = [[3, 14, 15, 92], [2, 71, 82, 81, 8, 28], [1, 61, 80]]
+    turns_of = {engine.open_session(p, params, seed=50 + i): 0 for i, p in enumerate(prompts)}
+    record = []
+    while turns_of:
+        for turn in engine.step_sessions():
+            record.append((turn.session_id, turn.token_ids, turn.logprobs, turn.finish_reason))
+            turns_of[turn.session_id] += 1
+            if turns_of[turn.session_id] < 3:
+                engine.extend_session(turn.session_id, [9, 9, 4 + turns_of[turn.session_id]], 5)
+            else:
+                engine.close_session(turn.session_id)
+                del turns_of[turn.session_id]
+    assert all(free == cap for free, cap in engine.kv_blocks_free())
+    return record
+
+
+def test_sessions_planned_ahead_in_bucketed_steps_equal_sessions_planned_each_step(learner, monkeypatch):
+    """Decode steps in bucketed buffers plan the next step while they run (the path of decode graphs on a
+    GPU); turns ending on stop tokens, extensions and closes drop such plans. Every turn equals the one of
+    steps planned one at a time."""
+    from megatron_gptoss.rollout import EmbeddedEngine
+
+    taken = []
+    real = EmbeddedEngine._take_ahead
+    monkeypatch.setattr(EmbeddedEngine, "_take_ahead", lambda self: taken.append(real(self)) or taken[-1])
+    ahead = run_sessions(learner, "padded")
+    assert sum(plan is not None for plan in taken) >= 5
+    eager = run_sessions(learner, "off")
+    assert [r[0] for r in ahead] == [r[0] for r in eager]
+    assert any(r[3] == "stop" for r in ahead) and any(r[3] == "length" for r in ahead)
+    for (_, tokens, logprobs, reason), (_, ref_tokens, ref_logprobs, ref_reason) in zip(ahead, eager):
+        assert tokens == ref_tokens and reason == ref_reason
+        assert (torch.tensor(logprobs) - torch.tensor(ref_logprobs)).abs().max() <= 1e-6
