@@ -37,7 +37,7 @@ from megatron_gptoss.hf.convert import load_hf_tensors
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.logprobs import fp32_logits
 from megatron_gptoss.model.paged_kv_cache import PagedKVCache
-from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Sampling
+from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Head, Sampling
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
@@ -308,7 +308,7 @@ class EmbeddedEngine:
         seeds = [s.seed for s in seqs if s.seed is not None]
         return Sampling(first, seeds, [len(s.tokens) - s.counter_base for s in seqs])
 
-    def _graph_head(self):
+    def _graph_head(self) -> Head | None:
         """The fp32 logits the decode graphs compute for sampling inside the graph (None: sampling stays out
         of the graphs)."""
         return self._logits

@@ -41,6 +41,7 @@ from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
 from megatron_gptoss.parallel.vocab_parallel import gather_logits
+from megatron_gptoss.rollout.decode_graphs import Head
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 
@@ -176,7 +177,7 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         """Graphs only as the padded check: the collectives of a sharded step are not captured."""
         return "padded" if self.options.cuda_graphs == "padded" else None
 
-    def _graph_head(self):
+    def _graph_head(self) -> Head | None:
         """None: a sharded step's logits are gathered over the tp group, outside the bucketed step."""
         return None
 
