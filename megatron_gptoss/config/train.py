@@ -210,6 +210,10 @@ class RolloutConfig:
     expert_parallel_size: int = 1
     # Parameter dtype inside the engine: "float32" or "bfloat16".
     dtype: str = "float32"
+    # What the engine frees while the learner computes (between generation and the next weight sync):
+    # 0 nothing; 1 its KV cache, and its weights moved to the host; 2 its KV cache and its weights
+    # discarded (the sync sends every weight anyway). The freed and re-taken bytes are logged (engine/*).
+    sleep_level: int = 0
 
     def validate(self) -> None:
         if self.engine not in ("embedded", "vllm"):
@@ -232,6 +236,8 @@ class RolloutConfig:
         check_at_least("rollout", self, 0, "top_k")
         if self.dtype not in DTYPES:
             raise ConfigError(f"rollout.dtype={self.dtype!r} not in {DTYPES}")
+        if self.sleep_level not in (0, 1, 2):
+            raise ConfigError(f"rollout.sleep_level must be 0, 1 or 2, got {self.sleep_level}")
         if self.engine == "vllm" and (self.top_k or self.top_p < 1.0):
             raise ConfigError(
                 "rollout.engine='vllm' returns log_softmax(logits / T) only without truncation: set "

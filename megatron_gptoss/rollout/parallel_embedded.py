@@ -130,6 +130,7 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         if strict and set(params) - written:
             absent = sorted(set(params) - written)
             raise CheckpointError(f"missing tensors (or experts) of {absent}")
+        self.memory.weights_loaded()
         self.weight_version += 1
 
     def _load_slice(

@@ -133,6 +133,16 @@ class Colocated:
         if self.host is not None:
             self.host.sync()
 
+    def sleep_engine(self) -> dict[str, float]:
+        """The engine frees its memory for the learner (`rollout.sleep_level` > 0): the bytes released."""
+        level = self.cfg.rollout.sleep_level
+        return self.host.sleep(level) if self.host is not None and level else {}
+
+    def wake_engine(self) -> dict[str, float]:
+        """The engine takes its weights' memory back, ready for the sync: the bytes re-taken."""
+        level = self.cfg.rollout.sleep_level
+        return self.host.wake() if self.host is not None and level else {}
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Every row's generation on every rank (collective)."""
         if self.host is None:

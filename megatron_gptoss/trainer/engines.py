@@ -69,6 +69,19 @@ class EmbeddedHost:
         """The learner's weights into every engine shard (collective)."""
         sync_in_process(self.exporter.buckets(), self.engine, is_dst=True)
 
+    def sleep(self, level: int) -> dict[str, float]:
+        """Free this rank's engine memory (`rollout.sleep_level`); the bytes released (local)."""
+        released = self.engine.sleep(level)
+        return {
+            "engine/kv_cache_gib": released["kv_cache_bytes"] / 2**30,
+            "engine/weights_gib": released["weight_bytes"] / 2**30,
+            "engine/device_freed_gib": released["device_bytes_freed"] / 2**30,
+        }
+
+    def wake(self) -> dict[str, float]:
+        """Take the weights' memory back before the sync (the KV cache returns with the next request)."""
+        return {"engine/device_taken_gib": self.engine.wake_up()["device_bytes_taken"] / 2**30}
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Every row's generation on every rank: replica r generates its block of rows."""
         return self.by_replica(prompts, params, self.engine.generate)
@@ -107,6 +120,7 @@ class VLLMHost:
 
             self.engine = VLLMEngine(
                 cfg.model,
+                sleep_level=max(cfg.rollout.sleep_level, 1),
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 dtype=cfg.rollout.dtype,
                 seed=cfg.run.seed + 1,
@@ -134,6 +148,17 @@ class VLLMHost:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return from_rank0(self.engine.generate(prompts, params) if self.engine is not None else None)
+
+    def sleep(self, level: int) -> dict[str, float]:
+        """vLLM's sleep mode on rank 0 where its platform has one (its own accounting: nothing logged)."""
+        if self.engine is not None:
+            self.engine.sleep()
+        return {}
+
+    def wake(self) -> dict[str, float]:
+        if self.engine is not None:
+            self.engine.wake_up()
+        return {}
 
     def shutdown(self) -> None:
         if self.engine is not None:

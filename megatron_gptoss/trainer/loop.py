@@ -121,6 +121,7 @@ def rl_step(
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guard)
         return {"train/skipped": 1.0, **kept.metrics()}
+    memory = setup.sleep_engine()  # rollout.sleep_level: the engine's memory for the learner until the sync
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(
         setup.policy,
@@ -143,11 +144,13 @@ def rl_step(
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
         metrics.update(critic_update(setup.critic_policy, batch, cfg.ppo, cfg.critic.value_clip, shuffle))
     t3 = time.perf_counter()
+    memory.update(setup.wake_engine())
     setup.sync()
     metrics.update(step_times(device, t0, t1, t2, t3))
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
     metrics.update(rollout_extra)
     metrics.update(kept.metrics())
+    metrics.update(memory)
     if isinstance(rollout, AgentRollout):
         metrics.update(agent_metrics(generations, rollouts.rewards))  # type: ignore[arg-type]
         metrics.update(rollout.tool_metrics())
