@@ -1,12 +1,14 @@
 """A task a small model can solve only through a tool: a table of facts it cannot know, read by `lookup`.
 
-table      keys "100" ... "999"; the value of a key is a keyed hash of it (salted BLAKE2b) mapped to
-           100 ... 999. Keys and values are each one o200k_harmony token, so a call copies the key
-           from the question and the answer copies the value from the tool's result.
+table      keys "100" ... "299"; the value of a key is a keyed hash of it (salted BLAKE2b) mapped to
+           100 ... 299. Keys and values are each one o200k_harmony token, so a call copies the key
+           from the question and the answer copies the value from the tool's result. Keys and values
+           share one small range, which the cold start's arithmetic covers: a small model copies a
+           token well only once it has learnt to write it.
 lookup     the tool: `lookup(key: str) -> str`, the value as text, or an "error: ..." string for an
            unknown key; `tool_spec()` is its `agent.tools` entry (name, function, description, schema).
 splits     held-out keys: those whose (separately salted) hash falls in HELD_OUT_BUCKETS of BUCKETS
-           buckets (98 of the 900 keys); training keys are the rest. The split is fixed, whatever
+           buckets (43 of the 200 keys); training keys are the rest. The split is fixed, whatever
            the seeds.
 rows       verl's schema: the question as the one user message, the value as the ground truth, so
            the GSM8K reward on the final answer scores it (`reward.name: gsm8k`).
@@ -32,19 +34,19 @@ from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 NAME = "lookup"
 # The salt of the table: a different salt is a different table.
 SALT = "megatron-gptoss/lookup/v1"
-KEYS = tuple(str(k) for k in range(100, 1000))
+KEYS = tuple(str(k) for k in range(100, 300))
 KEY_SET = frozenset(KEYS)
 # Values lie in [VALUE_LOW, VALUE_HIGH].
-VALUE_LOW, VALUE_HIGH = 100, 999
+VALUE_LOW, VALUE_HIGH = 100, 299
 # The held-out keys: those hashing into HELD_OUT_BUCKETS of BUCKETS buckets.
-BUCKETS = 9
+BUCKETS = 5
 HELD_OUT_BUCKETS = 1
 # The largest share of cold-start conversations that may call the lookup tool.
 MAX_LOOKUP_FRACTION = 0.05
 DESCRIPTION = "Returns the value stored under a key of the facts table."
 PARAMETERS: dict[str, Any] = {
     "type": "object",
-    "properties": {"key": {"type": "string", "description": "A key of the table, e.g. 417"}},
+    "properties": {"key": {"type": "string", "description": "A key of the table, e.g. 217"}},
     "required": ["key"],
     "additionalProperties": False,
 }
@@ -147,9 +149,10 @@ def guess(key: str, rng: random.Random) -> dict[str, Any]:
 
 
 def calculation(rng: random.Random) -> dict[str, Any]:
-    """An arithmetic question (a in 100..999, so every key's token is written in a call) answered through
-    the calculator."""
-    a, b, op = rng.randint(100, 999), rng.randint(1, 99), rng.choice("+-")
+    """An arithmetic question answered through the calculator: a +- b with b in 1..9, a and the result in
+    the table's range (so every key and value token is written, in the call or the answer)."""
+    b, op = rng.randint(1, 9), rng.choice("+-")
+    a = rng.randint(VALUE_LOW, VALUE_HIGH - b) if op == "+" else rng.randint(VALUE_LOW + b, VALUE_HIGH)
     expression = f"{a} {op} {b}"
     result = str(a + b if op == "+" else a - b)
     return _conversation(
