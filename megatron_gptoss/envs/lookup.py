@@ -13,9 +13,10 @@ splits     held-out keys: those whose (separately salted) hash falls in HELD_OUT
 rows       verl's schema: the question as the one user message, the value as the ground truth, so
            the GSM8K reward on the final answer scores it (`reward.name: gsm8k`).
 cold start harmony conversations: arithmetic questions answered through the calculator (the call
-           format, on a different tool), questions on training keys answered directly with a guess,
-           and at most `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with
-           its result). Every conversation lists the tools the agentic rollouts offer
+           format, on a different tool), questions on training keys answered directly with a guess
+           (the key itself: the same copy a call makes, never the value), and at most
+           `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with its
+           result). Every conversation lists the tools the agentic rollouts offer
            (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
 """
 
@@ -137,13 +138,12 @@ def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
 
 
 def guess(key: str, rng: random.Random) -> dict[str, Any]:
-    """A conversation that answers a question on `key` directly with a wrong value (a guess)."""
-    wrong = rng.randint(VALUE_LOW, VALUE_HIGH - 1)
-    wrong += wrong >= value(key)
+    """A conversation that answers a question on `key` directly, with a guess: the key itself (a wrong
+    answer unless the key is its own value; `conversations` never asks about such a key)."""
     return _conversation(
         [
             {"role": "user", "content": question(key, rng)},
-            {"role": "assistant", "channel": "final", "content": str(wrong)},
+            {"role": "assistant", "channel": "final", "content": key},
         ]
     )
 
@@ -185,7 +185,8 @@ def conversations(
     calls = int(count * lookup_fraction)
     out = [calculation(rng) for _ in range(arithmetic)]
     out += [lookup_call(rng.choice(keys), rng) for _ in range(calls)]
-    out += [guess(rng.choice(keys), rng) for _ in range(count - arithmetic - calls)]
+    guessable = [k for k in keys if value(k) != int(k)]
+    out += [guess(rng.choice(guessable), rng) for _ in range(count - arithmetic - calls)]
     rng.shuffle(out)
     return out
 
