@@ -26,6 +26,7 @@ from megatron_gptoss.agent.tools import Tool, ToolRegistry, ToolTimeout
 from megatron_gptoss.errors import ToolError
 from megatron_gptoss.harmony import (
     CALL,
+    CHANNELS,
     DEFAULT_RECIPIENT_PLACEMENT,
     assistant_start,
     parse_completion,
@@ -62,14 +63,16 @@ class ToolOutcome:
 def parse_tool_call(completion: Sequence[int]) -> ToolCall | None:
     """The tool call a generation ended with (the tokens after `<|start|>assistant`, ending in
     `<|call|>`), or None when it ended otherwise or its last message names no recipient (the trajectory
-    cannot be answered and ends). Both recipient placements parse."""
+    cannot be answered and ends). Both recipient placements parse. A call on a channel harmony does not
+    have (a model's typo) is answered on `commentary`."""
     if not completion or completion[-1] != CALL:
         return None
     messages = parse_completion(completion)
     if not messages or messages[-1]["end"] != "call" or not messages[-1]["recipient"]:
         return None
     last = messages[-1]
-    return ToolCall(last["recipient"], last["channel"] or "commentary", last["content_type"], last["content"])
+    channel = last["channel"] if last["channel"] in CHANNELS else "commentary"
+    return ToolCall(last["recipient"], channel, last["content_type"], last["content"])
 
 
 def error(text: str) -> ToolOutcome:

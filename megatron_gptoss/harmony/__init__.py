@@ -33,6 +33,7 @@ Public API (stable; other packages import only these names from `megatron_gptoss
           <|return|>; assistant_mask[i] is True exactly on the tokens the model sampled (tool results,
           the prompt and the <|start|>assistant before the turn and after each tool result are False)
       render_tool_result(name, content, *, channel="commentary", recipient_placement="channel") -> list[int]
+      CHANNELS = ("analysis", "commentary", "final")       the channels a message may name
       assistant_start() -> list[int]                       [<|start|>, "assistant"]
       stop_token_ids() -> list[int]                        [<|return|>, <|call|>]: a rollout stops there
       HarmonyFormatError(ValueError)                       a message that cannot be rendered
@@ -54,6 +55,7 @@ are written `<|constrain|>TYPE`), "header" writes `<|start|>assistant to=functio
 
 from megatron_gptoss.harmony.parse import ParsedCompletion, parse_completion
 from megatron_gptoss.harmony.render import (
+    CHANNELS,
     DEFAULT_RECIPIENT_PLACEMENT,
     HarmonyFormatError,
     HarmonyMessage,
@@ -82,6 +84,7 @@ from megatron_gptoss.harmony.tokenizer import (
 __all__ = [
     "CALL",
     "CHANNEL",
+    "CHANNELS",
     "CONSTRAIN",
     "DEFAULT_RECIPIENT_PLACEMENT",
     "END",

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_gptoss.agent import ToolRegistry, parse_tool_call, run_call, tool_result_tokens
 from megatron_gptoss.config import AgentConfig, SandboxConfig
-from megatron_gptoss.harmony import render_conversation, render_prompt
+from megatron_gptoss.harmony import CALL, CHANNEL, MESSAGE, get_tokenizer, render_conversation, render_prompt
 
 USER_TOOLS = [
     {
@@ -191,6 +191,20 @@ def test_both_recipient_placements_parse_to_the_same_call():
     assert parse_tool_call(header) == parse_tool_call(channel)
     assert parse_tool_call(channel).arguments == '{"a": 1}'
     assert parse_tool_call(channel[:-1]) is None  # no <|call|>: not a call
+
+
+def test_a_call_on_an_unknown_channel_is_answered_on_commentary(registry):
+    """A call whose channel harmony does not have (a sampled typo) is run and answered on commentary, the
+    trajectory going on; it does not stop the rollout."""
+    enc = get_tokenizer().encode
+    ids = [CHANNEL, *enc("$total to=functions.calculator"), MESSAGE, *enc('{"expression": "2+3"}'), CALL]
+    call = parse_tool_call(ids)
+    assert call is not None and call.recipient == "functions.calculator" and call.channel == "commentary"
+    outcome = run_call(registry, call, timeout_s=5.0, budget_left=True, max_chars=100)
+    assert outcome.text == "5"
+    text = get_tokenizer().decode(tool_result_tokens(ids, call, outcome))
+    expected = "<|start|>functions.calculator<|channel|>commentary to=assistant<|message|>5<|end|>"
+    assert text == expected + "<|start|>assistant"
 
 
 def test_python_tool_timeout_and_output(registry):
