@@ -51,11 +51,8 @@ PARAMETERS: dict[str, Any] = {
     "required": ["key"],
     "additionalProperties": False,
 }
-QUESTIONS = (
-    "What is the value of key {key}?",
-    "Look up key {key} in the facts table. What is its value?",
-    "Which value does the facts table hold for key {key}?",
-)
+# One wording: the key stands at the same place in every question.
+QUESTIONS = ("What is the value of key {key}?",)
 ARITHMETIC = "What is {a} {op} {b}?"
 
 
