@@ -292,9 +292,10 @@ def triton_sink_decode(
 
     q_new [B, n_new, Hq, D]; k_cache, v_cache [B, L, Hkv, D] already holding the new tokens' keys and
     values; cache_seqlens int32 [B]: valid cache entries per sequence, new tokens included
-    (n_new <= cache_seqlens[b] <= L; not checked on the device, to keep decode free of host syncs).
+    (cache_seqlens[b] <= L; not checked on the device, to keep decode free of host syncs).
     Query r of sequence b sits at position cache_seqlens[b] - n_new + r and sees cache entries j with
-    j <= position (and position - window < j). Returns out [B, n_new, Hq, D] (and LSE [B, Hq, n_new]).
+    0 <= j <= position (and position - window < j); a query before position 0 (a short row left-padded in
+    a prefill group) sees none: its output is 0. Returns out [B, n_new, Hq, D] (and LSE [B, Hq, n_new]).
 
     Bitwise contract: each output row (and LSE) equals the row at the same position of
     `triton_sink_attention` run on the whole sequence (padded or packed), on the same device with the

@@ -46,9 +46,10 @@ def _key_ranges(
 ):
     """Key blocks a query tile [start_m, start_m + BLOCK_M) visits: [lo, full_lo) masked (window edge),
     [full_lo, diag_lo) unmasked, [diag_lo, hi) masked (diagonal and sequence end). Out-of-band blocks are
-    outside [lo, hi) and never visited."""
+    outside [lo, hi) and never visited. A decode tile wholly before position 0 (left padding of a short row
+    in a prefill group, start_m < 0) visits none: keys before a sequence's first entry are not its own."""
     hi = tl.minimum(start_m + BLOCK_M, k_len)
-    diag_lo = start_m // BLOCK_N * BLOCK_N
+    diag_lo = tl.maximum(start_m, 0) // BLOCK_N * BLOCK_N
     if HAS_WINDOW:
         lo = tl.maximum(start_m - window + 1, 0) // BLOCK_N * BLOCK_N
         full_lo = (tl.maximum(start_m + BLOCK_M - window, 0) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -115,7 +116,10 @@ def sink_attn_fwd_kernel(
     b = tl.program_id(2)
     start, q_len, k_len = _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN, SEQUSED_K)
     pos0 = k_len - q_len
-    start_m = (pos0 // BLOCK_M + pid_m) * BLOCK_M
+    # the tile of pos0 is floor(pos0 / BLOCK_M) (Triton's integer division truncates toward zero), so the
+    # tiles of a left-padded decode row (pos0 < 0) cover its padding, which reads no key (its output is 0)
+    first_tile = tl.where(pos0 < 0, -((BLOCK_M - 1 - pos0) // BLOCK_M), pos0 // BLOCK_M)
+    start_m = (first_tile + pid_m) * BLOCK_M
     if start_m >= k_len:
         return
     kvh = h // group

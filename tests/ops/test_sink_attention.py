@@ -241,6 +241,29 @@ def test_triton_decode_rows_equal_training_rows(window, n_new):
     assert torch.equal(d_out[1], p_out[57 - n_new :]) and torch.equal(d_lse[1], p_lse[:, 57 - n_new :])
 
 
+@needs_interpreter
+@pytest.mark.parametrize("window", [None, 5])
+def test_triton_decode_left_padded_rows_read_no_key_before_the_sequence(window):
+    """A prefill group pads short rows on the left: a row with fewer valid entries than new queries has
+    queries before position 0. Those rows read nothing (zeros; keys before a sequence's first entry are the
+    previous sequence's memory) and the real rows still equal the training rows."""
+    from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention, triton_sink_decode
+
+    q, k, v, sinks = (t.float() for t in make_inputs(24, 4, 2, 16, batch=2, seed=13))
+    n_new, short = 20, 6  # row 1 holds 6 entries: 14 padding queries sit at positions -14 .. -1
+    out, lse = triton_sink_attention(q[1:, :short], k[1:, :short], v[1:, :short], sinks, window=window,
+                                     return_lse=True)  # fmt: skip
+    k_cache, v_cache = k.clone(), v.clone()
+    k_cache[1, short:], v_cache[1, short:] = float("nan"), float("nan")
+    seqlens = torch.tensor([24, short], dtype=torch.int32)
+    q_new = torch.cat([q[:, : n_new - short], q[:, :short]], dim=1)  # row 1: padding, then its 6 queries
+    d_out, d_lse = triton_sink_decode(q_new, k_cache, v_cache, sinks, seqlens, window=window, return_lse=True)
+    assert torch.equal(d_out[1, n_new - short :], out[0]) and torch.equal(
+        d_lse[1, :, n_new - short :], lse[0]
+    )
+    assert torch.count_nonzero(d_out[1, : n_new - short]) == 0
+
+
 # ------------------------------------------------------------------------------------------------
 # Clear errors
 def _small(batch=1, tokens=8, hq=2, hkv=1, d=16, dtype=torch.float32):
