@@ -69,13 +69,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         key, value = item.split("=", 1)
-        section, name = key.split(".", 1)
-        if raw.get(section) is None:
-            raw[section] = {}
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"override {item!r}: section {section!r} of the file is not a mapping")
+        *path, name = key.split(".")
+        target = raw
+        for depth, part in enumerate(path):  # `model.lora.rank=8` sets a field of a nested section
+            if target.get(part) is None:
+                target[part] = {}
+            if not isinstance(target[part], dict):
+                where = ".".join(path[: depth + 1])
+                raise ConfigError(f"override {item!r}: section {where!r} of the file is not a mapping")
+            target = target[part]
         try:
-            raw[section][name] = yaml.safe_load(value)
+            target[name] = yaml.safe_load(value)
         except yaml.YAMLError as err:
             raise ConfigError(f"override {item!r}: the value is not valid YAML ({_problem(err)})") from None
     return build_config(raw)
@@ -148,7 +152,18 @@ def _check_fields(section: str, cls: Any, values: dict[str, Any]) -> None:
 
 
 def _convert(key: str, hint: Any, value: Any) -> Any:
-    """`value` as the type `hint` (int, float, bool, str, list[...] / tuple[..., ...], X | None)."""
+    """`value` as the type `hint` (int, float, bool, str, list[...] / tuple[..., ...], X | None, or a
+    nested config dataclass given as a mapping of its fields, checked the same way)."""
+    if dataclasses.is_dataclass(hint) and isinstance(hint, type):
+        if isinstance(value, hint):
+            return value
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a mapping of fields, got {value!r}")
+        values = dict(value)
+        _check_fields(key, hint, values)
+        return hint(**values)
     converted = _as(hint, value)
     if converted is _INVALID:
         raise ConfigError(f"{key}={value!r}: expected {_describe(hint)}, got {type(value).__name__}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_gptoss.config.lora import LoRAConfig
 from megatron_gptoss.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "eager", "flex", "triton", "fa4")
@@ -74,8 +75,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # LoRA adapters on a frozen base (rank 0: off).
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # a config read back from a manifest (dataclasses.asdict)
+            self.lora = LoRAConfig(**self.lora)
         if not self.layer_types:
             self.layer_types = ["sliding" if i % 2 == 0 else "full" for i in range(self.num_layers)]
         self.validate()
@@ -136,6 +141,7 @@ class ModelConfig:
             raise ConfigError(f"model.expert_backend={self.expert_backend!r} not in {EXPERT_BACKENDS}")
         if self.yarn_factor < 1.0:
             raise ConfigError(f"model.yarn_factor={self.yarn_factor} must be >= 1")
+        self.lora.validate()
 
     # ----------------------------------------------------------------------------------------------
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
