@@ -69,13 +69,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if "=" not in item or "." not in item.split("=", 1)[0]:
             raise ConfigError(f"override {item!r} must look like section.field=value")
         key, value = item.split("=", 1)
-        *path, name = key.split(".")
+        *sections, name = key.split(".")
         target = raw
-        for depth, part in enumerate(path):  # `model.lora.rank=8` sets a field of a nested section
+        for depth, part in enumerate(sections):  # `model.lora.rank=8` sets a field of a nested section
             if target.get(part) is None:
                 target[part] = {}
             if not isinstance(target[part], dict):
-                where = ".".join(path[: depth + 1])
+                where = ".".join(sections[: depth + 1])
                 raise ConfigError(f"override {item!r}: section {where!r} of the file is not a mapping")
             target = target[part]
         try:
