@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model.lora import LoRA, LoRALinear, active, make_adapter
 from megatron_gptoss.model.norm import rms_norm
 from megatron_gptoss.model.rope import apply_rotary
 from megatron_gptoss.ops import backend_available, sink_attention, sink_decode, sink_paged_decode
@@ -15,17 +16,31 @@ from megatron_gptoss.ops.sink_attention import resolve_backend
 
 class LayerNormLinear(nn.Module):
     """RMSNorm followed by a linear layer (Megatron's fused `linear_qkv`): holds
-    `layer_norm_weight` [in], `weight` [out, in] and `bias` [out]."""
+    `layer_norm_weight` [in], `weight` [out, in], `bias` [out] and an optional adapter `lora` on the
+    normalised input."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, eps: float, dtype=None, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        eps: float,
+        dtype=None,
+        device=None,
+        lora: LoRA | None = None,
+    ):
         super().__init__()
         self.eps = eps
         self.layer_norm_weight = nn.Parameter(torch.ones(in_features, dtype=dtype, device=device))
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.lora = lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(rms_norm(x, self.layer_norm_weight, self.eps), self.weight, self.bias)
+        h = rms_norm(x, self.layer_norm_weight, self.eps)
+        y = nn.functional.linear(h, self.weight, self.bias)
+        lora = active(self.lora)
+        return y if lora is None else y + lora(h)
 
 
 class CoreAttention(nn.Module):
@@ -61,15 +76,16 @@ class SelfAttention(nn.Module):
         self.num_heads, self.num_groups, self.head_dim = c.num_attention_heads, c.num_query_groups, c.head_dim
         self.heads_per_group = self.num_heads // self.num_groups
         qkv_out = (self.num_heads + 2 * self.num_groups) * self.head_dim
+        proj_in = self.num_heads * self.head_dim
+        qkv_lora = make_adapter(c.lora, "linear_qkv", c.hidden_size, qkv_out, None, dtype, device)
         self.linear_qkv = LayerNormLinear(
-            c.hidden_size, qkv_out, c.add_bias_linear, c.norm_epsilon, dtype, device
+            c.hidden_size, qkv_out, c.add_bias_linear, c.norm_epsilon, dtype, device, qkv_lora
         )
         self.core_attention = CoreAttention(
             self.num_heads, c.window_of(layer), c.attention_backend, dtype, device
         )
-        self.linear_proj = nn.Linear(
-            self.num_heads * self.head_dim, c.hidden_size, bias=c.add_bias_linear, dtype=dtype, device=device
-        )
+        proj_lora = make_adapter(c.lora, "linear_proj", proj_in, c.hidden_size, None, dtype, device)
+        self.linear_proj = LoRALinear(proj_in, c.hidden_size, c.add_bias_linear, proj_lora, dtype, device)
         self.layer = layer
 
     def split_qkv(self, qkv: torch.Tensor):

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.attention import SelfAttention
 from megatron_gptoss.model.logprobs import token_logprobs
+from megatron_gptoss.model.lora import adapters, freeze_base, is_adapter_param
 from megatron_gptoss.model.moe import MoE
 from megatron_gptoss.model.norm import RMSNorm
 from megatron_gptoss.model.rope import RotaryEmbedding
@@ -125,13 +126,18 @@ class GPTOSSModel(nn.Module):
             OutputLayer(config.hidden_size, rows, config.vocab_size, dtype, device) if post_process else None
         )
         self.activation_checkpointing = config.activation_checkpointing
+        if config.lora.enabled:
+            freeze_base(self)
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> GPTOSSModel:
-        """Normal(0, init_std) matrices, sinks and embeddings; zero biases; unit norms; zero padded rows."""
+        """Normal(0, init_std) matrices, sinks and embeddings; zero biases; unit norms; zero padded rows;
+        then the adapters (`LoRA.reset`), so the base weights do not depend on LoRA being on."""
         std = self.config.init_std
         for name, p in self.named_parameters():
+            if is_adapter_param(name):
+                continue
             if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
@@ -142,6 +148,8 @@ class GPTOSSModel(nn.Module):
             self.embedding.word_embeddings.weight[self.vocab_size :].zero_()
         if self.output_layer is not None:
             self.output_layer.weight[self.vocab_size :].zero_()
+        for adapter in adapters(self):
+            adapter.reset(generator)
         return self
 
     # ----------------------------------------------------------------------------------------------

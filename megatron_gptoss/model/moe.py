@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.model.lora import LoRA, active, make_adapter
 from megatron_gptoss.ops import fused_moe
 
 
@@ -40,6 +41,8 @@ class Router(nn.Module):
         )
         bias = torch.zeros(config.num_experts, dtype=dtype, device=device)
         self.bias = nn.Parameter(bias) if config.add_bias_linear else None
+        h, e = config.hidden_size, config.num_experts
+        self.lora = make_adapter(config.lora, "router", h, e, None, dtype, device)
         self.capture: list[torch.Tensor] | None = None
         self.flips: torch.Tensor | None = None
 
@@ -52,6 +55,9 @@ class Router(nn.Module):
             logits = nn.functional.linear(x.float(), self.weight.float(), bias)
         else:
             logits = nn.functional.linear(x, self.weight, self.bias)
+        lora = active(self.lora)
+        if lora is not None:
+            logits = logits + lora(x).to(logits.dtype)
         top, indices = torch.topk(logits, self.topk, dim=-1)
         if replay is not None:
             replay = replay.to(logits.device)
@@ -108,6 +114,8 @@ class Experts(nn.Module):
         self.backend = config.expert_backend
         self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device)
         self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device)
+        self.linear_fc1.lora = make_adapter(config.lora, "linear_fc1", h, 2 * i, e, dtype, device)
+        self.linear_fc2.lora = make_adapter(config.lora, "linear_fc2", i, h, e, dtype, device)
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether the fused kernels run (the `grouped_mm` backend) for input x."""
@@ -121,20 +129,18 @@ class Experts(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if self.fused(x):
             gemm = "grouped_mm" if x.is_cuda else "loop"
-            h = fused_moe.swiglu_bias(
-                grouped_linear(x, fc1.weight, bounds, gemm), fc1.bias, bounds, self.limit, self.alpha
-            )
-            y = grouped_linear(h, fc2.weight, bounds, gemm)
+            h = fused_moe.swiglu_bias(fc1(x, bounds, gemm), fc1.bias, bounds, self.limit, self.alpha)
+            y = fc2(h, bounds, gemm)
             return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
         expert = fused_moe.expert_of_rows(bounds, x.shape[0])
-        h = grouped_linear(x, fc1.weight, bounds, "loop")
+        h = fc1(x, bounds, "loop")
         # index_select, not bias[expert]: the backward of advanced indexing is index_put_(accumulate=True),
         # which on the CPU with several threads adds with float atomics in a racing order (run-to-run bit
         # differences); index_select's backward is index_add_, serial in row order on the CPU.
         if fc1.bias is not None:
             h = h + fc1.bias.index_select(0, expert)
         h = swiglu_clamped(h, self.limit, self.alpha)
-        y = grouped_linear(h, fc2.weight, bounds, "loop")
+        y = fc2(h, bounds, "loop")
         if fc2.bias is not None:
             y = y + fc2.bias.index_select(0, expert)
         return y
@@ -153,6 +159,9 @@ class Experts(nn.Module):
 
 
 class _ExpertLinear(nn.Module):
+    """`weight` [E, out, in], `bias` [E, out] (applied by the caller) and an optional per-expert adapter
+    `lora`. Called on rows sorted by expert: the grouped product with `weight` plus the adapter's."""
+
     def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device):
         super().__init__()
         self.weight = nn.Parameter(
@@ -161,6 +170,14 @@ class _ExpertLinear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(experts, out_features, dtype=dtype, device=device)) if bias else None
         )
+        self.lora: LoRA | None = None
+
+    def forward(self, x: torch.Tensor, bounds: torch.Tensor, gemm: str) -> torch.Tensor:
+        y = grouped_linear(x, self.weight, bounds, gemm)
+        lora = active(self.lora)
+        if lora is None:
+            return y
+        return y + lora.grouped(x, bounds, lambda rows, w, b: grouped_linear(rows, w, b, gemm))
 
 
 class MoE(nn.Module):

@@ -11,8 +11,9 @@
     └ combine      all-to-all back, weight by the router probabilities (fp32), sum the k slots per token
     └ out          tp > 1 without SP: all-gather the tokens so the output is replicated again
 
-Who holds what: ep rank r of an ep group holds the experts above (`linear_fc1`/`linear_fc2` weights
-and biases, ShardSpec dim 0 over "ep"; the tag is set for ep == 1 too, marking expert parameters).
+Who holds what: ep rank r of an ep group holds the experts above (`linear_fc1`/`linear_fc2` weights,
+biases and per-expert LoRA adapters, ShardSpec dim 0 over "ep"; the tag is set for ep == 1 too, marking
+expert parameters).
 Ranks of an expert-data-parallel (edp) group hold the same experts and process disjoint tokens, so
 expert gradients are summed over edp, dense ones over dp (the data-parallel step). Router gradients
 cover this rank's tokens only: they are tagged `partial over tp` when tp > 1.
@@ -75,12 +76,13 @@ class ExpertParallelExperts(Experts):
         self.group, self.ep, self.total_experts = dims.group("ep"), dims.ep, full.num_experts
         spec = ShardSpec(0, "ep")
         for name in ("linear_fc1", "linear_fc2"):
-            for attr in ("weight", "bias"):
-                src = getattr(getattr(full, name), attr)
+            for path in ("weight", "bias", "lora.a", "lora.b"):  # adapters: one per expert, dim 0 too
+                owner, _, attr = f"{name}.{path}".rpartition(".")
+                src = getattr(full.get_submodule(owner), attr) if _has(full, owner) else None
                 if src is not None:
                     param = nn.Parameter(local_shard(src.detach(), spec, dims).clone(), src.requires_grad)
                     set_shard(param, spec)
-                    setattr(getattr(self, name), attr, param)
+                    setattr(self.get_submodule(owner), attr, param)
 
     def forward(self, x: Tensor, probs: Tensor, indices: Tensor) -> Tensor:
         k, local = indices.shape[1], self.num_experts
@@ -117,6 +119,14 @@ class ExpertParallelExperts(Experts):
             return fused_moe.unpermute(y, probs, slot_rows)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, y)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 class _GatherRows(torch.autograd.Function):

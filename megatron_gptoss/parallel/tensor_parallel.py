@@ -11,6 +11,12 @@ One transformer layer on the `tp` ranks of a tensor-parallel group (SP = sequenc
     embedding      rows [r * V/tp, (r+1) * V/tp) of the padded vocabulary -> all-reduce (SP: reduce-scatter)
     final norm     SP only: RMSNorm then all-gather, so `hidden_states` is full and replicated
 
+LoRA adapters follow their layer: linear_qkv (column parallel) keeps `lora.a` [r, H] replicated and
+shards `lora.b` [out, r] by rows like its weight; linear_proj (row parallel) shards `lora.a` [r, in] by
+columns and keeps `lora.b` [H, r] replicated, its partial B A x added to the base's partial product
+before the one all-reduce (SP: reduce-scatter). The replicated halves get rank-partial gradients (tagged
+below).
+
 Every sharded parameter carries a `ShardSpec` (dim 0 of linear_qkv weight/bias, of the sinks and of the
 embedding (vocab=True), dim 1 of linear_proj weight). Replicated parameters whose gradient is computed
 from this rank's tokens only carry the `partial over tp` tag: the norms and linear_proj's bias under
@@ -27,6 +33,7 @@ from torch import Tensor, nn
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.attention import LayerNormLinear, SelfAttention
 from megatron_gptoss.model.gpt_oss import Decoder, Embedding, TransformerLayer
+from megatron_gptoss.model.lora import active
 from megatron_gptoss.model.norm import RMSNorm, rms_norm
 from megatron_gptoss.parallel.collectives import (
     copy_to_tensor_parallel,
@@ -103,6 +110,10 @@ class ColumnParallelLayerNormLinear(nn.Module):
         spec = ShardSpec(0, "tp")
         self.weight = _sharded(full.weight, spec, dims)
         self.bias = None if full.bias is None else _sharded(full.bias, spec, dims)
+        self.lora = full.lora
+        if self.lora is not None:  # a [r, H] replicated (partial over tp), b [out/tp, r] this rank's rows
+            set_partial_over_tp(self.lora.a)
+            self.lora.b = _sharded(self.lora.b, spec, dims)
 
     def forward(self, x: Tensor) -> Tensor:
         h = rms_norm(x, self.layer_norm_weight, self.eps)
@@ -110,7 +121,9 @@ class ColumnParallelLayerNormLinear(nn.Module):
             h = gather_from_sequence_parallel(h, self.group, SEQUENCE_DIM)
         else:
             h = copy_to_tensor_parallel(h, self.group)
-        return nn.functional.linear(h, self.weight, self.bias)
+        y = nn.functional.linear(h, self.weight, self.bias)
+        lora = active(self.lora)
+        return y if lora is None else y + lora(h)
 
 
 class RowParallelLinear(nn.Module):
@@ -124,9 +137,16 @@ class RowParallelLinear(nn.Module):
         self.bias = full.bias
         if self.bias is not None and self.sequence_parallel:
             set_partial_over_tp(self.bias)
+        self.lora = getattr(full, "lora", None)
+        if self.lora is not None:  # a [r, in/tp] this rank's columns, b [H, r] replicated (partial over tp)
+            self.lora.a = _sharded(self.lora.a, ShardSpec(1, "tp"), dims)
+            set_partial_over_tp(self.lora.b)
 
     def forward(self, x: Tensor) -> Tensor:
         y = nn.functional.linear(x, self.weight)
+        lora = active(self.lora)
+        if lora is not None:  # this rank's partial B A x, summed with the base's partial product
+            y = y + lora(x)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel(y, self.group, SEQUENCE_DIM)
         else:

@@ -101,7 +101,8 @@ class VocabParallelOutputLayer(nn.Module):
     def __init__(self, full: OutputLayer, padded_rows: int, dims: ParallelDims):
         super().__init__()
         spec = ShardSpec(0, "tp", vocab=True)
-        self.weight = nn.Parameter(local_shard(full.weight.detach(), spec, dims, padded_rows).clone())
+        shard = local_shard(full.weight.detach(), spec, dims, padded_rows).clone()
+        self.weight = nn.Parameter(shard, full.weight.requires_grad)
         set_shard(self.weight, spec)
         self.group, self.vocab_size = dims.group("tp"), full.vocab_size
         self.vocab_start = dims.coord("tp") * self.weight.shape[0]
