@@ -20,6 +20,7 @@ after each read. Both write into a temporary directory beside the output and ren
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -156,7 +157,7 @@ class _HFSlices:
 
 
 def _fields(config: ModelConfig) -> dict:
-    return {f: getattr(config, f) for f in config.__dataclass_fields__}
+    return dataclasses.asdict(config)  # nested sections (model.lora) as mappings
 
 
 def _narrow(tensor: torch.Tensor, box: Box, origin: Sequence[int]) -> torch.Tensor:

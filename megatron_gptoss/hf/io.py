@@ -62,6 +62,7 @@ LOCAL_FIELDS = (
     "expert_backend",
     "activation_checkpointing",
     "moe_router_fp32",
+    "lora",
 )
 
 log = logging.getLogger(__name__)
