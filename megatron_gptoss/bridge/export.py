@@ -10,6 +10,9 @@ Works for any tp / ep / pp (and vpp) layout and for a single process (`dims=None
 model chunks it holds; each parameter's ShardSpec tag says how its full tensor is cut (`parallel.sharding`),
 pipeline stages contribute the layers they hold, and the vocabulary padding is dropped by `to_hf`.
 
+LoRA: an adapted layer's weight is sent merged, W + scale * B A (each rank merges its own shards before the
+gather), so the engine runs the trained policy as a plain GPT-OSS; adapters are never sent on their own.
+
 Memory: the yielded tensors are fresh (never the learner's parameters, never views of them) and the
 exporter keeps nothing between buckets. Peak extra memory per rank: on `dst`, one bucket plus the transfer
 in flight; on a root, the transfer in flight: its gathered pieces or full tensor and its HF copy, at most
@@ -28,6 +31,7 @@ from torch import nn
 from megatron_gptoss.bridge.plan import EngineLayout, ParamInfo, Transfer, buckets_of, plan_transfers
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.hf.names import match_ours, to_hf
+from megatron_gptoss.model.lora import adapter_of, is_adapter_param, merged_weight
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.parallel.sharding import get_shard
 
@@ -35,12 +39,24 @@ Pairs = list[tuple[str, torch.Tensor]]
 
 
 def param_infos(chunks: Sequence[nn.Module]) -> list[ParamInfo]:
-    """This rank's parameters (every model chunk it holds) as plan metadata."""
+    """This rank's parameters (every model chunk it holds) as plan metadata; LoRA adapters are not sent
+    on their own: they are merged into their layer's weight (`local_weight`)."""
     return [
         ParamInfo(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), get_shard(p))
         for chunk in chunks
         for name, p in chunk.named_parameters()
+        if not is_adapter_param(name)
     ]
+
+
+def local_weight(params: dict[str, nn.Parameter], name: str, scale: float) -> torch.Tensor:
+    """This rank's shard of parameter `name` as the engine must see it: with a LoRA adapter on its layer,
+    W + scale * B A (fresh memory, the adapter shards cut to match the weight's), else the parameter."""
+    local = params[name].detach()
+    prefix = adapter_of(name)
+    if prefix is None or f"{prefix}.a" not in params:
+        return local
+    return merged_weight(local, params[f"{prefix}.a"].detach(), params[f"{prefix}.b"].detach(), scale)
 
 
 class WeightExporter:
@@ -97,7 +113,7 @@ class WeightExporter:
         transfer's sources."""
         if self.rank not in t.sources:
             return []
-        local = params[t.ours].detach()
+        local = local_weight(params, t.ours, self.config.lora.scale)
         if t.experts is not None:
             offset = self._first_local_expert(local)
             local = local[t.experts[0] - offset : t.experts[1] - offset]

@@ -28,6 +28,7 @@ import torch
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.hf.names import match_ours
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.value import VALUE_HEAD
 from megatron_gptoss.parallel.dims import Layout
 from megatron_gptoss.parallel.pipeline import split_layers
@@ -48,7 +49,9 @@ class Box:
 
 def is_vocab(name: str) -> bool:
     """Whether parameter `name` has vocabulary rows (padded in the model, unpadded in checkpoints)."""
-    return name != VALUE_HEAD and match_ours(name).rule.kind == "vocab"
+    if name == VALUE_HEAD or is_adapter_param(name):
+        return False
+    return match_ours(name).rule.kind == "vocab"
 
 
 def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -70,9 +73,9 @@ def shard_spec_of(name: str, tp: int) -> ShardSpec | None:
         return None
     if is_vocab(name):
         return ShardSpec(0, "tp", vocab=True)
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "softmax_offset")):
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "softmax_offset", "linear_qkv.lora.b")):
         return ShardSpec(0, "tp")
-    if name.endswith("linear_proj.weight"):
+    if name.endswith(("linear_proj.weight", "linear_proj.lora.a")):
         return ShardSpec(1, "tp")
     return None
 

@@ -37,6 +37,7 @@ from megatron_gptoss.checkpoint.dist_boxes import (
     writes_param,
 )
 from megatron_gptoss.checkpoint.dist_planner import Piece, Target
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.sharding import ShardSpec, get_shard
 
@@ -67,11 +68,15 @@ def module_pieces(
     shapes: Mapping[str, tuple[int, ...]],
     vocab_size: int,
     max_bytes: int,
+    adapters_only: bool = False,
 ) -> list[Piece]:
-    """The pieces of the parameters of `models` this rank writes (views of the parameters)."""
+    """The pieces of the parameters of `models` this rank writes (views of the parameters); only the LoRA
+    adapters' with `adapters_only`."""
     out = []
     for model in models:
         for name, p in model.named_parameters():
+            if adapters_only and not is_adapter_param(name):
+                continue
             spec = get_shard(p)
             if not writes_param(spec, coords):
                 continue
@@ -82,12 +87,19 @@ def module_pieces(
 
 
 def module_targets(
-    prefix: str, models: Sequence[nn.Module], coords: dict[str, int], vocab_size: int
+    prefix: str,
+    models: Sequence[nn.Module],
+    coords: dict[str, int],
+    vocab_size: int,
+    adapters_only: bool = False,
 ) -> list[Target]:
-    """Every parameter of `models` as a load target (padding rows zeroed now; the load fills the rest)."""
+    """Every parameter of `models` (only the LoRA adapters with `adapters_only`) as a load target (padding
+    rows zeroed now; the load fills the rest)."""
     out = []
     for model in models:
         for name, p in model.named_parameters():
+            if adapters_only and not is_adapter_param(name):
+                continue
             box = local_box(name, get_shard(p), p.shape, coords, vocab_size)
             data = p.data
             if is_vocab(name):

@@ -20,6 +20,12 @@ All methods are collective over `group`, a process group of every rank that only
     loaded = ckpt.resume("auto", {"model": models}, optimizer)        # None: start fresh
     ckpt.save(step, {"model": models}, optimizer, RunState(step, data={...}))   # or save_async + wait
 
+LoRA runs (`model.lora.rank > 0`): only the adapters of each module group and their optimizer state are
+stored (the base is frozen), with the manifest's `base` naming where the base weights come from (the
+`run.init_from_hf` directory, or the random initialisation's seed); loading fills the adapters only, into
+a model whose base the caller has already initialised from that source, and refuses a checkpoint whose
+base differs from the run's.
+
 Resuming in the same layout is exact (bit for bit: parameters, master weights, moments, step counts and
 random streams); in another layout the tensors are exact and the random streams restart from the run's
 seeding (a rank of one layout has no counterpart in another), which is logged.
@@ -159,6 +165,7 @@ class DistributedCheckpointer:
         self.pipeline_layers = pipeline_layers
         self.max_chunk_bytes = max_chunk_bytes
         self.coords = dims.layout.coords(dims.rank)
+        self.adapters_only = config.lora.enabled
         # the policy's parameters, and the value head of a critic (module group "critic")
         self.shapes = {**full_shapes(config), VALUE_HEAD: (1, config.hidden_size)}
         self._pending: threading.Thread | None = None
@@ -271,7 +278,9 @@ class DistributedCheckpointer:
                 "modules": sorted(modules),
                 "optimizer": optimizer is not None,
                 "group_optimizers": sorted(extra),
+                "adapters_only": self.adapters_only,
             },
+            "base": self.base_reference(),
             "config": self.run_config,
         }
         return partial, meta, pieces, blobs
@@ -282,7 +291,13 @@ class DistributedCheckpointer:
         pieces: list[Piece] = []
         for prefix, models in modules.items():
             pieces += module_pieces(
-                prefix, models, self.coords, self.shapes, self.config.vocab_size, self.max_chunk_bytes
+                prefix,
+                models,
+                self.coords,
+                self.shapes,
+                self.config.vocab_size,
+                self.max_chunk_bytes,
+                self.adapters_only,
             )
         blobs: dict[str, object] = {
             f"rank/{self.rank}": {"rng": rng_state(), "state": dict(rank_state or {})}
@@ -378,6 +393,12 @@ class DistributedCheckpointer:
         path = Path(path)
         manifest = self._manifest(path)
         check_model(manifest, self.config, path)
+        adapters_only = bool(manifest["contents"].get("adapters_only", False))
+        if adapters_only and manifest.get("base") != self.base_reference():
+            raise CheckpointError(
+                f"{path} holds LoRA adapters trained on the base {manifest.get('base')}, this run's base is "
+                f"{self.base_reference()}"
+            )
         absent = sorted(set(modules) - set(manifest["contents"]["modules"]))
         if absent:
             raise CheckpointError(f"{path} holds no {absent} (it has {manifest['contents']['modules']})")
@@ -389,7 +410,8 @@ class DistributedCheckpointer:
         try:
             with torch.no_grad():
                 for prefix, models in modules.items():
-                    targets += module_targets(prefix, models, self.coords, self.config.vocab_size)
+                    vocab = self.config.vocab_size
+                    targets += module_targets(prefix, models, self.coords, vocab, adapters_only)
                 if optimizer is not None and manifest["contents"]["optimizer"]:
                     owner = param_names(modules.get("model") or next(iter(modules.values())))
                     more, install = optimizer_targets(optimizer, owner, self.coords, self.config.vocab_size)
@@ -435,6 +457,16 @@ class DistributedCheckpointer:
                 self._layout(optimizer),
             )
         return Loaded(path, RunState(**run_blob), rank_state, same)
+
+    def base_reference(self) -> dict[str, Any] | None:
+        """Where the frozen base of a LoRA run comes from (None without LoRA): {"init_from_hf": path}, or
+        {"seed": s} for the random initialisation (from the run config; an empty one gives {})."""
+        if not self.adapters_only:
+            return None
+        run = self.run_config.get("run") or {}
+        if run.get("init_from_hf"):
+            return {"init_from_hf": str(run["init_from_hf"])}
+        return {"seed": run["seed"]} if "seed" in run else {}
 
     def _manifest(self, path: Path) -> dict[str, Any]:
         return read_manifest(path)

@@ -454,3 +454,8 @@ class TrainConfig:
         self.sandbox.validate()
         self.critic.validate()
         self.embedded.validate()
+        if self.model.lora.enabled and self.algorithm.advantage == "gae":
+            raise ConfigError(
+                "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
+                "and train only adapters; LoRA critics are not supported (use a critic-free advantage)"
+            )

@@ -17,6 +17,7 @@ are frozen (`requires_grad` False): optimizers built from trainable parameters h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.config.lora import LoRAConfig
 
 
@@ -118,9 +120,10 @@ def freeze_base(model: nn.Module) -> None:
 
 
 @contextmanager
-def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Within the block `model` computes as its base (every adapter skipped); restored on exit."""
-    mods = list(adapters(model))
+def adapters_disabled(*models: nn.Module) -> Iterator[None]:
+    """Within the block `models` (a model, or the stage models of a rank) compute as their base (every
+    adapter skipped); restored on exit."""
+    mods = [m for model in models for m in adapters(model)]
     before = [m.enabled for m in mods]
     for m in mods:
         m.enabled = False
@@ -132,7 +135,19 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
 
 
 @torch.no_grad()
-def merged_weight(weight: torch.Tensor, lora: LoRA) -> torch.Tensor:
-    """W + scale * B A in fp32, returned in W's dtype ([out, in], or [E, out, in] for experts)."""
-    delta = torch.matmul(lora.b.float(), lora.a.float()) * lora.scale
+def merged_weight(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B A computed in fp32, returned in W's dtype: weight [out, in], a [r, in], b [out, r], or
+    with a leading expert dim on all three. A shard of W merges with the matching shards of a and b (the
+    parallel layouts cut a and b so that B A's shard is b_local a_local)."""
+    delta = torch.matmul(b.float(), a.float()) * scale
     return (weight.float() + delta).to(weight.dtype)
+
+
+def base_config(config: ModelConfig) -> ModelConfig:
+    """`config` without adapters: what a rollout engine builds when it receives merged weights."""
+    return dataclasses.replace(config, lora=LoRAConfig()) if config.lora.enabled else config
+
+
+def adapter_of(name: str) -> str | None:
+    """The adapter prefix of a weight that can carry one (`X.weight` -> `X.lora`), else None."""
+    return name[: -len(".weight")] + ".lora" if name.endswith(".weight") else None

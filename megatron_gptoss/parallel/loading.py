@@ -17,6 +17,7 @@ through the same slicing: `shard_of_hf` is this rank's chunk of one parameter fr
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import zlib
 from collections.abc import Container, Mapping, Sequence
@@ -31,6 +32,7 @@ from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.io import BLOCKS, SCALES, open_shard, weight_map_of
 from megatron_gptoss.hf.mxfp4 import packed_shapes, unpack_expert_weight
 from megatron_gptoss.hf.names import Match, from_hf, hf_shapes, match_ours
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import ShardSpec, get_shard, local_shard
 
@@ -219,14 +221,15 @@ def load_hf_parallel(
 ) -> dict[str, int]:
     """Write every parameter of this rank's (parallelised) stage models from the HF directory `path`,
     reading only this rank's slices; parameters named in `skip` (ones without an HF counterpart, such as a
-    value head) are left as they are. Returns {"tensors": parameters written, "bytes_read": bytes read}.
+    value head) and LoRA adapters are left as they are. Returns {"tensors": parameters written,
+    "bytes_read": bytes read}.
     Raises CheckpointError naming the tensor for a missing tensor or a shape that does not match `config`."""
     written = 0
     with ExitStack() as stack:
         reader = _Reader(Path(path), stack)
         for model in models:
             for name, param in model.named_parameters():
-                if name in skip:
+                if name in skip or is_adapter_param(name):
                     continue
                 value = _read_param(reader, match_ours(name), get_shard(param), param.shape, config, dims)
                 if tuple(value.shape) != tuple(param.shape):
@@ -247,30 +250,46 @@ def _generator(seed: int, name: str, device: torch.device, index: int = 0) -> to
 
 
 @torch.no_grad()
-def init_parallel(models: Sequence[nn.Module], config: ModelConfig, dims: ParallelDims, seed: int) -> None:
+def init_parallel(
+    models: Sequence[nn.Module],
+    config: ModelConfig,
+    dims: ParallelDims,
+    seed: int,
+    adapters_only: bool = False,
+) -> None:
     """Random weights that are the same full tensors under every layout: a parameter's full tensor comes
     from a generator seeded by (seed, name) (experts: by (seed, name, expert), so a rank draws only its
     experts), and each rank keeps its chunk. Norms 1, biases 0, the rest Normal(0, init_std), padded
-    vocabulary rows 0 (the conventions of `GPTOSSModel.init_weights`)."""
+    vocabulary rows 0 (the conventions of `GPTOSSModel.init_weights`); LoRA adapters as `LoRA.reset`: A
+    uniform in +-1/sqrt(in), B zero. `adapters_only`: the adapters alone (a base loaded from HF)."""
     std = config.init_std
     for model in models:
         for name, param in model.named_parameters():
+            if adapters_only and not is_adapter_param(name):
+                continue
             spec = get_shard(param)
             if name.endswith(("layer_norm_weight", "layernorm.weight")):
                 param.fill_(1.0)
                 continue
-            if name.endswith(".bias"):
+            if name.endswith(".bias") or (is_adapter_param(name) and name.endswith(".b")):
                 param.zero_()
                 continue
             device = param.device
+            adapter = is_adapter_param(name)
+
+            def draw(shape, gen, adapter=adapter, device=device):
+                if adapter:  # A [..., r, in]: the bound of the full tensor's input width
+                    bound = 1.0 / math.sqrt(shape[-1])
+                    return torch.rand(shape, generator=gen, device=device).mul_(2 * bound).sub_(bound)
+                return torch.randn(shape, generator=gen, device=device).mul_(std)
+
             if spec is not None and spec.group == "ep" and spec.dim == 0:
                 start, stop = chunk_range(spec, param.shape[0], dims)
                 for i, e in enumerate(range(start, stop)):
-                    gen = _generator(seed, name, device, e)
-                    param[i].copy_(torch.randn(param.shape[1:], generator=gen, device=device).mul_(std))
+                    param[i].copy_(draw(param.shape[1:], _generator(seed, name, device, e)))
                 continue
             full_shape = _full_shape(name, param, spec, config, dims)
-            full = torch.randn(full_shape, generator=_generator(seed, name, device), device=device).mul_(std)
+            full = draw(full_shape, _generator(seed, name, device))
             if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
                 full[config.vocab_size :] = 0
             param.copy_(local_shard(full, spec, dims, config.padded_vocab_size(dims.tp)))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_gptoss.config import PPOConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.moe import MoEReplayConfig
+from megatron_gptoss.model.lora import adapters_disabled
 from megatron_gptoss.model.moe import no_route
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -45,11 +46,13 @@ class ParallelPolicy:
         optimizer: DistributedOptimizer | None = None,
         token_budget: int = 0,
         replays: bool = True,
+        base_only: bool = False,
     ):
         """`replays`: whether this model's forwards use a batch's `routing` (router replay); a critic's
-        routers are its own."""
+        routers are its own. `base_only`: log-probs of the models with their LoRA adapters disabled (the
+        reference policy of a LoRA run: the frozen base, sharing the policy's models)."""
         self.runner, self.dims, self.optimizer, self.token_budget = runner, dims, optimizer, token_budget
-        self.replays = replays
+        self.replays, self.base_only = replays, base_only
 
     # ----------------------------------------------------------------------------------------------
     def my_rows(self, rows: int) -> torch.Tensor:
@@ -78,7 +81,9 @@ class ParallelPolicy:
         block of rows)."""
         rows = self.my_rows(len(batch))
         mine = batch.select(rows)
-        lp, _ = self.runner.logprobs(self.pack(mine), temperature)
+        models = [m.model for m in self.runner.modules] if self.base_only else []
+        with adapters_disabled(*models):
+            lp, _ = self.runner.logprobs(self.pack(mine), temperature)
         full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=lp.device)
         full[rows.to(lp.device)] = lp.float()
         if self.dims.dp > 1:

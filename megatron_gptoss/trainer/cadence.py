@@ -3,7 +3,8 @@
 - claim: before anything is built, the output directory is locked for this run (`checkpoint.run_dir`:
   the run's identity; a fresh run over another run's checkpoints is refused unless `run.overwrite`).
 - start: the checkpoint located (`run.resume`: "" fresh, "auto" the newest verified one, or a path); the
-  weights initialised only when nothing is resumed; the optimizer; the first weight sync; rank 0's
+  weights initialised only when nothing is resumed (with LoRA always: the checkpoint holds the adapters,
+  the base comes from its source); the optimizer; the first weight sync; rank 0's
   metrics log (restarted by a fresh run); signal handlers for a graceful stop.
 - steps: the step numbers still to run (a progress bar on rank 0), after an evaluation at step 0.
 - end_step: the divergence guards (`rl.guards`: skipped steps counted; too many in a row, or a loss or
@@ -75,7 +76,7 @@ class Cadence:
             (self.out_dir / "config.json").write_text(json.dumps(config, indent=2))
         self.checkpointer = DistributedCheckpointer.for_run(cfg, setup.dims, run_id=self.claim.run_id)
         found = self.checkpointer.locate(cfg.run.resume)
-        if found is None:  # a checkpoint overwrites all of it
+        if found is None or cfg.model.lora.enabled:  # a checkpoint overwrites all of it (LoRA: the adapters)
             setup.initialise()
         setup.build_optimizer()
         self.start = 0

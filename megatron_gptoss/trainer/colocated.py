@@ -5,7 +5,8 @@ with the bridge between them.
     stage models   meta device -> tensor / sequence / expert parallel (`parallel.apply.parallelize`)
                    -> materialize -> data parallel; one model per (virtual) pipeline stage of this rank
     weights        `run.init_from_hf` (each rank reads only its slices) or the layout-independent random
-                   initialisation; the reference policy starts as a copy
+                   initialisation; the reference policy starts as a copy (with LoRA, `model.lora`, it is
+                   the policy's own models with the adapters disabled, and only the adapters train)
     optimizer      the distributed optimizer (fp32 master weights; sharded over data parallel when
                    `parallel.use_distributed_optimizer`)
     engine         `trainer.engines`: the embedded engine's shards fed by the fan-out, or vLLM on rank 0
@@ -45,8 +46,10 @@ class Colocated:
         self.dims = dims = ParallelDims.build(cfg.parallel, cfg.model)
         self.plans = stage_plans(dims, cfg.model.num_layers, cfg.parallel.pipeline_layers or None)
         self.models = [self._stage(plan) for plan in self.plans]
-        with_reference = bool(cfg.ppo.kl_coef or cfg.algorithm.kl_in_reward_coef)
-        self.reference = [self._stage(plan) for plan in self.plans] if with_reference else []
+        self.with_reference = bool(cfg.ppo.kl_coef or cfg.algorithm.kl_in_reward_coef)
+        # With LoRA the reference is the policy's own models with the adapters disabled: no copy.
+        copies = self.with_reference and not cfg.model.lora.enabled
+        self.reference = [self._stage(plan) for plan in self.plans] if copies else []
         for model in self.reference:
             model.requires_grad_(False)
         gae = cfg.algorithm.advantage == "gae"
@@ -73,6 +76,8 @@ class Colocated:
         policy starts as a copy."""
         if self.cfg.run.init_from_hf:
             load_hf_parallel(self.models, self.cfg.run.init_from_hf, self.dims, self.cfg.model)
+            if self.cfg.model.lora.enabled:  # the adapters of the HF base
+                init_parallel(self.models, self.cfg.model, self.dims, self.cfg.run.seed, adapters_only=True)
         else:
             init_parallel(self.models, self.cfg.model, self.dims, self.cfg.run.seed)
         with torch.no_grad():
@@ -97,11 +102,13 @@ class Colocated:
         self.policy = ParallelPolicy(
             PipelineRunner(self.models, self.plans, self.dims), self.dims, self.optimizer
         )
-        self.reference_policy = (
-            ParallelPolicy(PipelineRunner(self.reference, self.plans, self.dims), self.dims)
-            if self.reference
-            else None
-        )
+        self.reference_policy: ParallelPolicy | None = None
+        if self.reference:
+            runner = PipelineRunner(self.reference, self.plans, self.dims)
+            self.reference_policy = ParallelPolicy(runner, self.dims)
+        elif self.with_reference:  # LoRA: the base under the policy's adapters
+            runner = PipelineRunner(self.models, self.plans, self.dims)
+            self.reference_policy = ParallelPolicy(runner, self.dims, base_only=True)
 
         if self.critic:
             critic_optim = dataclasses.replace(

@@ -30,6 +30,7 @@ from megatron_gptoss.bridge.transport import sync_in_process
 from megatron_gptoss.config import ParallelConfig, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.lora import base_config
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 from megatron_gptoss.trainer.session import from_rank0
@@ -53,8 +54,8 @@ class EmbeddedHost:
         options = cfg.embedded
         if cfg.moe.router_replay == "r3":  # the learner replays the experts the engine chose
             options = dataclasses.replace(options, record_routing=True)
-        self.engine = ParallelEmbeddedEngine(
-            cfg.model, edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, options
+        self.engine = ParallelEmbeddedEngine(  # LoRA: the engine runs the merged weights the sync sends
+            base_config(cfg.model), edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, options
         )
         self.exporter = FanoutExporter(
             models,
@@ -119,7 +120,7 @@ class VLLMHost:
             from megatron_gptoss.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(
-                cfg.model,
+                base_config(cfg.model),
                 sleep_level=max(cfg.rollout.sleep_level, 1),
                 tensor_parallel_size=cfg.rollout.tensor_parallel_size,
                 dtype=cfg.rollout.dtype,

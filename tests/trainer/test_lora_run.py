@@ -1,0 +1,90 @@
+"""A LoRA RL run of the one trainer on 2 gloo ranks (the demo's model and task, learner and embedded engine
+at tensor parallel 2, a KL penalty in the reward): the sync sends merged weights, so the engine's log-probs
+equal the learner's every step; the reference policy is the base (adapters disabled): its KL to the policy
+is exactly 0 at the first step, where B = 0, and positive once the adapters train; the on-policy ratio is
+exactly 1; a run stopped and resumed logs bit for bit the metrics of one that never stopped."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from harness import pool  # noqa: E402
+
+from megatron_gptoss.config import load_config  # noqa: E402
+from megatron_gptoss.trainer import loop  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs/layouts/tiny_rl_tp2_pp2_cpu.yaml"
+STEPS = 3
+TARGETS = "linear_qkv,linear_proj,router,linear_fc1,linear_fc2"
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets={TARGETS}",
+        "parallel.pipeline_model_parallel_size=1", "algorithm.kl_in_reward_coef=0.01",
+        "rollout.prompts_per_step=8", "rollout.n_samples_per_prompt=4", "run.tensorboard=false",
+        "run.progress=false", "run.eval_every=0", f"run.steps={STEPS}", "optim.warmup_steps=0"]  # fmt: skip
+
+
+def train(out: str, overrides: list[str]) -> None:
+    loop.run(load_config(CONFIG, [*LORA, f"run.output_dir={out}", *overrides]))
+    dist.barrier()
+
+
+def metrics(out: Path) -> dict[int, dict]:
+    return {line["step"]: line for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("lora")
+    workers = pool(2)
+    workers.run(train, str(base / "whole"), [])
+    workers.run(train, str(base / "stopped"), ["run.steps=2"])
+    workers.run(train, str(base / "stopped"), ["run.resume=auto"])
+    logs = {name: metrics(base / name) for name in ("whole", "stopped")}
+    with pytest.raises(AssertionError, match="trained on the base"):  # another seed: another base
+        workers.run(train, str(base / "stopped"), ["run.resume=auto", "run.seed=1"])
+    return base, logs
+
+
+def test_engine_matches_learner_and_the_reference_is_the_base(runs):
+    _, logs = runs
+    whole = logs["whole"]
+    assert sorted(whole) == list(range(STEPS + 1))
+    for step in range(1, STEPS + 1):
+        line = whole[step]
+        assert line["mismatch/tokens"] > 0
+        assert line["mismatch/abs_diff_max"] <= 1e-5, (step, line["mismatch/abs_diff_max"])
+        assert line["pg/ratio_max"] == 1.0 and line["pg/ratio_min"] == 1.0
+    assert whole[1]["kl_reward/kl"] == 0.0  # B = 0: the policy is the base
+    assert whole[1]["train/grad_norm"] > 0
+    assert whole[STEPS]["kl_reward/kl"] != 0.0  # the adapters moved the policy away from the base
+
+
+def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(runs):
+    base, _ = runs
+    step = max((base / "whole" / "checkpoints").glob("step_*"))
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["contents"]["adapters_only"] and manifest["base"] == {"seed": 0}
+    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    params = {k.split("/", 1)[1] for k in stored if k.startswith("model/")}
+    optim = {k.split("/", 1)[1] for k in stored if k.startswith("optim")}
+    assert params and all(".lora." in name for name in params), sorted(params)
+    assert len(params) == 2 * 5 * 4  # a and b of 5 targets in each of the demo model's 4 layers
+    assert optim and all(".lora." in name for name in optim), sorted(optim)
+
+
+def test_resume_continues_bit_for_bit(runs):
+    _, logs = runs
+    whole, stopped = logs["whole"], logs["stopped"]
+    assert sorted(stopped) == sorted(whole)
+    for step in range(1, STEPS + 1):
+        assert stopped[step].keys() >= whole[step].keys()  # the stopped run evaluated at its end
+        for key, value in whole[step].items():
+            if not key.startswith("time/"):
+                assert stopped[step][key] == value, (step, key)
