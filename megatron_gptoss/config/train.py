@@ -214,6 +214,12 @@ class RolloutConfig:
     # 0 nothing; 1 its KV cache, and its weights moved to the host; 2 its KV cache and its weights
     # discarded (the sync sends every weight anyway). The freed and re-taken bytes are logged (engine/*).
     sleep_level: int = 0
+    # Bitwise on-policy: the learner and the embedded engine run every GEMM, norm, MoE and log-softmax
+    # normaliser with batch-invariant kernels (`ops.batch_invariant`), so the engine samples from logits
+    # equal to the learner's training forward bit for bit and reports its log-probs (mismatch exactly 0).
+    # Needs the embedded engine and the learner at tensor parallel 1, model.attention_backend='triton' and
+    # rollout.dtype = run.dtype; slower than the library GEMMs (tools/bench_bitwise.py measures it).
+    bitwise_on_policy: bool = False
 
     def validate(self) -> None:
         if self.engine not in ("embedded", "vllm"):
@@ -446,6 +452,8 @@ class TrainConfig:
                 )
             if self.agent.enabled:
                 raise ConfigError("moe.router_replay='r3' with agent.enabled is not supported yet: use 'r2'")
+        if self.rollout.bitwise_on_policy:
+            self._check_bitwise()
         if self.agent.enabled and self.dapo.overlong_buffer:
             raise ConfigError(
                 "dapo.overlong_buffer with agent.enabled: the overlong penalty is defined for one response "
@@ -459,3 +467,19 @@ class TrainConfig:
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
                 "and train only adapters; LoRA critics are not supported (use a critic-free advantage)"
             )
+
+    def _check_bitwise(self) -> None:
+        """rollout.bitwise_on_policy: both sides must run the same kernels with the same arithmetic."""
+        needs = {
+            "rollout.engine='embedded' (vLLM runs its own kernels)": self.rollout.engine == "embedded",
+            "rollout.tensor_parallel_size=1": self.rollout.tensor_parallel_size == 1,
+            "parallel.tensor_model_parallel_size=1": self.parallel.tensor_model_parallel_size == 1,
+            "model.attention_backend='triton' (its decode rows equal its training rows)": (
+                self.model.attention_backend == "triton"
+            ),
+            "rollout.dtype equal to run.dtype": self.rollout.dtype == self.run.dtype,
+            "model.lora.rank=0 (the engine runs merged LoRA weights)": not self.model.lora.enabled,
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise ConfigError(f"rollout.bitwise_on_policy=true needs {'; '.join(missing)}")

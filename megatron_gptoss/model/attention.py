@@ -9,7 +9,13 @@ from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.lora import LoRA, LoRALinear, active, make_adapter
 from megatron_gptoss.model.norm import rms_norm
 from megatron_gptoss.model.rope import apply_rotary
-from megatron_gptoss.ops import backend_available, sink_attention, sink_decode, sink_paged_decode
+from megatron_gptoss.ops import (
+    backend_available,
+    batch_invariant,
+    sink_attention,
+    sink_decode,
+    sink_paged_decode,
+)
 from megatron_gptoss.ops.cached_attention import cached_sink_attention
 from megatron_gptoss.ops.sink_attention import resolve_backend
 
@@ -38,7 +44,7 @@ class LayerNormLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, self.layer_norm_weight, self.eps)
-        y = nn.functional.linear(h, self.weight, self.bias)
+        y = batch_invariant.linear(h, self.weight, self.bias)
         lora = active(self.lora)
         return y if lora is None else y + lora(h)
 

@@ -27,6 +27,7 @@ from megatron_gptoss.model.lora import adapters, freeze_base, is_adapter_param
 from megatron_gptoss.model.moe import MoE
 from megatron_gptoss.model.norm import RMSNorm
 from megatron_gptoss.model.rope import RotaryEmbedding
+from megatron_gptoss.ops import batch_invariant
 
 
 class TransformerLayer(nn.Module):
@@ -83,7 +84,7 @@ class OutputLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., vocab_size]."""
-        return nn.functional.linear(hidden, self.real_weight())
+        return batch_invariant.linear(hidden, self.real_weight())
 
     def logprobs(self, hidden, targets, temperature: float = 1.0, chunk_size: int = 1024):
         """(log-prob [...], entropy [...]) fp32 of `targets` under softmax(logits / temperature), chunked."""

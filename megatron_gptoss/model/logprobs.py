@@ -16,6 +16,8 @@ import functools
 
 import torch
 
+from megatron_gptoss.ops import batch_invariant
+
 
 @functools.cache
 def _mm_out_dtype_supported() -> bool:
@@ -32,10 +34,21 @@ def _half_gemms(t: torch.Tensor) -> bool:
 
 
 def fp32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """h [n, H] @ weight[V, H]^T in fp32 (the rollout engines' logits are computed the same way)."""
+    """h [n, H] @ weight[V, H]^T in fp32 (the rollout engines' logits are computed the same way);
+    batch-invariant while that mode is on."""
+    if batch_invariant.active():
+        return batch_invariant.invariant_linear(h, weight, out_dtype=torch.float32)
     if _half_gemms(h) and weight.dtype == h.dtype:
         return torch.mm(h, weight.t(), out_dtype=torch.float32)
     return h.float() @ weight.float().t()
+
+
+def normaliser(z: torch.Tensor) -> torch.Tensor:
+    """log sum exp over each row of z [n, V] fp32 -> [n, 1]: log_softmax(z) = z - normaliser(z) (the learner
+    and, in bitwise on-policy mode, the engine's sampling); batch-invariant while that mode is on."""
+    if batch_invariant.active():
+        return batch_invariant.logsumexp_rows(z)[:, None]
+    return torch.logsumexp(z, dim=-1, keepdim=True)
 
 
 def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +60,7 @@ def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
 def _chunk_stats(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, inv_temp: float):
     """One chunk: (log_softmax [n, V], softmax [n, V], logprob of target [n], entropy [n]), fp32."""
     logp = fp32_logits(h, weight).mul_(inv_temp)
-    logp -= torch.logsumexp(logp, dim=-1, keepdim=True)
+    logp -= normaliser(logp)
     p = torch.exp(logp)
     entropy = -(p * logp).sum(-1)
     return logp, p, logp.gather(1, targets[:, None]).squeeze(1), entropy

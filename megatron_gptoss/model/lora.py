@@ -27,6 +27,7 @@ from torch import nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.config.lora import LoRAConfig
+from megatron_gptoss.ops import batch_invariant
 
 
 class LoRA(nn.Module):
@@ -61,7 +62,7 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> the update [..., out] (dense adapters)."""
-        return nn.functional.linear(nn.functional.linear(self._drop(x), self.a), self.b) * self.scale
+        return batch_invariant.linear(batch_invariant.linear(self._drop(x), self.a), self.b) * self.scale
 
     def grouped(self, x: torch.Tensor, bounds: torch.Tensor, gemm) -> torch.Tensor:
         """Rows x [M, in] sorted by expert (expert e: rows [bounds[e], bounds[e + 1])) -> the update [M, out]
@@ -77,7 +78,7 @@ class LoRALinear(nn.Linear):
         self.lora = lora
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
+        y = batch_invariant.linear(x, self.weight, self.bias)
         lora = active(self.lora)
         return y if lora is None else y + lora(x)
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.lora import LoRA, active, make_adapter
-from megatron_gptoss.ops import fused_moe
+from megatron_gptoss.ops import batch_invariant, fused_moe
 
 
 def no_route(dtype: torch.dtype) -> int:
@@ -52,9 +52,9 @@ class Router(nn.Module):
         """x [N, H] (replay [N, k] or None) -> (logits [N, E], probs [N, k] fp32, indices [N, k])."""
         if self.fp32:
             bias = None if self.bias is None else self.bias.float()
-            logits = nn.functional.linear(x.float(), self.weight.float(), bias)
+            logits = batch_invariant.linear(x.float(), self.weight.float(), bias)
         else:
-            logits = nn.functional.linear(x, self.weight, self.bias)
+            logits = batch_invariant.linear(x, self.weight, self.bias)
         lora = active(self.lora)
         if lora is not None:
             logits = logits + lora(x).to(logits.dtype)
@@ -83,7 +83,16 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, backend: str) -> torch.Tensor:
     """Rows of x sorted by expert (expert e: rows [bounds[e], bounds[e + 1])) times weight[e]^T; weight
-    [E, out, in]. `grouped_mm` reads the bounds on the device; `loop` reads them on the host."""
+    [E, out, in]. `grouped_mm` reads the bounds on the device; `loop` reads them on the host. While the
+    batch-invariant mode is on, the product is `ops.batch_invariant`'s (its backward: `backend`'s)."""
+    if batch_invariant.active():
+        return batch_invariant.invariant_grouped_linear(
+            x, weight, bounds, lambda x, w, b: _library_grouped_linear(x, w, b, backend)
+        )
+    return _library_grouped_linear(x, weight, bounds, backend)
+
+
+def _library_grouped_linear(x: torch.Tensor, weight: torch.Tensor, bounds: torch.Tensor, backend: str):
     if backend == "grouped_mm":
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=bounds[1:])
     counts = (bounds[1:] - bounds[:-1]).tolist()
@@ -121,6 +130,8 @@ class Experts(nn.Module):
         """Whether the fused kernels run (the `grouped_mm` backend) for input x."""
         if self.backend != "auto":
             return self.backend == "grouped_mm"
+        if batch_invariant.active():  # its grouped GEMM and the fused kernels: no host sync
+            return True
         return x.is_cuda and hasattr(torch, "_grouped_mm") and fused_moe.triton_available()
 
     def compute(self, x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import math
 import torch
 
 from megatron_gptoss.config import ModelConfig
+from megatron_gptoss.ops import batch_invariant
 
 
 def yarn_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
@@ -45,14 +46,31 @@ class RotaryEmbedding(torch.nn.Module):
     def __init__(self, config: ModelConfig, device=None):
         super().__init__()
         inv_freq, self.concentration = yarn_inv_freq(config)
+        self.max_positions = config.max_position_embeddings
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         on_meta = device is not None and torch.device(device).type == "meta"
         self.register_buffer("inv_freq", inv_freq if on_meta else inv_freq.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch_invariant.active():  # rows of one table: a position's values whatever the batch around it
+            cos, sin = self._table(positions.device)
+            return cos[positions].to(dtype), sin[positions].to(dtype)
+        return self._compute(positions, dtype)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         cos = (freqs.cos() * self.concentration).to(dtype)
         sin = (freqs.sin() * self.concentration).to(dtype)
         return cos, sin
+
+    def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos / sin of every position below `max_position_embeddings`, computed once per device (a
+        vectorised cos can differ by an ulp from the scalar one of a tensor's tail elements)."""
+        table = self._tables.get(device)
+        if table is None:
+            table = self._compute(torch.arange(self.max_positions, device=device), torch.float32)
+            self._tables[device] = table
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from megatron_gptoss.engine_api.protocol import SamplingParams
+from megatron_gptoss.model.logprobs import normaliser
+from megatron_gptoss.ops import batch_invariant
 
 # splitmix64's constants as signed 64-bit integers (torch's int64 arithmetic wraps around)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -58,7 +60,11 @@ def sample_from_logits(
     distribution; top-k then top-p only restrict what can be sampled. With `row_seeds` [B] the draw is the
     seeded, counter-based one at counter `position` (an int, or int64 [B] per row); otherwise `generator`'s
     multinomial."""
-    logp = torch.log_softmax(logits.float() * (1.0 / params.temperature), dim=-1)
+    if batch_invariant.active():  # the learner's log-probs to the bit (`model.logprobs`)
+        logp = logits.float() * (1.0 / params.temperature)
+        logp = logp - normaliser(logp)
+    else:
+        logp = torch.log_softmax(logits.float() * (1.0 / params.temperature), dim=-1)
     filtered = logp  # truncation below is out of place: logp stays the untruncated distribution
     if params.top_k and params.top_k < filtered.shape[-1]:
         kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]

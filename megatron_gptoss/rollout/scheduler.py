@@ -31,6 +31,10 @@ from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.model.paged_kv_cache import AttentionGroup, BlockPool, PagedKVCache, StepLayout
 
+# Tokens: a sliding-window view starts at a multiple of this, a multiple of every attention kernel's tile
+# (at most 128), so a prefill chunk's rows are tiled as in the training forward, equal to its rows bitwise.
+VIEW_ALIGN = 128
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -268,8 +272,10 @@ class Scheduler:
                     inverse[c.offset + j] = row_base + r * t + pad + j
             tables, qpos, kv_slots = [], [], []
             for i in range(len(self.pools)):
-                # a sliding-window pool's view starts at the row's first unreleased block (positions shift)
-                first = [c.seq.released[i] for c in members]
+                # a sliding-window pool's view starts at or before the row's first unreleased block, at a
+                # multiple of VIEW_ALIGN tokens (positions shift; released entries read the null block)
+                step = math.lcm(bs, VIEW_ALIGN) // bs
+                first = [c.seq.released[i] - c.seq.released[i] % step for c in members]
                 width = max(math.ceil((c.start + c.count) / bs) - f for c, f in zip(members, first))
                 rows = [c.seq.tables[i][f : f + width] for c, f in zip(members, first)]
                 tables.append(host.add([b for row in rows for b in row + [0] * (width - len(row))], width))

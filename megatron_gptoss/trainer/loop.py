@@ -37,6 +37,7 @@ from megatron_gptoss.envs.synthetic import progression_documents
 from megatron_gptoss.errors import ConfigError
 from megatron_gptoss.harmony import VOCAB_SIZE
 from megatron_gptoss.hf.io import check_hf_config
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch
 from megatron_gptoss.rl.critic import critic_update
@@ -52,7 +53,13 @@ from megatron_gptoss.trainer.session import session
 
 def run(cfg: TrainConfig) -> dict[str, float]:
     """Train (collective over the default process group, or a world of one made here); returns the last
-    evaluation's metrics (RL) or the last step's (SFT) on every rank."""
+    evaluation's metrics (RL) or the last step's (SFT) on every rank. With rollout.bitwise_on_policy the
+    batch-invariant kernels run for the whole run, in the learner and the colocated engine alike."""
+    with batch_invariant.enabled(cfg.rollout.bitwise_on_policy):
+        return _run(cfg)
+
+
+def _run(cfg: TrainConfig) -> dict[str, float]:
     launcher = start_tools(cfg)  # the python tool's sandbox launcher, before CUDA
     with session(cfg.run) as run_session:
         device = run_session.device

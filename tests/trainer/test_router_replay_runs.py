@@ -48,3 +48,29 @@ def test_r3_needs_an_engine_that_records_routing():
         )
     with pytest.raises(ConfigError, match="moe.router_replay='r4' not in"):
         load_config(ROOT / "configs/demo_cpu.yaml", ["moe.router_replay=r4"])
+
+
+def test_bitwise_on_policy_run_has_no_mismatch(tmp_path):
+    """rollout.bitwise_on_policy: the engine's log-probs equal the learner's old-policy pass exactly."""
+    bitwise = ["rollout.bitwise_on_policy=true", "model.attention_backend=triton", "rollout.max_new_tokens=6"]
+    overrides = [*FAST, *bitwise, "rollout.prompts_per_step=2", "run.steps=1", f"run.output_dir={tmp_path}"]
+    loop.run(load_config(ROOT / "configs/demo_cpu.yaml", overrides))
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "mismatch/abs_diff_max" in line]
+    assert len(steps) == 1
+    for line in steps:
+        assert line["mismatch/abs_diff_max"] == 0.0 and line["train/skipped"] == 0.0
+
+
+def test_bitwise_on_policy_names_what_it_needs():
+    with pytest.raises(ConfigError, match="model.attention_backend='triton'"):
+        load_config(ROOT / "configs/demo_cpu.yaml", ["rollout.bitwise_on_policy=true"])
+    with pytest.raises(ConfigError, match="rollout.engine='embedded'.*parallel.tensor_model_parallel_size=1"):
+        load_config(
+            ROOT / "configs/demo_cpu.yaml",
+            [
+                "rollout.bitwise_on_policy=true",
+                "rollout.engine=vllm",
+                "parallel.tensor_model_parallel_size=2",
+            ],
+        )
