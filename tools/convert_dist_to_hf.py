@@ -10,6 +10,13 @@ A step directory has every file's checksum checked first (a corrupted file stops
 `--no-verify` skips that. Streams tensor by tensor in blocks
 (peak host memory about 4 x --block-mb plus the stored chunks a block overlaps); prints a progress bar
 and, at the end, bytes, seconds, GB/s and the peak RSS.
+
+A LoRA checkpoint (adapters and their optimizer state only, `model.lora.rank > 0`) is exported merged:
+the base is rebuilt from the source its manifest names (`run.init_from_hf`, or the random initialisation's
+seed), the adapters are loaded, and every adapted weight is written as W + (alpha / rank) * B A, a plain
+GPT-OSS that transformers and vLLM load. The whole model is held in host memory (fp32) meanwhile.
+
+    python tools/convert_dist_to_hf.py /run/checkpoints /export/merged            # --lora merge (default)
 """
 
 from __future__ import annotations
@@ -20,9 +27,16 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from megatron_gptoss.bridge.export import WeightExporter
+from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.checkpoint.dist_convert import conversion_report, dist_to_hf
-from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager
+from megatron_gptoss.checkpoint.lora import is_lora_checkpoint, load_policy
+from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager, read_manifest
+from megatron_gptoss.hf.io import save_hf_tensors
+
+LORA_BUCKET_BYTES = 256 << 20
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -42,6 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="check every file's sha256 before exporting (default); --no-verify skips it",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--lora",
+        default="merge",
+        choices=["merge"],
+        help="how a LoRA checkpoint is exported: merge (W + scale * B A into a plain GPT-OSS)",
+    )
     args = parser.parse_args(argv)
     path = Path(args.checkpoint)
     if (path / LATEST).is_file():
@@ -52,6 +72,11 @@ def main(argv: list[str] | None = None) -> dict:
     elif args.verify:
         CheckpointManager.verify(path)
     start = time.perf_counter()
+    if is_lora_checkpoint(read_manifest(path)):
+        out = export_merged(path, args.out, getattr(torch, args.dtype), int(args.shard_gb * 2**30))
+        report = conversion_report(out, time.perf_counter() - start, checkpoint=str(path), lora=args.lora)
+        print(json.dumps(report))
+        return report
     out = dist_to_hf(
         path,
         args.out,
@@ -65,6 +90,22 @@ def main(argv: list[str] | None = None) -> dict:
     report = conversion_report(out, seconds, checkpoint=str(path))
     print(json.dumps(report))
     return report
+
+
+def export_merged(path: Path, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Path:
+    """The LoRA checkpoint at `path` as a merged HF directory `out` (in a one-rank process group, created
+    here when torch.distributed is not initialised)."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model, dims = load_policy(path)
+        exporter = WeightExporter([model], model.config, dims, EngineLayout(), LORA_BUCKET_BYTES, dst=0)
+        return save_hf_tensors(exporter.pairs(), model.config, out, max_shard_bytes, dtype)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":
