@@ -36,6 +36,7 @@ WORLDS = {
     "configs/gpt_oss_20b_gsm8k.yaml": 8,
     "configs/gpt_oss_120b_gsm8k.yaml": 64,
     "configs/gpt_oss_20b_retool.yaml": 8,
+    "configs/gpt_oss_20b_lora_1gpu.yaml": 1,
 }
 NAMED = re.compile(r"configs/[A-Za-z0-9_./-]+\.yaml")
 
