@@ -10,7 +10,7 @@ import torch
 
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model import build_model
+from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.model.logprobs import fp32_logits, token_logprobs
 from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
@@ -59,12 +59,16 @@ def test_invariant_linear_gradients_are_the_library_ones():
 
 
 def make_learner(device="cpu", dtype=torch.float32):
+    """The tiny model with larger weights than the init (peaked routing and logits hide less), built in
+    `dtype` on `device` (its rotary frequencies stay fp32, as in every model built in a dtype)."""
     model = build_model(CONFIG, seed=4)
     gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # larger weights than the init: peaked routing and logits hide less
+    with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
-    return model.to(device=device, dtype=dtype)
+    learner = GPTOSSModel(CONFIG, dtype=dtype, device=device)
+    learner.load_state_dict(model.state_dict())
+    return learner
 
 
 @pytest.fixture(scope="module")
