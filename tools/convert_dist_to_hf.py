@@ -17,6 +17,10 @@ seed), the adapters are loaded, and every adapted weight is written as W + (alph
 GPT-OSS that transformers and vLLM load. The whole model is held in host memory (fp32) meanwhile.
 
     python tools/convert_dist_to_hf.py /run/checkpoints /export/merged            # --lora merge (default)
+    python tools/convert_dist_to_hf.py /run/checkpoints /export/adapter --lora peft
+
+`--lora peft` writes the adapters alone in PEFT's format (`megatron_gptoss/hf/peft_format.py` states how
+fused QKV, the router and the per-expert adapters map), for `peft.PeftModel.from_pretrained` on the base.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,9 +38,10 @@ import torch.distributed as dist
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.checkpoint.dist_convert import conversion_report, dist_to_hf
-from megatron_gptoss.checkpoint.lora import is_lora_checkpoint, load_policy
+from megatron_gptoss.checkpoint.lora import is_lora_checkpoint, load_policy, read_adapters
 from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager, read_manifest
 from megatron_gptoss.hf.io import save_hf_tensors
+from megatron_gptoss.hf.peft_format import save_peft
 
 LORA_BUCKET_BYTES = 256 << 20
 
@@ -59,8 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--lora",
         default="merge",
-        choices=["merge"],
-        help="how a LoRA checkpoint is exported: merge (W + scale * B A into a plain GPT-OSS)",
+        choices=["merge", "peft"],
+        help="how a LoRA checkpoint is exported: merge (W + scale * B A into a plain GPT-OSS) or peft "
+        "(the adapters in PEFT's format)",
     )
     args = parser.parse_args(argv)
     path = Path(args.checkpoint)
@@ -73,7 +81,10 @@ def main(argv: list[str] | None = None) -> dict:
         CheckpointManager.verify(path)
     start = time.perf_counter()
     if is_lora_checkpoint(read_manifest(path)):
-        out = export_merged(path, args.out, getattr(torch, args.dtype), int(args.shard_gb * 2**30))
+        if args.lora == "peft":
+            out = export_peft(path, args.out, getattr(torch, args.dtype))
+        else:
+            out = export_merged(path, args.out, getattr(torch, args.dtype), int(args.shard_gb * 2**30))
         report = conversion_report(out, time.perf_counter() - start, checkpoint=str(path), lora=args.lora)
         print(json.dumps(report))
         return report
@@ -92,20 +103,32 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
-def export_merged(path: Path, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Path:
-    """The LoRA checkpoint at `path` as a merged HF directory `out` (in a one-rank process group, created
-    here when torch.distributed is not initialised)."""
+@contextmanager
+def _one_rank_group() -> Iterator[None]:
+    """A one-rank gloo process group for the block, unless torch.distributed is initialised already."""
     own_group = not dist.is_initialized()
     if own_group:
-        store = dist.HashStore()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        model, dims = load_policy(path)
-        exporter = WeightExporter([model], model.config, dims, EngineLayout(), LORA_BUCKET_BYTES, dst=0)
-        return save_hf_tensors(exporter.pairs(), model.config, out, max_shard_bytes, dtype)
+        yield
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def export_merged(path: Path, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Path:
+    """The LoRA checkpoint at `path` as a merged HF directory `out`."""
+    with _one_rank_group():
+        model, dims = load_policy(path)
+        exporter = WeightExporter([model], model.config, dims, EngineLayout(), LORA_BUCKET_BYTES, dst=0)
+        return save_hf_tensors(exporter.pairs(), model.config, out, max_shard_bytes, dtype)
+
+
+def export_peft(path: Path, out: str, dtype: torch.dtype) -> Path:
+    """The adapters of the LoRA checkpoint at `path` as a PEFT adapter directory `out`."""
+    with _one_rank_group():
+        adapters, config, base = read_adapters(path)
+    return save_peft(adapters, config, out, base.get("init_from_hf"), dtype)
 
 
 if __name__ == "__main__":

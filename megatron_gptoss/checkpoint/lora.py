@@ -4,7 +4,8 @@ A LoRA checkpoint (`DistributedCheckpointer` with `model.lora.rank > 0`) stores 
 optimizer state, and in its manifest `base` where the frozen base comes from: an HF directory
 (`{"init_from_hf": path}`) or the layout-independent random initialisation (`{"seed": s}`). `load_policy`
 builds the whole model on this process (a world of one rank), fills the base from that source and the
-adapters from the checkpoint: the model the run trained, adapters applied in its forward.
+adapters from the checkpoint: the model the run trained, adapters applied in its forward. `read_adapters`
+reads the adapters alone (full tensors, fp32), without the base.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_gptoss.checkpoint.dist_boxes import Box, full_shapes
+from megatron_gptoss.checkpoint.dist_planner import Target, load_pieces
 from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer
 from megatron_gptoss.checkpoint.manager import CheckpointManager, read_manifest
 from megatron_gptoss.config import ModelConfig, ParallelConfig
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel
@@ -63,3 +67,20 @@ def load_policy(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[G
     )
     checkpointer.load(path, {"model": [model]}, None)
     return model.eval(), dims
+
+
+def read_adapters(path: str | Path) -> tuple[dict[str, torch.Tensor], ModelConfig, dict[str, Any]]:
+    """(every adapter tensor of module group "model" at full shape in fp32, the model config, the manifest's
+    `base`) of the LoRA checkpoint at `path`; collective over the default group (a world of one rank)."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if not is_lora_checkpoint(manifest):
+        raise CheckpointError(f"{path} is not a LoRA checkpoint (it stores the whole model)")
+    config = ModelConfig(**manifest["model"])
+    shapes = {n: s for n, s in full_shapes(config).items() if is_adapter_param(n)}
+    tensors = {n: torch.empty(s, dtype=torch.float32) for n, s in shapes.items()}
+    targets = [Target(f"model/{n}", Box((0,) * len(s), tuple(s)), tensors[n]) for n, s in shapes.items()]
+    world = dist.group.WORLD
+    assert world is not None
+    load_pieces(path, targets, {t.fqn: shapes[t.fqn[len("model/") :]] for t in targets}, [], world)
+    return tensors, config, manifest.get("base") or {}

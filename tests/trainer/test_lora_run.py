@@ -21,6 +21,7 @@ from harness import pool  # noqa: E402
 
 from megatron_gptoss.checkpoint.lora import load_policy  # noqa: E402
 from megatron_gptoss.config import load_config  # noqa: E402
+from megatron_gptoss.hf.names import match_ours, to_hf  # noqa: E402
 from megatron_gptoss.model.lora import adapters_disabled  # noqa: E402
 from megatron_gptoss.trainer import loop  # noqa: E402
 
@@ -128,3 +129,34 @@ def test_merged_export_loads_in_transformers_with_our_logits(runs, world_of_one,
     print(f"merged export in transformers vs ours: {err:.2e}; the base alone vs ours: {moved:.2e}")
     assert err < 1e-5
     assert moved > 1e-4  # the adapters trained: the merge matters
+
+
+def test_peft_export_loads_into_transformers_with_our_logits(runs, world_of_one, tmp_path):
+    """convert_dist_to_hf --lora peft: the adapters alone in PEFT's format, every target (fused QKV split,
+    router, per-expert fc1 / fc2) included; PeftModel on transformers' model of the base weights gives the
+    logits of our model running its adapters."""
+    from peft import PeftModel  # the dev extra
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    base, _ = runs
+    checkpoint = base / "whole" / "checkpoints"
+    report = _tool("convert_dist_to_hf").main(
+        [str(checkpoint), str(tmp_path / "adapter"), "--dtype", "float32", "--lora", "peft"]
+    )
+    assert report["lora"] == "peft"
+    ours, _ = load_policy(max(checkpoint.glob("step_*")))
+    hf_cfg = {k: v for k, v in ours.config.to_hf_config().items() if k not in ("architectures", "model_type")}
+    hf = GptOssForCausalLM(GptOssConfig(**hf_cfg)).float().eval()
+    state = {}
+    for name, p in ours.named_parameters():
+        if ".lora." not in name:
+            state.update(to_hf(match_ours(name), p.detach(), ours.config))
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "adapter")).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits, theirs = ours(ids), peft_model(input_ids=ids).logits
+    err = rel_err(theirs, logits)
+    print(f"PEFT adapters in transformers vs ours: {err:.2e}")
+    assert err < 1e-5
