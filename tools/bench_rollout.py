@@ -56,6 +56,7 @@ from megatron_gptoss.hf.io import iter_checkpoint
 from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
 from megatron_gptoss.hf.names import hf_names, hf_shapes, match_hf
 from megatron_gptoss.model import build_model
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -439,7 +440,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--runs", default="continuous:auto,static:off", help="workload: schedule:cuda_graphs, in order"
     )
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--bitwise", action="store_true", help="the batch-invariant kernels (rollout.bitwise_on_policy)"
+    )
     args = parser.parse_args(argv)
+    with batch_invariant.enabled(args.bitwise):
+        return _run(args)
+
+
+def _run(args) -> list[dict]:
     small = dict(slots=[2, 4], prompt_len=12, decode_steps=6, median_response=8, max_response=40)
     large = dict(
         slots=[64, 256, 512], prompt_len=512, decode_steps=64, median_response=256, max_response=2048
@@ -477,7 +486,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for part in dict.fromkeys(r["part"] for r in rows):
-        print(f"## {part} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'})")
+        mode = ", batch-invariant kernels" if args.bitwise else ""
+        print(f"## {part} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}{mode})")
         print_table([r for r in rows if r["part"] == part])
     if args.json is not None:
         with args.json.open("a") as f:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimate_memory import GIB, Layout, estimate  # noqa: E402
 
 from megatron_gptoss.config import OptimConfig, ParallelConfig, gpt_oss_120b  # noqa: E402
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel  # noqa: E402
 from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
@@ -119,7 +120,11 @@ def main() -> None:
     parser.add_argument("--out", default="", help="append the result as a JSON line to this file")
     parser.add_argument("--profile", action="store_true", help="print the top GPU kernels of one step")
     parser.add_argument("--trace", default="", help="with --profile: write the step's Chrome trace here")
+    parser.add_argument(
+        "--bitwise", action="store_true", help="batch-invariant forward kernels (rollout.bitwise_on_policy)"
+    )
     args = parser.parse_args()
+    batch_invariant.set_enabled(args.bitwise)
 
     cuda = torch.cuda.is_available() and not args.small
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -268,6 +273,7 @@ def main() -> None:
         "loss_fp32": loss_fp32,
         "loss_rel_diff": loss_err,
         "attention_backend": config.attention_backend,
+        "batch_invariant": args.bitwise,
     }
     if dims.rank == 0:
         print(json.dumps(result), flush=True)
