@@ -15,6 +15,7 @@ from megatron_gptoss.envs.word_problems import write_splits
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.parallel.dims import validate_layout
 from megatron_gptoss.trainer import loop
+from megatron_gptoss.trainer.engines import shares_base
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "configs/gpt_oss_20b_lora_1gpu.yaml"
@@ -30,6 +31,7 @@ def test_the_header_command_loads_a_one_gpu_lora_recipe():
     assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (64, 8)
     assert cfg.rollout.max_new_tokens == 1024 and cfg.data.max_prompt_tokens == 512
     assert cfg.ppo.kl_coef > 0  # the reference is free with LoRA
+    assert shares_base(cfg)  # the engine uses the learner's base: the weights are held once
     validate_layout(cfg.parallel, cfg.model, 1)
     model = GPTOSSModel(cfg.model, device="meta")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

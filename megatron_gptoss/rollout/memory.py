@@ -7,6 +7,9 @@ the learner between rollouts.
 
 Every call returns the bytes it released or took, measured on CUDA with `torch.cuda.memory_allocated` (on
 the CPU the device is the host: the measured fields are 0 there, the weight and cache sizes are still given).
+
+Parameters named in `shared` (a LoRA engine's frozen base, which is the learner's own memory) are never
+moved or freed: sleep and wake act on the engine's own weights only.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class EngineMemory:
         self.level = 0
         self.has_weights = True
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self.shared: set[str] = set()
+
+    def _own(self) -> dict[str, nn.Parameter]:
+        return {n: p for n, p in self.model.named_parameters() if n not in self.shared}
 
     def weights_loaded(self) -> None:
         self.has_weights = True
@@ -46,7 +53,7 @@ class EngineMemory:
             raise RuntimeError("sleep called on a sleeping engine")
         before = _allocated(self.device)
         kv_bytes = release_cache()
-        params = dict(self.model.named_parameters())
+        params = self._own()
         weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
         if level == 1 and self.device.type != "cpu":
             for p in params.values():
@@ -73,7 +80,7 @@ class EngineMemory:
         if not self.level:
             return {"device_bytes_taken": 0}
         before = _allocated(self.device)
-        params = dict(self.model.named_parameters())
+        params = self._own()
         if self.level == 1 and self.device.type != "cpu":
             for p in params.values():
                 p.data = p.data.to(self.device, non_blocking=True)

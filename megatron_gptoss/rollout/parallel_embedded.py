@@ -27,7 +27,7 @@ rank = tp_rank + tp * dp_rank; ep part of a rank = rank % ep (`parallel.dims`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,7 @@ from megatron_gptoss.engine_api.protocol import SamplingParams, parse_expert_sli
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.names import from_hf, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
@@ -66,7 +67,11 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         device="cpu",
         seed=0,
         options: EmbeddedEngineConfig | None = None,
+        shared: Mapping[str, torch.nn.Parameter] | None = None,
     ):
+        """`shared`: parameters this engine uses as they are instead of its own (a LoRA run's frozen base,
+        the learner's shards of the same layout; never written, moved or freed here); the engine then
+        holds only the rest (the adapters), filled by `update_adapters`."""
         if dims.pp != 1 or dims.vpp != 1:
             raise ConfigError(f"the embedded engine runs without pipeline stages, got pp={dims.pp}")
         if dims.sequence_parallel:
@@ -79,16 +84,28 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         )
         model = GPTOSSModel(config, dtype=dtype, device="meta")
         parallelize(model, dims, parallel)  # modules swapped in place (no compile: the same object)
+        shared = dict(shared or {})
+        own = dict(model.named_parameters())
+        for name, tensor in shared.items():
+            if name not in own or own[name].shape != tensor.shape or tensor.dtype != dtype:
+                raise ConfigError(
+                    f"the shared parameter {name} ({tuple(tensor.shape)}, {tensor.dtype}) does not fit this "
+                    f"engine's layout ({tuple(own[name].shape) if name in own else 'absent'}, {dtype})"
+                )
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, tensor)
         materialize(model, self.device)
         with torch.no_grad():
-            for p in model.parameters():
-                p.zero_()  # padded vocabulary rows stay zero; the rest arrives by update_weights
+            for name, p in model.named_parameters():
+                if name not in shared:
+                    p.zero_()  # padded vocabulary rows stay zero; the rest arrives by update_weights
         self.model = model.eval()
         if options is not None and options.record_routing and dims.tp > 1:
             raise ConfigError(
                 "embedded.record_routing needs tensor parallel 1 (a tp rank routes a token chunk)"
             )
         self._setup(seed, options)
+        self.memory.shared = set(shared)
         self.tp_group = dims.group("tp") if dims.tp > 1 else None
         self.block_group = None
         for block in lockstep_blocks(dims.layout.world, dims.tp, dims.ep):  # collective: every rank, in order
@@ -113,6 +130,8 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             match = match_hf(sliced[0] if sliced else name)
             if match is None or match.ours not in params:
                 raise CheckpointError(f"unexpected tensor {name!r}: not a parameter of this model")
+            if match.ours in self.memory.shared:
+                raise CheckpointError(f"{name!r} is the learner's shared base: the engine never writes it")
             param = params[match.ours]
             if sliced is not None:
                 got = experts.setdefault(match.ours, torch.zeros(param.shape[0], dtype=torch.bool))
@@ -132,6 +151,23 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             raise CheckpointError(f"missing tensors (or experts) of {absent}")
         self.memory.weights_loaded()
         self.weight_version += 1
+
+    @torch.no_grad()
+    def update_adapters(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy this rank's shards of every LoRA adapter (our names, the learner's layout, which is this
+        engine's) into the engine's own adapters; returns the bytes copied."""
+        if self.asleep:
+            raise RuntimeError("update_adapters called while the engine sleeps; call wake_up() first")
+        params = {n: p for n, p in self.model.named_parameters() if is_adapter_param(n)}
+        if set(tensors) != set(params):
+            raise CheckpointError(f"adapters differ from the engine's: {sorted(set(tensors) ^ set(params))}")
+        copied = 0
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+            copied += tensor.numel() * tensor.element_size()
+        self.memory.weights_loaded()
+        self.weight_version += 1
+        return copied
 
     def _load_slice(
         self, param, match, tensor: torch.Tensor, start: int, stop: int, got: torch.Tensor

@@ -135,10 +135,9 @@ class Colocated:
             **({"critic": self.critic} if self.critic else {}),
         }
 
-    def sync(self) -> None:
-        """The learner's weights into the engine, if there is one (collective)."""
-        if self.host is not None:
-            self.host.sync()
+    def sync(self) -> dict[str, float]:
+        """The learner's weights into the engine, if there is one (collective); the sync's metrics."""
+        return self.host.sync() if self.host is not None else {}
 
     def sleep_engine(self) -> dict[str, float]:
         """The engine frees its memory for the learner (`rollout.sleep_level` > 0): the bytes released."""

@@ -5,6 +5,11 @@ returns the same result on every rank; `sync` feeds the learner's weights throug
                    `rollout.expert_parallel_size`, replicas over the rest); replica r generates its block of
                    rows and the generations are gathered. Sync: the fan-out bridge, each rank receiving only
                    what its shard holds. At world 1 this is one engine with one shard.
+                   LoRA (`shares_base`: the engine's layout is the learner's, pipeline parallel 1, one
+                   dtype): the engine uses the learner's frozen base shards themselves (never writing,
+                   moving or freeing them) and holds its own copy of the adapters; the sync copies this
+                   rank's adapter shards, no communication. Otherwise the bridge sends merged weights.
+                   `sync` returns `sync/bytes`, what this rank's engine shard received.
     VLLMHost       rank 0 hosts a vLLM engine (its own `rollout.tensor_parallel_size` workers); the bridge's
                    export gathers full HF tensors (expert ranges as slices) on rank 0 in size-bounded buckets;
                    rank 0 generates every row and broadcasts the generations.
@@ -30,7 +35,7 @@ from megatron_gptoss.bridge.transport import sync_in_process
 from megatron_gptoss.config import ParallelConfig, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
-from megatron_gptoss.model.lora import base_config
+from megatron_gptoss.model.lora import base_config, is_adapter_param
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 from megatron_gptoss.trainer.session import from_rank0
@@ -38,11 +43,26 @@ from megatron_gptoss.trainer.session import from_rank0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+def shares_base(cfg: TrainConfig) -> bool:
+    """Whether the embedded engine of a LoRA run can use the learner's frozen base shards as they are: same
+    tensor and expert parallel sizes, no pipeline stages, the same parameter dtype."""
+    p, r = cfg.parallel, cfg.rollout
+    return (
+        cfg.model.lora.enabled
+        and r.engine == "embedded"
+        and p.pipeline_model_parallel_size == 1
+        and p.virtual_pipeline_model_parallel_size == 1
+        and p.tensor_model_parallel_size == r.tensor_parallel_size
+        and p.expert_model_parallel_size == r.expert_parallel_size
+        and cfg.run.dtype == r.dtype
+    )
+
+
 class EmbeddedHost:
     """This rank's shard of the embedded engine and the fan-out from the learner's stage models."""
 
     def __init__(self, cfg: TrainConfig, models: Sequence[GPTOSSModel], dims: ParallelDims, device):
-        self.dims = dims
+        self.dims, self.models = dims, models
         self.engine_dims = edims = ParallelDims.build(
             ParallelConfig(
                 tensor_model_parallel_size=cfg.rollout.tensor_parallel_size,
@@ -54,21 +74,42 @@ class EmbeddedHost:
         options = cfg.embedded
         if cfg.moe.router_replay == "r3":  # the learner replays the experts the engine chose
             options = dataclasses.replace(options, record_routing=True)
-        self.engine = ParallelEmbeddedEngine(  # LoRA: the engine runs the merged weights the sync sends
-            base_config(cfg.model), edims, DTYPES[cfg.rollout.dtype], device, cfg.run.seed, options
+        self.shared = shares_base(cfg)
+        base = {n: p for n, p in models[0].named_parameters() if not is_adapter_param(n)}
+        self.engine = ParallelEmbeddedEngine(  # LoRA: the shared base and adapters, or the merged weights
+            cfg.model if self.shared else base_config(cfg.model),
+            edims,
+            DTYPES[cfg.rollout.dtype],
+            device,
+            cfg.run.seed,
+            options,
+            shared=base if self.shared else None,
         )
-        self.exporter = FanoutExporter(
-            models,
-            cfg.model,
-            dims,
-            EngineLayout(workers=dims.layout.world, ep=edims.ep, expert_slices=True),
-            cfg.rollout.bucket_size_mb << 20,
-            dtype=DTYPES[cfg.rollout.dtype],
-        )
+        self.exporter = None
+        if not self.shared:
+            self.exporter = FanoutExporter(
+                models,
+                cfg.model,
+                dims,
+                EngineLayout(workers=dims.layout.world, ep=edims.ep, expert_slices=True),
+                cfg.rollout.bucket_size_mb << 20,
+                dtype=DTYPES[cfg.rollout.dtype],
+            )
 
-    def sync(self) -> None:
-        """The learner's weights into every engine shard (collective)."""
-        sync_in_process(self.exporter.buckets(), self.engine, is_dst=True)
+    def sync(self) -> dict[str, float]:
+        """The learner's weights into every engine shard (collective); `sync/bytes` this rank's shard got."""
+        if self.exporter is None:  # the shared base stays; this rank's adapter shards are copied
+            adapters = {n: p.detach() for n, p in self.models[0].named_parameters() if is_adapter_param(n)}
+            return {"sync/bytes": float(self.engine.update_adapters(adapters))}
+        received = [0]
+
+        def counted(buckets):
+            for bucket in buckets:
+                received[0] += sum(t.numel() * t.element_size() for _, t in bucket)
+                yield bucket
+
+        sync_in_process(counted(self.exporter.buckets()), self.engine, is_dst=True)
+        return {"sync/bytes": float(received[0])}
 
     def sleep(self, level: int) -> dict[str, float]:
         """Free this rank's engine memory (`rollout.sleep_level`); the bytes released (local)."""
@@ -138,14 +179,15 @@ class VLLMHost:
             dtype=DTYPES[cfg.rollout.dtype],
         )
 
-    def sync(self) -> None:
+    def sync(self) -> dict[str, float]:
         """The learner's weights, gathered on rank 0 bucket by bucket, into the vLLM engine (collective)."""
         buckets = self.exporter.buckets()
         if self.engine is None:
             for _ in buckets:  # every rank of the learner takes part in each bucket's gather
                 pass
-            return
+            return {}
         self.engine.update_weights(pair for bucket in buckets for pair in bucket)
+        return {}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return from_rank0(self.engine.generate(prompts, params) if self.engine is not None else None)

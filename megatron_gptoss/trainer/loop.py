@@ -152,7 +152,7 @@ def rl_step(
         metrics.update(critic_update(setup.critic_policy, batch, cfg.ppo, cfg.critic.value_clip, shuffle))
     t3 = time.perf_counter()
     memory.update(setup.wake_engine())
-    setup.sync()
+    memory.update(setup.sync())  # sync/bytes: what this rank's engine shard received
     metrics.update(step_times(device, t0, t1, t2, t3))
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
     metrics.update(rollout_extra)

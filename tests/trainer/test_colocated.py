@@ -35,8 +35,7 @@ def train(out: str, overrides: list[str], skip_sync: bool = False) -> None:
 
         def first_only(self):
             calls["n"] += 1
-            if calls["n"] == 1:
-                original(self)
+            return original(self) if calls["n"] == 1 else {}
 
         colocated.Colocated.sync = first_only  # type: ignore[method-assign]
         try:

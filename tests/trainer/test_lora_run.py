@@ -1,8 +1,12 @@
-"""A LoRA RL run of the one trainer on 2 gloo ranks (the demo's model and task, learner and embedded engine
-at tensor parallel 2, a KL penalty in the reward): the sync sends merged weights, so the engine's log-probs
-equal the learner's every step; the reference policy is the base (adapters disabled): its KL to the policy
-is exactly 0 at the first step, where B = 0, and positive once the adapters train; the on-policy ratio is
-exactly 1; a run stopped and resumed logs bit for bit the metrics of one that never stopped."""
+"""A LoRA RL run of the one trainer on 2 gloo ranks (the demo's model and task, the learner at tensor
+parallel 2, a KL penalty in the reward). With the embedded engine at tensor parallel 2 it shares the
+learner's frozen base and the sync copies the adapters only; with the engine at tensor parallel 1 (two
+replicas) the bridge sends merged weights. Either way the engine's log-probs equal the learner's every step
+(a sync skipped after the first shows as a mismatch: the engine's adapters are its own copy); the shared
+sync moves a small fraction of the merged one's bytes. The reference policy is the base (adapters
+disabled): its KL to the policy is exactly 0 at the first step, where B = 0, and positive once the
+adapters train; the on-policy ratio is exactly 1; a run stopped and resumed logs bit for bit the metrics of
+one that never stopped. The adapters-only checkpoints export merged and as PEFT adapters."""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from megatron_gptoss.checkpoint.lora import load_policy  # noqa: E402
 from megatron_gptoss.config import load_config  # noqa: E402
 from megatron_gptoss.hf.names import match_ours, to_hf  # noqa: E402
 from megatron_gptoss.model.lora import adapters_disabled  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.trainer import colocated, loop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/layouts/tiny_rl_tp2_pp2_cpu.yaml"
@@ -35,8 +39,22 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8", f"model.lora.targets={TARGETS
         "run.progress=false", "run.eval_every=0", f"run.steps={STEPS}", "optim.warmup_steps=0"]  # fmt: skip
 
 
-def train(out: str, overrides: list[str]) -> None:
-    loop.run(load_config(CONFIG, [*LORA, f"run.output_dir={out}", *overrides]))
+def train(out: str, overrides: list[str], skip_sync: bool = False) -> None:
+    cfg = load_config(CONFIG, [*LORA, f"run.output_dir={out}", *overrides])
+    if not skip_sync:
+        loop.run(cfg)
+    else:  # the engine keeps the adapters of the first sync
+        calls, original = {"n": 0}, colocated.Colocated.sync
+
+        def first_only(self):
+            calls["n"] += 1
+            return original(self) if calls["n"] == 1 else {}
+
+        colocated.Colocated.sync = first_only  # type: ignore[method-assign]
+        try:
+            loop.run(cfg)
+        finally:
+            colocated.Colocated.sync = original  # type: ignore[method-assign]
     dist.barrier()
 
 
@@ -51,7 +69,9 @@ def runs(tmp_path_factory):
     workers.run(train, str(base / "whole"), [])
     workers.run(train, str(base / "stopped"), ["run.steps=2"])
     workers.run(train, str(base / "stopped"), ["run.resume=auto"])
-    logs = {name: metrics(base / name) for name in ("whole", "stopped")}
+    workers.run(train, str(base / "merged"), ["rollout.tensor_parallel_size=1"])
+    workers.run(train, str(base / "stale"), [], True)
+    logs = {name: metrics(base / name) for name in ("whole", "stopped", "merged", "stale")}
     with pytest.raises(AssertionError, match="trained on the base"):  # another seed: another base
         workers.run(train, str(base / "stopped"), ["run.resume=auto", "run.seed=1"])
     return base, logs
@@ -59,13 +79,19 @@ def runs(tmp_path_factory):
 
 def test_engine_matches_learner_and_the_reference_is_the_base(runs):
     _, logs = runs
-    whole = logs["whole"]
-    assert sorted(whole) == list(range(STEPS + 1))
+    whole, merged, stale = logs["whole"], logs["merged"], logs["stale"]
+    assert sorted(whole) == sorted(merged) == list(range(STEPS + 1))
     for step in range(1, STEPS + 1):
-        line = whole[step]
-        assert line["mismatch/tokens"] > 0
-        assert line["mismatch/abs_diff_max"] <= 1e-5, (step, line["mismatch/abs_diff_max"])
-        assert line["pg/ratio_max"] == 1.0 and line["pg/ratio_min"] == 1.0
+        for line in (whole[step], merged[step]):
+            assert line["mismatch/tokens"] > 0
+            assert line["mismatch/abs_diff_max"] <= 1e-5, (step, line["mismatch/abs_diff_max"])
+            assert line["pg/ratio_max"] == 1.0 and line["pg/ratio_min"] == 1.0
+        shared_bytes, merged_bytes = whole[step]["sync/bytes"], merged[step]["sync/bytes"]
+        assert 0 < 10 * shared_bytes < merged_bytes, (shared_bytes, merged_bytes)
+    shared_bytes, merged_bytes = whole[1]["sync/bytes"], merged[1]["sync/bytes"]
+    print(f"sync bytes on rank 0: shared base {shared_bytes:.0f}, merged {merged_bytes:.0f}")
+    assert stale[1]["mismatch/abs_diff_max"] <= 1e-5
+    assert stale[STEPS]["mismatch/abs_diff_max"] > 1e-3  # the engine kept the first sync's adapters
     assert whole[1]["kl_reward/kl"] == 0.0  # B = 0: the policy is the base
     assert whole[1]["train/grad_norm"] > 0
     assert whole[STEPS]["kl_reward/kl"] != 0.0  # the adapters moved the policy away from the base
