@@ -10,13 +10,22 @@ from torch import nn
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.names import Match, from_hf, hf_shapes, match_hf, match_ours, to_hf
+from megatron_gptoss.model.lora import adapter_of, is_adapter_param, merged_weight
 
 
 def iter_hf_tensors(model: nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every parameter of a single-device model, one parameter at a time.
-    Tensors share memory with the parameters where the layout allows it (detached)."""
-    for name, param in model.named_parameters():
-        yield from to_hf(match_ours(name), param.detach(), config)
+    Tensors share memory with the parameters where the layout allows it (detached). LoRA adapters are
+    merged into their layer's weight (W + scale * B A, fresh memory): the HF model is the adapted one."""
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if is_adapter_param(name):
+            continue
+        tensor, prefix = param.detach(), adapter_of(name)
+        if prefix is not None and f"{prefix}.a" in params:
+            a, b = params[f"{prefix}.a"].detach(), params[f"{prefix}.b"].detach()
+            tensor = merged_weight(tensor, a, b, config.lora.scale)
+        yield from to_hf(match_ours(name), tensor, config)
 
 
 class HFAssembler:

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_reference import hf_twin
 from torch.func import functional_call
 
 from megatron_gptoss.config import gpt_oss_tiny
@@ -123,3 +124,15 @@ def test_dropout_acts_in_training_only():
         torch.manual_seed(0)
         dropped = model(ids)
     assert torch.equal(first, second) and not torch.equal(first, dropped)
+
+
+def test_hf_conversion_merges_the_adapters_and_transformers_gives_our_logits():
+    """`iter_hf_tensors` (behind `save_hf`) writes W + scale * B A: transformers' GptOssForCausalLM on those
+    tensors computes the logits of our model running its adapters."""
+    model = perturbed(lora_config())
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf_twin(model)(ids).logits
+        with adapters_disabled(model):
+            base = model(ids)
+    assert rel_err(theirs, ours) < 1e-5 and rel_err(base, ours) > 1e-2
