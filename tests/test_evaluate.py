@@ -205,3 +205,61 @@ def test_a_run_with_a_critic_and_a_reward_kl_evaluates_without_them(tool, tmp_pa
     cfg = tool.make_config(source, args)
     assert cfg.algorithm.advantage == "grpo" and cfg.algorithm.kl_in_reward_coef == 0.0
     assert cfg.ppo.kl_coef == 0.0
+
+
+def test_a_lora_checkpoint_evaluates_as_its_merged_export(tool, files, tmp_path):
+    """An adapters-only checkpoint of a LoRA run started from the HF directory: evaluation rebuilds the base
+    from that directory and applies the adapters; its greedy completions equal those of the checkpoint's
+    merged HF export (tools/convert_dist_to_hf.py), and differ from the base's own."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer, RunState
+    from megatron_gptoss.checkpoint.manager import CheckpointManager
+    from megatron_gptoss.config import ParallelConfig
+    from megatron_gptoss.config.lora import LoRAConfig
+    from megatron_gptoss.hf.io import read_config
+    from megatron_gptoss.model.gpt_oss import GPTOSSModel
+    from megatron_gptoss.model.lora import adapters
+    from megatron_gptoss.parallel.apply import parallelize
+    from megatron_gptoss.parallel.dims import ParallelDims
+    from megatron_gptoss.parallel.loading import load_hf_parallel
+
+    root = files[0]
+    config = dataclasses.replace(
+        read_config(root / "hf", make_vocab_size_divisible_by=128, attention_backend="eager"),
+        lora=LoRAConfig(rank=2, alpha=4.0),
+    )
+    run_config = {"run": {"init_from_hf": str(root / "hf"), "seed": 0}, "model": dataclasses.asdict(config)}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        dims = ParallelDims.build(ParallelConfig(), config)
+        model = parallelize(GPTOSSModel(config), dims, ParallelConfig())
+        load_hf_parallel([model], root / "hf", dims, config)
+        gen = torch.Generator().manual_seed(4)
+        with torch.no_grad():
+            for m in adapters(model):
+                m.a.copy_(torch.randn(m.a.shape, generator=gen))
+                m.b.copy_(torch.randn(m.b.shape, generator=gen))
+        checkpoints = CheckpointManager(tmp_path / "checkpoints")
+        group = dist.new_group(backend="gloo")
+        DistributedCheckpointer(checkpoints, dims, config, group, run_config=run_config).save(
+            1, {"model": [model]}, None, RunState(1)
+        )
+    finally:
+        dist.destroy_process_group()
+    step = tmp_path / "checkpoints" / "step_000001"
+    convert = importlib.util.spec_from_file_location(
+        "convert_dist_to_hf", ROOT / "tools" / "convert_dist_to_hf.py"
+    )
+    assert convert is not None and convert.loader is not None
+    converter = importlib.util.module_from_spec(convert)
+    convert.loader.exec_module(converter)
+    converter.main([str(step), str(tmp_path / "merged"), "--dtype", "float32", "--no-verify"])
+    greedy = ["--greedy", "--limit", "2", "--reward", "gsm8k"]
+    _, lora_samples = run(tool, files, "lora.jsonl", "--checkpoint", str(step), *greedy)
+    _, merged_samples = run(tool, files, "merged.jsonl", "--checkpoint", str(tmp_path / "merged"), *greedy)
+    _, base_samples = run(tool, files, "base.jsonl", "--checkpoint", str(root / "hf"), *greedy)
+    assert [s["completion_ids"] for s in lora_samples] == [s["completion_ids"] for s in merged_samples]
+    assert [s["completion_ids"] for s in lora_samples] != [s["completion_ids"] for s in base_samples]

@@ -14,7 +14,9 @@ distributed checkpoint (`run.output_dir/checkpoints/step_N`, any layout), or a c
     distributed      the model and run config from its manifest; loaded at world 1 into the learner's stage
                      models (`trainer.colocated.Colocated`, `DistributedCheckpointer.load`: any saved layout
                      reshards), then synced into the engine through the bridge, as the trainer does. Peak
-                     memory: the learner's copy of the weights plus the engine's.
+                     memory: the learner's copy of the weights plus the engine's. A LoRA run's checkpoint
+                     (adapters only) gets its base from the source the run started from first
+                     (`run.init_from_hf`, or the seed's random initialisation).
 
 Settings, later ones winning: the checkpoint's (a run's config, or the defaults and config.json for an HF
 directory), the --config YAML (sections as in the trainer's YAML: model fields config.json does not carry,
@@ -189,8 +191,14 @@ def open_engine(source: Source, cfg: TrainConfig) -> Iterator[Any]:
             engine.update_weights((n, t.to(dtype)) for n, t in iter_checkpoint(source.path, cfg.model, dtype))
         else:  # the trainer's learner and engine; the checkpoint into the learner, the bridge into the engine
             engine = Colocated(cfg, device, with_engine=True)
+            if cfg.model.lora.enabled:  # the checkpoint holds the adapters: the base from its source first
+                engine.initialise()
             checkpointer = DistributedCheckpointer(
-                CheckpointManager(source.path.parent), engine.dims, cfg.model, dist.new_group(backend="gloo")
+                CheckpointManager(source.path.parent),
+                engine.dims,
+                cfg.model,
+                dist.new_group(backend="gloo"),
+                run_config=(source.manifest or {}).get("config") or {},
             )
             checkpointer.load(source.path, {"model": engine.models}, None)
             engine.sync()
