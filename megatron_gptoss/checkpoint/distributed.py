@@ -138,6 +138,14 @@ def check_model(manifest: Mapping[str, Any], config: ModelConfig, path: Path) ->
     ]
     if diffs:
         raise CheckpointError(f"{path} holds a model of another shape: " + "; ".join(diffs))
+    if manifest["contents"].get("adapters_only"):
+        stored_lora, lora = stored.get("lora") or {}, config.lora
+        rank, targets = stored_lora.get("rank"), stored_lora.get("targets")
+        if (rank, targets) != (lora.rank, lora.targets):
+            raise CheckpointError(
+                f"{path} holds LoRA adapters of rank {rank} on {targets}, "
+                f"this run has model.lora.rank={lora.rank} on {lora.targets}"
+            )
 
 
 class DistributedCheckpointer:

@@ -74,6 +74,8 @@ def runs(tmp_path_factory):
     logs = {name: metrics(base / name) for name in ("whole", "stopped", "merged", "stale")}
     with pytest.raises(AssertionError, match="trained on the base"):  # another seed: another base
         workers.run(train, str(base / "stopped"), ["run.resume=auto", "run.seed=1"])
+    with pytest.raises(AssertionError, match="LoRA adapters of rank 4 .* model.lora.rank=2"):
+        workers.run(train, str(base / "stopped"), ["run.resume=auto", "model.lora.rank=2"])
     return base, logs
 
 
