@@ -25,7 +25,8 @@ class LoRAConfig:
     rank: int = 0
     # Scale numerator: the adapter's output is multiplied by alpha / rank.
     alpha: float = 16.0
-    # Dropout probability on the adapter's input (training only; 0 keeps the forward deterministic).
+    # Dropout probability on the adapter's input (training only; 0 keeps the forward deterministic: with
+    # dropout the learner's log-prob passes are noisy, and the engine/learner mismatch statistics with them).
     dropout: float = 0.0
     # Layers that get adapters, a subset of LORA_TARGETS (the router is left out by default).
     targets: list[str] = field(default_factory=_default_targets)
