@@ -60,6 +60,7 @@ from megatron_gptoss.checkpoint.dist_state import (
     rng_state,
     set_rng_state,
 )
+from megatron_gptoss.checkpoint.lora_base import base_reference, check_adapters
 from megatron_gptoss.checkpoint.manager import (
     CheckpointManager,
     CorruptCheckpointError,
@@ -138,14 +139,6 @@ def check_model(manifest: Mapping[str, Any], config: ModelConfig, path: Path) ->
     ]
     if diffs:
         raise CheckpointError(f"{path} holds a model of another shape: " + "; ".join(diffs))
-    if manifest["contents"].get("adapters_only"):
-        stored_lora, lora = stored.get("lora") or {}, config.lora
-        rank, targets = stored_lora.get("rank"), stored_lora.get("targets")
-        if (rank, targets) != (lora.rank, lora.targets):
-            raise CheckpointError(
-                f"{path} holds LoRA adapters of rank {rank} on {targets}, "
-                f"this run has model.lora.rank={lora.rank} on {lora.targets}"
-            )
 
 
 class DistributedCheckpointer:
@@ -401,12 +394,8 @@ class DistributedCheckpointer:
         path = Path(path)
         manifest = self._manifest(path)
         check_model(manifest, self.config, path)
+        check_adapters(manifest, self.config, self.base_reference(), path)
         adapters_only = bool(manifest["contents"].get("adapters_only", False))
-        if adapters_only and manifest.get("base") != self.base_reference():
-            raise CheckpointError(
-                f"{path} holds LoRA adapters trained on the base {manifest.get('base')}, this run's base is "
-                f"{self.base_reference()}"
-            )
         absent = sorted(set(modules) - set(manifest["contents"]["modules"]))
         if absent:
             raise CheckpointError(f"{path} holds no {absent} (it has {manifest['contents']['modules']})")
@@ -467,14 +456,8 @@ class DistributedCheckpointer:
         return Loaded(path, RunState(**run_blob), rank_state, same)
 
     def base_reference(self) -> dict[str, Any] | None:
-        """Where the frozen base of a LoRA run comes from (None without LoRA): {"init_from_hf": path}, or
-        {"seed": s} for the random initialisation (from the run config; an empty one gives {})."""
-        if not self.adapters_only:
-            return None
-        run = self.run_config.get("run") or {}
-        if run.get("init_from_hf"):
-            return {"init_from_hf": str(run["init_from_hf"])}
-        return {"seed": run["seed"]} if "seed" in run else {}
+        """Where this run's LoRA base comes from (`lora_base.base_reference`; None without LoRA)."""
+        return base_reference(self.config, self.run_config)
 
     def _manifest(self, path: Path) -> dict[str, Any]:
         return read_manifest(path)
