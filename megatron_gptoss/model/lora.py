@@ -66,8 +66,15 @@ class LoRA(nn.Module):
 
     def grouped(self, x: torch.Tensor, bounds: torch.Tensor, gemm) -> torch.Tensor:
         """Rows x [M, in] sorted by expert (expert e: rows [bounds[e], bounds[e + 1])) -> the update [M, out]
-        of each row's expert; `gemm(x, weight [E, out, in], bounds)` is the experts' grouped GEMM."""
-        return gemm(gemm(self._drop(x), self.a, bounds), self.b, bounds) * self.scale
+        of each row's expert; `gemm(x, weight [E, out, in], bounds)` is the experts' grouped GEMM. The rank
+        is zero-padded to a multiple of 8 (torch._grouped_mm takes 16-byte aligned bf16 operands); the padded
+        rows of A and columns of B are zero, so the product and the gradients of a and b are unchanged."""
+        a: torch.Tensor = self.a
+        b: torch.Tensor = self.b
+        pad = -a.shape[-2] % 8
+        if pad:
+            a, b = nn.functional.pad(a, (0, 0, 0, pad)), nn.functional.pad(b, (0, pad))
+        return gemm(gemm(self._drop(x), a, bounds), b, bounds) * self.scale
 
 
 class LoRALinear(nn.Linear):
