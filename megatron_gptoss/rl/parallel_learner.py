@@ -47,12 +47,15 @@ class ParallelPolicy:
         token_budget: int = 0,
         replays: bool = True,
         base_only: bool = False,
+        micro_batches: int = 1,
     ):
         """`replays`: whether this model's forwards use a batch's `routing` (router replay); a critic's
         routers are its own. `base_only`: log-probs of the models with their LoRA adapters disabled (the
-        reference policy of a LoRA run: the frozen base, sharing the policy's models)."""
+        reference policy of a LoRA run: the frozen base, sharing the policy's models). `micro_batches`: the
+        log-prob passes pack a replica's rows into this many micro-batches (as the update does), so their
+        activations stay those of one micro-batch."""
         self.runner, self.dims, self.optimizer, self.token_budget = runner, dims, optimizer, token_budget
-        self.replays, self.base_only = replays, base_only
+        self.replays, self.base_only, self.micro_batches = replays, base_only, micro_batches
 
     # ----------------------------------------------------------------------------------------------
     def my_rows(self, rows: int) -> torch.Tensor:
@@ -83,7 +86,7 @@ class ParallelPolicy:
         mine = batch.select(rows)
         models = [m.model for m in self.runner.modules] if self.base_only else []
         with adapters_disabled(*models):
-            lp, _ = self.runner.logprobs(self.pack(mine), temperature)
+            lp, _ = self.runner.logprobs(self.pack(mine, self.micro_batches), temperature)
         full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=lp.device)
         full[rows.to(lp.device)] = lp.float()
         if self.dims.dp > 1:
@@ -95,7 +98,9 @@ class ParallelPolicy:
         """`logprobs` and the experts of every input token at every layer [B, T, layers, k] (the replayed
         ones where `batch.routing` has them), on every rank."""
         rows = self.my_rows(len(batch))
-        lp, routing = self.runner.routed_logprobs(self.pack(batch.select(rows)), temperature)
+        lp, routing = self.runner.routed_logprobs(
+            self.pack(batch.select(rows), self.micro_batches), temperature
+        )
         full = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=lp.device)
         full[rows.to(lp.device)] = lp.float()
         table = torch.full((*batch.input_ids.shape, *routing.shape[2:]), -1, dtype=torch.int32)

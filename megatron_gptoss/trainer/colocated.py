@@ -99,16 +99,17 @@ class Colocated:
             self.cfg.run.steps,
             shard=self.cfg.parallel.use_distributed_optimizer,
         )
+        micro = self.cfg.ppo.num_micro_batches  # the log-prob passes' micro-batches too
         self.policy = ParallelPolicy(
-            PipelineRunner(self.models, self.plans, self.dims), self.dims, self.optimizer
+            PipelineRunner(self.models, self.plans, self.dims), self.dims, self.optimizer, micro_batches=micro
         )
         self.reference_policy: ParallelPolicy | None = None
         if self.reference:
             runner = PipelineRunner(self.reference, self.plans, self.dims)
-            self.reference_policy = ParallelPolicy(runner, self.dims)
+            self.reference_policy = ParallelPolicy(runner, self.dims, micro_batches=micro)
         elif self.with_reference:  # LoRA: the base under the policy's adapters
             runner = PipelineRunner(self.models, self.plans, self.dims)
-            self.reference_policy = ParallelPolicy(runner, self.dims, base_only=True)
+            self.reference_policy = ParallelPolicy(runner, self.dims, base_only=True, micro_batches=micro)
 
         if self.critic:
             critic_optim = dataclasses.replace(
