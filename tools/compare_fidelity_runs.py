@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
                    *overrides]  # fmt: skip
         subprocess.run(command, check=True)
         runs[name] = [r for r in read(run_dir / "metrics.jsonl") if "mismatch/abs_diff_max" in r]
+        shutil.rmtree(
+            run_dir / "checkpoints", ignore_errors=True
+        )  # the next run's disk (full optimizer state)
     keys = plot(runs, out / "fidelity.png")
     print(f"wrote {out / 'fidelity.png'}")
     print("| setting | steps | " + " | ".join(f"mean {k}" for k in keys) + " |")

@@ -1,0 +1,23 @@
+"""tools/bench_rl_step.py at toy size on the CPU: the LoRA RL step runs through the one trainer from a
+synthetic MXFP4 checkpoint, reports every phase, and its sync sends exactly the adapters (the engine shares
+the frozen base)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_rl_step  # noqa: E402
+
+from megatron_gptoss.config import load_config  # noqa: E402
+from megatron_gptoss.model import build_model  # noqa: E402
+from megatron_gptoss.model.lora import is_adapter_param  # noqa: E402
+
+
+def test_tiny_step_reports_phases_and_sends_only_the_adapters(tmp_path):
+    (step,) = bench_rl_step.main(["--tiny", "--steps", "1", "--out", str(tmp_path)])
+    for phase in bench_rl_step.COLUMNS:
+        assert step[phase] > 0, phase
+    assert step["response/length_mean"] > 0
+    model = build_model(load_config(bench_rl_step.CONFIG, bench_rl_step.TINY).model)
+    adapter_bytes = sum(4 * p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
+    assert 0 < step["sync/bytes"] == adapter_bytes
