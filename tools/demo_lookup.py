@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/demo_lookup.yaml"
-COLD_START = ["run.mode=sft", "optim.lr=1.0e-2", "optim.warmup_steps=5", "optim.lr_schedule=cosine"]
+COLD_START = ["run.mode=sft", "optim.lr=3.0e-3", "optim.warmup_steps=5", "optim.lr_schedule=cosine"]
 # The plot's panels: the cold start's loss, then RL's rewards, held-out accuracy and call rates, mismatch.
 PLOTTED = ["loss/total", "reward/train_mean", "reward/eval_mean", "eval/accuracy", "agent/call_rate",
            "eval/call_rate", "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "train/grad_norm",
@@ -45,7 +45,7 @@ def train(overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo_lookup", help="output directory")
-    parser.add_argument("--cold-start-steps", type=int, default=100, help="supervised steps (default 100)")
+    parser.add_argument("--cold-start-steps", type=int, default=300, help="supervised steps (default 300)")
     parser.add_argument("--sft", type=int, default=2000, help="cold-start conversations (default 2000)")
     args, overrides = parser.parse_known_args(argv)
     out = Path(args.out)

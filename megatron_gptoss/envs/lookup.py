@@ -53,7 +53,9 @@ PARAMETERS: dict[str, Any] = {
 }
 # One wording: the key stands at the same place in every question.
 QUESTIONS = ("What is the value of key {key}?",)
-ARITHMETIC = "What is {a} {op} {b}?"
+# The arithmetic questions end with the first operand, which the call copies: its distance to the call's
+# argument is then the key's in a lookup call (the calculator's name is a token longer, the "?" one shorter).
+ARITHMETIC = {"+": "Add {b} to {a}", "-": "Subtract {b} from {a}"}
 
 
 def _hash(kind: str, key: str) -> int:
@@ -147,14 +149,15 @@ def guess(key: str, rng: random.Random) -> dict[str, Any]:
 
 def calculation(rng: random.Random) -> dict[str, Any]:
     """An arithmetic question answered through the calculator: a +- b with b in 1..9, a and the result in
-    the table's range (so every key and value token is written, in the call or the answer)."""
+    the table's range (so every key and value token is written, in the call or the answer). The question
+    ends with a, which the call's expression copies as a lookup call copies the key."""
     b, op = rng.randint(1, 9), rng.choice("+-")
     a = rng.randint(VALUE_LOW, VALUE_HIGH - b) if op == "+" else rng.randint(VALUE_LOW + b, VALUE_HIGH)
     expression = f"{a} {op} {b}"
     result = str(a + b if op == "+" else a - b)
     return _conversation(
         [
-            {"role": "user", "content": ARITHMETIC.format(a=a, op=op, b=b)},
+            {"role": "user", "content": ARITHMETIC[op].format(a=a, b=b)},
             {
                 "role": "assistant",
                 "recipient": "functions.calculator",

@@ -186,3 +186,33 @@ def test_conversations_are_a_pure_function_of_count_and_seed():
     assert lookup.conversations(40, 1) != lookup.conversations(40, 2)
     question = lookup.question("217", random.Random(0))
     assert "217" in question
+
+
+def _copy_distances(conversation: dict) -> tuple[int, int]:
+    """(distance from the question's first copied number to the query that writes it into the call's
+    arguments, distance from the tool's result to the query that writes the final answer), in tokens."""
+    (example,) = conversation_examples(conversation, "low", 0)
+    ids, trained = example.token_ids, example.trained
+    arguments = json.loads(conversation["messages"][1]["content"])
+    number = get_tokenizer().encode(str(arguments.get("key") or arguments["expression"].split()[0]))
+    result = get_tokenizer().encode(conversation["messages"][2]["content"])
+    assert len(number) == len(result) == 1
+    in_question = ids.index(number[0], example.num_prompt_tokens - 20)  # the question's, not the tools' text
+    response = range(example.num_prompt_tokens, len(ids))
+    in_call = next(i for i in response if trained[i] and ids[i] == number[0])
+    in_result = max(i for i in range(len(ids)) if ids[i] == result[0] and not trained[i])
+    return in_call - 1 - in_question, len(ids) - 3 - in_result  # the answer, then <|return|>
+
+
+def test_sliding_layer_sees_the_numbers_a_turn_copies():
+    """The demo's sliding-window layer (query i sees i - W < j <= i) sees, from the query writing a call's
+    argument, the question's number, at the same distance for a lookup call and a calculator call (their
+    questions end with the number the call copies), and from the query writing the final answer, the
+    tool's result."""
+    window = yaml.safe_load((ROOT / "configs/demo_lookup.yaml").read_text())["model"]["sliding_window"]
+    rng = random.Random(0)
+    lookups = {_copy_distances(lookup.lookup_call(k, rng)) for k in lookup.split_keys(False)[:20]}
+    calculations = {_copy_distances(lookup.calculation(rng)) for _ in range(40)}
+    assert len(lookups) == 1 and lookups == calculations, (lookups, calculations)
+    ((argument, answer),) = lookups
+    assert 0 < answer < argument < window
