@@ -52,8 +52,9 @@ def test_r3_needs_an_engine_that_records_routing():
 
 def test_bitwise_on_policy_run_has_no_mismatch(tmp_path):
     """rollout.bitwise_on_policy: the engine's log-probs equal the learner's old-policy pass exactly."""
-    bitwise = ["rollout.bitwise_on_policy=true", "model.attention_backend=triton", "rollout.max_new_tokens=6"]
-    overrides = [*FAST, *bitwise, "rollout.prompts_per_step=2", "run.steps=1", f"run.output_dir={tmp_path}"]
+    bitwise = ["rollout.bitwise_on_policy=true", "model.attention_backend=triton", "rollout.max_new_tokens=4"]
+    small = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=64", "run.steps=1"]
+    overrides = [*FAST, *bitwise, *small, "rollout.prompts_per_step=2", f"run.output_dir={tmp_path}"]
     loop.run(load_config(ROOT / "configs/demo_cpu.yaml", overrides))
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "mismatch/abs_diff_max" in line]
