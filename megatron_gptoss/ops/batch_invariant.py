@@ -26,6 +26,8 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from megatron_gptoss.ops.fused_moe import _cdiv, _pow2
+
 _STATE = {"on": False}
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) of every GEMM, fixed whatever the shapes
 _TILE = (64, 128, 64, 4, 3)
@@ -57,10 +59,6 @@ def _kernels():
     return importlib.import_module("megatron_gptoss.ops.batch_invariant_kernels")
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _matmul(x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor | None, out_dtype) -> Tensor:
     """x [M, K] @ weight[N, K]^T (+ bias [N]); grouped (`bounds` given): rows sorted by expert, weight
     [E, N, K], no bias -> [M, N] in out_dtype. No host sync (CUDA-graph capturable)."""
@@ -87,10 +85,6 @@ def _matmul(x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor | Non
         HAS_BIAS=bias is not None, DOT_PRECISION=precision, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _Linear(torch.autograd.Function):
