@@ -14,6 +14,14 @@ An engine with the `SessionEngine` capability keeps each trajectory's KV cache b
 only the appended tool tokens. Any other engine is asked to `generate` from the whole trajectory again at
 every turn (what vLLM's prefix caching serves without recomputation).
 
+Router replay: where the engine records routing, a trajectory keeps, turn by turn, the experts of the tokens
+the turn computed first (a session's turn: the previous turn's last sampled token, the tool tokens, this
+turn's samples but the last; re-generating: the same rows of the turn's whole-trajectory record). Together
+they are one row per input token of the trajectory's training row (prompt + response but the last token),
+whichever way the trajectory ended. With sessions every token is computed once, so these are exactly the
+experts behind every engine log-prob; re-generating, a later turn routes the re-read prefix anew, which
+matches the first record only where the engine's prefill routes as its decode did.
+
 A trajectory ends with one of FINISH_REASONS:
   "final"             the model sampled a final-answer token (`<|return|>`)
   "max_turns"         it called a tool in its last allowed turn (agent.max_turns assistant turns)
@@ -28,11 +36,14 @@ import concurrent.futures
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from megatron_gptoss.agent.calls import ToolCall, ToolOutcome, parse_tool_call, tool_result_tokens
 from megatron_gptoss.agent.executor import ToolExecutor
 from megatron_gptoss.agent.lockstep import LockstepExecutor
 from megatron_gptoss.config.agent import AgentConfig
 from megatron_gptoss.engine_api import Generation, RolloutEngine, SamplingParams, SessionEngine
+from megatron_gptoss.errors import EngineError
 from megatron_gptoss.harmony import CALL, RETURN
 
 MODEL, TOOL = 1, 0  # per-token sources: written by the model (trained) / by a tool (out of the loss)
@@ -64,7 +75,8 @@ HARMONY = CallFormat(frozenset({CALL}), frozenset({RETURN}), parse_tool_call, to
 class Trajectory:
     """One agentic rollout. `token_ids` is the response (everything after the prompt, model and tool tokens
     in order); `sources[i]` is MODEL or TOOL (so it is also the response's loss mask); `logprobs[i]` the
-    engine's log-prob of a model token, 0.0 for a tool token."""
+    engine's log-prob of a model token, 0.0 for a tool token. `routing` (engines recording it): per turn, the
+    experts [tokens the turn computed first, layers, k] of its tokens, in sequence order."""
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -75,6 +87,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     tool_timeouts: int = 0
+    routing: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def response_mask(self) -> list[int]:
@@ -90,6 +103,24 @@ class Trajectory:
         self.sources += [MODEL if logprobs is not None else TOOL] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
 
+    @property
+    def routed(self) -> int:
+        """Tokens whose experts the routing record holds."""
+        return sum(r.shape[0] for r in self.routing)
+
+    def add_routing(self, routing: torch.Tensor | None) -> None:
+        """A turn's routing record, after its tokens were appended: afterwards every token but the last
+        (never fed to the model) has its experts. An engine recording nothing leaves it empty."""
+        if routing is None and not self.routing:
+            return
+        if routing is not None:
+            self.routing.append(routing)
+        if self.routed != len(self) - 1:
+            raise EngineError(
+                f"routing record of {self.routed} tokens after turn {self.turns}, for a trajectory of "
+                f"{len(self)} tokens (expected {len(self) - 1}: every token but the last)"
+            )
+
     def generation(self) -> AgentGeneration:
         """The trajectory as the trainer's rollouts hold it."""
         return AgentGeneration(
@@ -102,13 +133,16 @@ class Trajectory:
             tool_calls=self.tool_calls,
             tool_errors=self.tool_errors,
             tool_timeouts=self.tool_timeouts,
+            routing=torch.cat(self.routing) if self.routing else None,
         )
 
 
 @dataclass
 class AgentGeneration(Generation):
     """A trajectory as a `Generation`: `token_ids` / `logprobs` span every turn (0.0 on tool tokens),
-    `finish_reason` is one of FINISH_REASONS, `sources` marks each response token MODEL or TOOL."""
+    `finish_reason` is one of FINISH_REASONS, `sources` marks each response token MODEL or TOOL, `routing`
+    (when the engine records it) every turn's record in sequence order: [len(prompt_ids) + len(token_ids)
+    - 1, layers, k], as a single-turn `Generation`'s."""
 
     sources: list[int] = field(default_factory=list)
     turns: int = 0
@@ -190,12 +224,18 @@ class AgentLoop:
         return None if self.params.seed is None else self.params.seed + i + turn * _SEED_STRIDE
 
     def _end_turn(
-        self, traj: Trajectory, token_ids: list[int], logprobs: list[float], finish_reason: str
+        self,
+        traj: Trajectory,
+        token_ids: list[int],
+        logprobs: list[float],
+        finish_reason: str,
+        routing: torch.Tensor | None,
     ) -> tuple[concurrent.futures.Future, ToolCall] | None:
-        """Record a turn; its tool call and the call's future when the trajectory goes on, else None (it
-        ended)."""
+        """Record a turn (`routing`: the experts of the tokens it computed first, or None); its tool call
+        and the call's future when the trajectory goes on, else None (it ended)."""
         traj.append(token_ids, logprobs)
         traj.turns += 1
+        traj.add_routing(routing)
         last = token_ids[-1] if token_ids else None
         if finish_reason == "stop" and last in self.format.final_tokens:
             traj.finish_reason = "final"
@@ -254,7 +294,9 @@ class AgentLoop:
                 for turn in engine.step_sessions():
                     generating.discard(turn.session_id)
                     traj = trajs[sids[turn.session_id]]
-                    pending = self._end_turn(traj, turn.token_ids, turn.logprobs, turn.finish_reason)
+                    pending = self._end_turn(
+                        traj, turn.token_ids, turn.logprobs, turn.finish_reason, turn.routing
+                    )
                     if pending is not None:
                         waiting[pending[0]] = (turn.session_id, pending[1])
         finally:
@@ -285,7 +327,10 @@ class AgentLoop:
                     [trajs[i].prompt_ids + trajs[i].token_ids for i in rows], params
                 )
                 for i, gen in zip(rows, gens, strict=True):
-                    pending = self._end_turn(trajs[i], gen.token_ids, gen.logprobs, gen.finish_reason)
+                    routing = None if gen.routing is None else gen.routing[trajs[i].routed :]
+                    pending = self._end_turn(
+                        trajs[i], gen.token_ids, gen.logprobs, gen.finish_reason, routing
+                    )
                     if pending is not None:
                         waiting[pending[0]] = (i, pending[1])
             rounds += 1

@@ -450,8 +450,6 @@ class TrainConfig:
                     "moe.router_replay='r3' records routing in an engine of rollout.tensor_parallel_size=1, "
                     f"got {self.rollout.tensor_parallel_size}"
                 )
-            if self.agent.enabled:
-                raise ConfigError("moe.router_replay='r3' with agent.enabled is not supported yet: use 'r2'")
         if self.rollout.bitwise_on_policy:
             self._check_bitwise()
         if self.agent.enabled and self.dapo.overlong_buffer:
