@@ -1,0 +1,55 @@
+"""Router replay (`moe.router_replay: r3`) with agentic rollouts in the one trainer: the scripted calculator
+policy of tests/agent/test_trainer_agentic.py, engine sessions, float32. The embedded engine records the
+experts of every token of every turn, the learner's passes replay them over the whole trajectory (prompt,
+model and tool tokens): the engine's log-probs equal the learner's, the on-policy ratio is 1, and the step
+logs the replay metrics over every input token of every layer. World 2 (gloo, expert parallel 2, one
+engine replica per rank, each with its own sessions) samples and learns as world 1."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+from harness import pool  # noqa: E402
+from scripted_policy import write_scripted_checkpoint  # noqa: E402
+from test_trainer_agentic import STEPS, metrics, problems, train  # noqa: E402
+
+R3 = ["moe.router_replay=r3"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("agentic_r3")
+    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
+    problems(base / "train.jsonl", 8)
+    problems(base / "test.jsonl", 2)
+    train(str(base), str(base / "w1"), R3)
+    pool(2).run(train, str(base), str(base / "w2_ep2"), [*R3, "parallel.expert_model_parallel_size=2"])
+    return {name: metrics(base / name) for name in ("w1", "w2_ep2")}
+
+
+def test_r3_replays_every_turn_in_the_trainer(runs):
+    run = runs["w1"]
+    for step in range(1, STEPS + 1):
+        line = run[step]
+        assert line["agent/tool_calls_mean"] > 0 and line["agent/tokens_tool"] > 0, line
+        assert line["mismatch/tokens"] == line["agent/tokens_model"]
+        assert line["mismatch/abs_diff_max"] <= 1e-5, (step, line["mismatch/abs_diff_max"])
+        assert line["pg/ratio_max"] == 1.0 and line["pg/ratio_min"] == 1.0
+        # every input token (prompt, model and tool tokens) of every row, at each of the 2 layers
+        assert line["replay/tokens"] > 2 * (line["agent/tokens_model"] + line["agent/tokens_tool"]), line
+        assert line["replay/tokens"] % 2 == 0 and 0.0 <= line["replay/flip_frac"] <= 1.0
+        assert line["replay/mismatch_off_abs_diff_max"] >= 0.0
+
+
+def test_world_2_expert_parallel_replays_as_world_1(runs):
+    for step in range(1, STEPS + 1):
+        a, b = runs["w2_ep2"][step], runs["w1"][step]
+        for key in ("agent/tokens_model", "agent/tokens_tool", "agent/tool_calls_mean", "replay/tokens"):
+            assert a[key] == b[key], (step, key, a[key], b[key])
+        assert a["replay/flip_frac"] == b["replay/flip_frac"]
+        for key in ("pg/loss", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (step, key)
