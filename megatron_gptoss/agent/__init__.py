@@ -32,8 +32,9 @@ Public API:
     Loop (megatron_gptoss.agent.loop)
       AgentLoop(engine, executor, params, agent_cfg, call_format=HARMONY, use_sessions=None)
       .rollout(prompts) -> [Trajectory(prompt_ids, token_ids, sources (MODEL=1 / TOOL=0), logprobs (0.0 on
-          tool tokens), finish_reason, turns, tool_calls, tool_errors, tool_timeouts)]
+          tool tokens), finish_reason, turns, tool_calls, tool_errors, tool_timeouts, routing (per turn))]
           engines with sessions keep each trajectory's KV cache; others re-generate from the trajectory
+      Trajectory.generation() -> AgentGeneration (a Generation; routing [len - 1, layers, k] or None)
       agent_metrics(trajectories, rewards=None) -> {"agent/turns_mean": ..., "agent/tokens_tool": ...}
 """
 
