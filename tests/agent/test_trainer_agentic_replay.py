@@ -17,6 +17,8 @@ from harness import pool  # noqa: E402
 from scripted_policy import write_scripted_checkpoint  # noqa: E402
 from test_trainer_agentic import STEPS, metrics, problems, train  # noqa: E402
 
+from megatron_gptoss.config import ConfigError, load_config  # noqa: E402
+
 R3 = ["moe.router_replay=r3"]
 
 
@@ -53,3 +55,13 @@ def test_world_2_expert_parallel_replays_as_world_1(runs):
         assert a["replay/flip_frac"] == b["replay/flip_frac"]
         for key in ("pg/loss", "train/grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-7), (step, key)
+
+
+def test_r3_with_agentic_rollouts_is_accepted_where_the_engine_records_routing():
+    root = Path(__file__).resolve().parents[2] / "configs/demo_cpu.yaml"
+    agentic = ["agent.enabled=true", *R3]
+    assert load_config(root, agentic).moe.router_replay == "r3"
+    with pytest.raises(ConfigError, match="rollout.engine='vllm' does not return it"):
+        load_config(root, [*agentic, "rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size=1"):
+        load_config(root, [*agentic, "rollout.tensor_parallel_size=2"])
