@@ -65,6 +65,10 @@ class ModelConfig:
     max_position_embeddings: int = 131072
     # Standard deviation of the random initialisation.
     init_std: float = 0.02
+    # The routers' and the output layer's standard deviations (None: init_std). Larger values give peaked
+    # routing and logits from random weights, as trained models have.
+    router_init_std: float | None = None
+    output_init_std: float | None = None
     # Attention implementation: auto picks fa4, then triton on CUDA, eager elsewhere.
     attention_backend: str = "auto"
     # Expert GEMM implementation: auto uses torch._grouped_mm where it runs, else a loop over experts.
@@ -109,8 +113,10 @@ class ModelConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ConfigError(f"model.{name} must be positive, got {getattr(self, name)}")
-        if not self.init_std >= 0:
-            raise ConfigError(f"model.init_std must be >= 0, got {self.init_std}")
+        for name in ("init_std", "router_init_std", "output_init_std"):
+            std = getattr(self, name)
+            if std is not None and not std >= 0:
+                raise ConfigError(f"model.{name} must be >= 0, got {std}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
             token = getattr(self, name)
             if token is not None and not 0 <= token < self.vocab_size:
@@ -148,6 +154,14 @@ class ModelConfig:
         """Vocabulary rows of the embedding and output layer: a multiple of 128 x tp."""
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def init_std_of(self, name: str) -> float:
+        """The initialisation scale of the parameter `name` (a GPTOSSModel parameter name)."""
+        if ".router." in name and self.router_init_std is not None:
+            return self.router_init_std
+        if name.startswith("output_layer.") and self.output_init_std is not None:
+            return self.output_init_std
+        return self.init_std
 
     def window_of(self, layer: int) -> int | None:
         """Sliding window of a layer, or None for full attention."""

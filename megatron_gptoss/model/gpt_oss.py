@@ -133,9 +133,9 @@ class GPTOSSModel(nn.Module):
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> GPTOSSModel:
-        """Normal(0, init_std) matrices, sinks and embeddings; zero biases; unit norms; zero padded rows;
-        then the adapters (`LoRA.reset`), so the base weights do not depend on LoRA being on."""
-        std = self.config.init_std
+        """Normal(0, std) matrices, sinks and embeddings (`config.init_std_of(name)`); zero biases; unit
+        norms; zero padded rows; then the adapters (`LoRA.reset`), so the base weights do not depend on LoRA
+        being on."""
         for name, p in self.named_parameters():
             if is_adapter_param(name):
                 continue
@@ -144,6 +144,7 @@ class GPTOSSModel(nn.Module):
             elif name.endswith(".bias"):
                 p.zero_()
             else:
+                std = self.config.init_std_of(name)
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).mul_(std).to(p.dtype))
         if self.embedding is not None:
             self.embedding.word_embeddings.weight[self.vocab_size :].zero_()

@@ -259,10 +259,9 @@ def init_parallel(
 ) -> None:
     """Random weights that are the same full tensors under every layout: a parameter's full tensor comes
     from a generator seeded by (seed, name) (experts: by (seed, name, expert), so a rank draws only its
-    experts), and each rank keeps its chunk. Norms 1, biases 0, the rest Normal(0, init_std), padded
-    vocabulary rows 0 (the conventions of `GPTOSSModel.init_weights`); LoRA adapters as `LoRA.reset`: A
+    experts), and each rank keeps its chunk. Norms 1, biases 0, the rest Normal(0, config.init_std_of(name)),
+    padded vocabulary rows 0 (the conventions of `GPTOSSModel.init_weights`); LoRA adapters as `LoRA.reset`: A
     uniform in +-1/sqrt(in), B zero. `adapters_only`: the adapters alone (a base loaded from HF)."""
-    std = config.init_std
     for model in models:
         for name, param in model.named_parameters():
             if adapters_only and not is_adapter_param(name):
@@ -277,7 +276,9 @@ def init_parallel(
             device = param.device
             adapter = is_adapter_param(name)
 
-            def draw(shape, gen, adapter=adapter, device=device):
+            std = config.init_std_of(name)
+
+            def draw(shape, gen, adapter=adapter, device=device, std=std):
                 if adapter:  # A [..., r, in]: the bound of the full tensor's input width
                     bound = 1.0 / math.sqrt(shape[-1])
                     return torch.rand(shape, generator=gen, device=device).mul_(2 * bound).sub_(bound)

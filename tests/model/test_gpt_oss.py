@@ -130,3 +130,19 @@ def test_kv_cache_prefill_and_decode_equal_full_forward():
     for t in range(7, 20):
         step = model(ids[:, t : t + 1], position_ids=pos[:, t : t + 1], cache=cache)
         assert rel_err(step[:, 0], full[:, t]) <= 1e-6
+
+
+def test_router_and_output_init_scales():
+    """model.router_init_std / output_init_std draw the routers and the output layer at their own scale
+    (peaked routing and logits from random weights); everything else keeps init_std; None keeps init_std."""
+    cfg = gpt_oss_tiny(init_std=0.02, router_init_std=0.5, output_init_std=0.2, vocab_size=4096)
+    model = build_model(cfg, seed=3)
+    stds = {n: float(p.std()) for n, p in model.named_parameters() if n.endswith("weight") and p.dim() > 1}
+    for name, std in stds.items():
+        want = 0.5 if ".router." in name else 0.2 if name.startswith("output_layer") else 0.02
+        assert abs(std / want - 1) < 0.1, (name, std, want)
+    plain = build_model(gpt_oss_tiny(init_std=0.02, vocab_size=4096), seed=3)
+    router = dict(plain.named_parameters())["decoder.layers.0.mlp.router.weight"]
+    assert abs(float(router.std()) / 0.02 - 1) < 0.1
+    with pytest.raises(Exception, match="model.router_init_std must be >= 0"):
+        gpt_oss_tiny(router_init_std=-1.0).validate()

@@ -125,7 +125,7 @@ def test_missing_tensor_and_wrong_shape_name_the_tensor(tmp_path):
 
 
 def _init_case(parallel: dict) -> dict:
-    config = tiny_config(num_layers=LAYERS)
+    config = tiny_config(num_layers=LAYERS, router_init_std=0.3, output_init_std=0.1)
     cfg, dims = build_dims(config, **parallel)
     models = _meta_stages(config, dims, cfg)
     init_parallel(models, config, dims, seed=7)
@@ -148,3 +148,7 @@ def test_random_init_is_the_same_under_every_layout():
             assert torch.equal(tensor, full[name]), name
     assert full["decoder.layers.0.pre_mlp_layernorm.weight"].eq(1).all()
     assert 0.01 < float(full["decoder.layers.0.mlp.experts.linear_fc1.weight"].std()) < 0.03
+    # model.router_init_std / output_init_std scale the routers and the output layer only
+    assert 0.2 < float(full["decoder.layers.1.mlp.router.weight"].std()) < 0.4
+    assert 0.07 < float(full["output_layer.weight"][: tiny_config().vocab_size].std()) < 0.13
+    assert 0.01 < float(full["embedding.word_embeddings.weight"].std()) < 0.03
