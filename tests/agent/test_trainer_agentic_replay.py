@@ -2,8 +2,10 @@
 policy of tests/agent/test_trainer_agentic.py, engine sessions, float32. The embedded engine records the
 experts of every token of every turn, the learner's passes replay them over the whole trajectory (prompt,
 model and tool tokens): the engine's log-probs equal the learner's, the on-policy ratio is 1, and the step
-logs the replay metrics over every input token of every layer. World 2 (gloo, expert parallel 2, one
-engine replica per rank, each with its own sessions) samples and learns as world 1."""
+logs the replay metrics over every input token of every layer. World 2 (gloo, learner expert parallel 2,
+one engine replica per rank, each with its own sessions) samples and learns as world 1; so does world 2
+with the engine at expert parallel 2, every turn re-generated in lockstep (each turn's routing rows cut
+from its whole-trajectory record), against world 1 re-generating."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from test_trainer_agentic import STEPS, metrics, problems, train  # noqa: E402
 from megatron_gptoss.config import ConfigError, load_config  # noqa: E402
 
 R3 = ["moe.router_replay=r3"]
+REGEN = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +32,17 @@ def runs(tmp_path_factory):
     problems(base / "train.jsonl", 8)
     problems(base / "test.jsonl", 2)
     train(str(base), str(base / "w1"), R3)
-    pool(2).run(train, str(base), str(base / "w2_ep2"), [*R3, "parallel.expert_model_parallel_size=2"])
-    return {name: metrics(base / name) for name in ("w1", "w2_ep2")}
+    train(str(base), str(base / "w1_regen"), [*R3, *REGEN])
+    workers = pool(2)
+    workers.run(train, str(base), str(base / "w2_ep2"), [*R3, "parallel.expert_model_parallel_size=2"])
+    engine_ep2 = [*R3, *REGEN, "rollout.expert_parallel_size=2"]
+    workers.run(train, str(base), str(base / "w2_engine_ep2"), engine_ep2)
+    return {name: metrics(base / name) for name in ("w1", "w1_regen", "w2_ep2", "w2_engine_ep2")}
 
 
-def test_r3_replays_every_turn_in_the_trainer(runs):
-    run = runs["w1"]
+@pytest.mark.parametrize("name", ["w1", "w1_regen"])
+def test_r3_replays_every_turn_in_the_trainer(runs, name):
+    run = runs[name]
     for step in range(1, STEPS + 1):
         line = run[step]
         assert line["agent/tool_calls_mean"] > 0 and line["agent/tokens_tool"] > 0, line
@@ -47,9 +55,10 @@ def test_r3_replays_every_turn_in_the_trainer(runs):
         assert line["replay/mismatch_off_abs_diff_max"] >= 0.0
 
 
-def test_world_2_expert_parallel_replays_as_world_1(runs):
+@pytest.mark.parametrize(("sharded", "single"), [("w2_ep2", "w1"), ("w2_engine_ep2", "w1_regen")])
+def test_world_2_expert_parallel_replays_as_world_1(runs, sharded, single):
     for step in range(1, STEPS + 1):
-        a, b = runs["w2_ep2"][step], runs["w1"][step]
+        a, b = runs[sharded][step], runs[single][step]
         for key in ("agent/tokens_model", "agent/tokens_tool", "agent/tool_calls_mean", "replay/tokens"):
             assert a[key] == b[key], (step, key, a[key], b[key])
         assert a["replay/flip_frac"] == b["replay/flip_frac"]
