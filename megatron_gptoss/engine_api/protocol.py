@@ -54,7 +54,7 @@ class Generation:
     # "stop" (a stop token was sampled) or "length" (max_new_tokens reached).
     finish_reason: str
     # Router replay (engines that record routing, when asked): uint8 [len(prompt_ids) + len(token_ids) - 1,
-    # layers, top-k] (int16 past 256 experts), the experts each token the engine computed was routed to, in
+    # layers, top-k] (int16 past 255 experts), the experts each token the engine computed was routed to, in
     # sequence order: every prompt token and every response token but the last (never fed to the model).
     routing: torch.Tensor | None = None
 

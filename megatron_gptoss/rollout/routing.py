@@ -1,9 +1,10 @@
 """Router replay's record: the experts each token the engine computes is routed to.
 
 A forward hook on every layer's router keeps its top-k expert ids [N, k] of the step's packed tokens; after
-the step they are stacked to [N, layers, k] (uint8 up to 256 experts, int16 past), copied to the host once,
-and split over the sequences of the step in their token order. Only engines built with
-`record_routing=True` install the hooks: otherwise nothing runs.
+the step they are stacked to [N, layers, k] (`model.moe.routing_dtype`: uint8 up to 255 experts, int16 past,
+so that no expert id is the `no_route` mark), copied to the host once, and split over the sequences of the
+step in their token order. Only engines built with `record_routing=True` install the hooks: otherwise nothing
+runs.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import torch
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.model.moe import routing_dtype
 
 
 class RoutingRecorder:
     """Hooks on `model`'s routers; `collect(plan)` files a step's routing under its sequences."""
 
     def __init__(self, model: GPTOSSModel, config: ModelConfig):
-        self.dtype = torch.uint8 if config.num_experts <= 256 else torch.int16
+        self.dtype = routing_dtype(config.num_experts)
         self.topk = config.moe_router_topk
         layers = model.decoder.layers
         self.order = [int(i) for i in layers.keys()]

@@ -5,11 +5,13 @@ import pytest
 import torch
 from helpers_engine import CONFIG, engine_of, perturbed_learner
 
+from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.engine_api import SessionEngine
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model import token_logprobs
-from megatron_gptoss.rollout import SamplingParams
+from megatron_gptoss.model import build_model, token_logprobs
+from megatron_gptoss.model.moe import no_route, routing_dtype
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +106,19 @@ def test_routing_record_equals_the_learners_routing(learner):
         assert out.routing.shape == (len(out.prompt_ids) + len(out.token_ids) - 1, CONFIG.num_layers, 2)
         assert torch.equal(out.routing.long(), expected)
     assert engine_of(learner).generate(prompts, SamplingParams(max_new_tokens=2))[0].routing is None
+
+
+def test_routing_record_of_256_experts_keeps_expert_255_apart_from_the_no_route_mark():
+    config = gpt_oss_tiny(num_experts=256)
+    model = build_model(config, seed=5)
+    with torch.no_grad():
+        for layer in model.decoder.layers.values():
+            layer.mlp.router.bias[255] = 100.0  # expert 255 is every token's first choice
+    engine = EmbeddedEngine(config, seed=0, options=EmbeddedEngineConfig(record_routing=True))
+    engine.update_weights(iter_hf_tensors(model, config))
+    (out,) = engine.generate([[3, 1, 4, 1, 5]], SamplingParams(max_new_tokens=3, seed=0))
+    assert out.routing is not None and out.routing.dtype == routing_dtype(256) == torch.int16
+    assert (out.routing[..., 0] == 255).all() and no_route(out.routing.dtype) == -1
 
 
 @pytest.mark.parametrize("level", [1, 2])
