@@ -4,6 +4,11 @@ all 128 experts, top-4) on 1, 2 or 4 GPUs with NCCL, bf16 parameters.
     torchrun --nproc_per_node 1 tools/bench_train.py
     torchrun --nproc_per_node 4 tools/bench_train.py              # experts split over the 4 GPUs
     torchrun --nproc_per_node 2 tools/bench_train.py --small      # a CPU smoke test (gloo)
+    torchrun --nproc_per_node 1 tools/bench_train.py --no-optimizer --peer torchtitan
+
+With `--peer torchtitan` (one GPU, tp 1) the same invocation then times torchtitan's GPT-OSS at the same
+shapes and tokens (`tools/bench_train_peer.py`: pinned version, wheels, its gradient defect) and prints
+both medians, their spreads and the ratio as one table.
 
 Layout: expert parallel over all GPUs (ep = world, unless --ep), dense parts data parallel, tp --tp.
 Each tensor-parallel group trains on --tokens tokens: documents of --doc-len tokens packed into one
@@ -27,17 +32,20 @@ layer and token:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train_peer import PEER_DEFECT, TORCHTITAN_VERSION, run_peer, time_steps, timing_summary  # noqa: E402
 from estimate_memory import GIB, Layout, estimate  # noqa: E402
 
 from megatron_gptoss.config import OptimConfig, ParallelConfig, gpt_oss_120b  # noqa: E402
@@ -113,7 +121,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=0, help="expert parallel size (0: the world size)")
-    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-optimizer", action="store_true")
     parser.add_argument("--small", action="store_true", help="tiny widths on the CPU (gloo)")
@@ -123,8 +131,13 @@ def main() -> None:
     parser.add_argument(
         "--bitwise", action="store_true", help="batch-invariant forward kernels (rollout.bitwise_on_policy)"
     )
+    parser.add_argument(
+        "--peer", choices=["torchtitan"], default=None, help="also time this peer's GPT-OSS (one GPU, tp 1)"
+    )
     args = parser.parse_args()
     batch_invariant.set_enabled(args.bitwise)
+    if args.peer and (int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp != 1):
+        parser.error("--peer runs on one process with --tp 1 (the peer is timed unsharded)")
 
     cuda = torch.cuda.is_available() and not args.small
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -209,16 +222,12 @@ def main() -> None:
     # (2) forward + backward
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for it in range(args.warmup + args.iters):
-        zero()
-        sync(device)
-        start = time.perf_counter()
+
+    def fwd_bwd_step() -> None:
         runner.forward_backward(packed, loss_fn)
-        sync(device)
-        if it >= args.warmup:
-            times.append(time.perf_counter() - start)
-    fwd_bwd = world_max(statistics.median(times), dims, device)
+
+    ours = timing_summary(time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero))
+    fwd_bwd = world_max(ours["median_s"], dims, device)
 
     # (3) optimizer step, gradients from one more backward before each
     step_times = []
@@ -263,6 +272,7 @@ def main() -> None:
         "tokens_per_gpu": args.tokens // args.tp,
         "doc_len": args.doc_len,
         "fwd_bwd_ms": fwd_bwd * 1e3,
+        "fwd_bwd_spread_pct": ours["spread_pct"],
         "optimizer_ms": opt_step * 1e3,
         "tokens_per_s_per_gpu": args.tokens / args.tp / fwd_bwd,
         "model_tflops_per_gpu": flops / fwd_bwd / 1e12,
@@ -275,12 +285,49 @@ def main() -> None:
         "attention_backend": config.attention_backend,
         "batch_invariant": args.bitwise,
     }
+    if args.peer:
+        del runner, model, opt
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        try:
+            peer = run_peer(
+                model_config=config, docs=docs, device=device, warmup=args.warmup, iters=args.iters
+            )
+        except Exception as exc:  # the peer is another project's code: report its failure, keep our result
+            traceback.print_exc()
+            result["peer"] = {"name": f"torchtitan {TORCHTITAN_VERSION}", "error": repr(exc)}
+            print(f"peer torchtitan {TORCHTITAN_VERSION} did not run: {exc!r}", flush=True)
+        else:
+            result["peer"] = {"name": f"torchtitan {TORCHTITAN_VERSION}", **peer, "defect": PEER_DEFECT}
+            print_peer_table(ours, peer, flops, args)
     if dims.rank == 0:
         print(json.dumps(result), flush=True)
         if args.out:
             with open(args.out, "a") as f:
                 f.write(json.dumps(result) + "\n")
     dist.destroy_process_group()
+
+
+def print_peer_table(ours: dict, peer: dict, flops: float, args) -> None:
+    """Our and the peer's forward + backward side by side: median, min-max, spread, model TF/s (the
+    bench's FLOP formula for both), and the peer's time over ours (> 1: ours is faster)."""
+    rows = [
+        ("megatron_gptoss", ours, ""),
+        (f"torchtitan {TORCHTITAN_VERSION}", peer, f"attention {peer['attention']}; {PEER_DEFECT}"),
+    ]
+    print(
+        f"\nforward + backward, {args.tokens} tokens as {args.tokens // args.doc_len} x {args.doc_len} "
+        f"packed, vocab {args.vocab}, median of {args.iters} steps after {args.warmup} warm-ups"
+    )
+    print("| model | median ms | min-max ms | spread | model TF/s | note |")
+    print("|---|---|---|---|---|---|")
+    for name, t, note in rows:
+        print(
+            f"| {name} | {t['median_s'] * 1e3:.1f} | {t['min_s'] * 1e3:.1f}-{t['max_s'] * 1e3:.1f} | "
+            f"{t['spread_pct']:.1f}% | {flops / t['median_s'] / 1e12:.1f} | {note} |"
+        )
+    print(f"peer time / our time: {peer['median_s'] / ours['median_s']:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+"""tools/bench_train_peer.py on the CPU: the timing summary, the packed positions, and the plain-torch
+stand-in for the peer's varlen attention against a float64 sink-attention reference (forward and
+gradients); with torchtitan installed, the peer model builds at tiny width and trains a step."""
+
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import bench_train_peer as peer  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+def test_timing_summary_median_and_spread():
+    gen = torch.Generator().manual_seed(3)
+    times = (torch.rand(11, generator=gen) + 0.5).tolist()
+    s = peer.timing_summary(times)
+    ordered = sorted(times)
+    assert s["median_s"] == ordered[5]
+    assert (s["min_s"], s["max_s"]) == (ordered[0], ordered[-1])
+    assert s["spread_pct"] == pytest.approx(100 * (ordered[-1] - ordered[0]) / ordered[5])
+    with pytest.raises(ValueError, match="at least one"):
+        peer.timing_summary([])
+
+
+def test_time_steps_prepares_each_step_untimed():
+    calls = []
+    times = peer.time_steps(
+        lambda: calls.append("step"), 2, 3, torch.device("cpu"), prepare=lambda: calls.append("zero")
+    )
+    assert len(times) == 3 and all(t >= 0 for t in times)
+    assert calls == ["zero", "step"] * 5
+
+
+def test_packed_positions_restart_per_document():
+    pos = peer.packed_positions([3, 1, 2])
+    assert pos.tolist() == [[0, 1, 2, 0, 0, 1]]
+    with pytest.raises(ValueError, match="positive"):
+        peer.packed_positions([4, 0])
+
+
+def sink_attention_reference(q, k, v, sinks, docs, window, scale):
+    """float64, from the formula: per document, softmax over the visible keys and the head's sink
+    logit, the sink contributing no value."""
+    q, k, v = q[0].double(), k[0].double(), v[0].double()
+    rep = q.shape[1] // k.shape[1]
+    out, start = [], 0
+    for n in docs:
+        qd = q[start : start + n].transpose(0, 1)
+        kd = k[start : start + n].repeat_interleave(rep, 1).transpose(0, 1)
+        vd = v[start : start + n].repeat_interleave(rep, 1).transpose(0, 1)
+        scores = qd @ kd.transpose(1, 2) * scale
+        i = torch.arange(n)
+        visible = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < (window or n + 1))
+        scores = scores.masked_fill(~visible, float("-inf"))
+        sink = sinks.double().view(-1, 1, 1).expand(-1, n, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :n]
+        out.append((probs @ vd).transpose(0, 1))
+        start += n
+    return torch.cat(out).unsqueeze(0)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_eager_varlen_with_sink_rescale_matches_sink_attention(window):
+    gen = torch.Generator().manual_seed(7)
+    docs, hq, hkv, d = [9, 5, 7], 4, 2, 8
+    total = sum(docs)
+    q = torch.randn(1, total, hq, d, generator=gen, requires_grad=True)
+    k = torch.randn(1, total, hkv, d, generator=gen, requires_grad=True)
+    v = torch.randn(1, total, hkv, d, generator=gen, requires_grad=True)
+    sinks = torch.randn(hq, generator=gen, requires_grad=True)
+    cu = torch.tensor([0, 9, 14, 21], dtype=torch.int32)
+    module = peer.EagerVarlen((window - 1, 0) if window else (-1, 0))
+    scale = 1 / math.sqrt(d)
+
+    def rescale(out, lse):  # the peer's sink epilogue: out * sigmoid(lse - sink)
+        return out * torch.sigmoid(lse - sinks.view(1, 1, -1)).unsqueeze(-1)
+
+    ours = module(q, k, v, attention_masks=SimpleNamespace(cu_seq_q=cu), scale=scale, out_transform=rescale)
+    inputs = [q, k, v, sinks]
+    ref = sink_attention_reference(q, k, v, sinks, docs, window, scale)
+    assert rel(ours, ref) < 1e-6
+    grad_out = torch.randn(ref.shape, generator=gen)
+    got = torch.autograd.grad(ours, inputs, grad_out)
+    want = torch.autograd.grad(ref, inputs, grad_out.double())
+    for name, g, w in zip("qkvs", got, want, strict=True):
+        assert rel(g, w) < 1e-5, name
+
+
+def test_peer_model_builds_and_trains_a_step_at_tiny_width():
+    pytest.importorskip("torchtitan", reason="the pinned torchtitan wheel is not installed")
+    config = peer.peer_config(dim=64, hidden_dim=32, num_experts=4, top_k=2, num_layers=2, vocab=64)
+    torch.manual_seed(0)
+    model = peer.build_peer(config, torch.device("cpu"), torch.bfloat16, compile_blocks=False)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert all(isinstance(b.attention.inner_attention, peer.EagerVarlen) for b in model.layers.values())
+    windows = [b.attention.inner_attention.window_size for b in model.layers.values()]
+    assert windows == [(127, 0), (-1, 0)]  # sliding (128 keys) then full, as gpt-oss
+    docs = [24, 16]
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (1, 40), generator=gen)
+    targets = torch.randint(0, 64, (1, 40), generator=gen)
+    loss = peer.peer_step(model, tokens, peer.packed_positions(docs), targets)
+    assert abs(float(loss) - math.log(64)) < 1.0
+    for name, p in model.named_parameters():
+        if name.endswith(("expert_bias", "tokens_per_expert")):
+            continue
+        assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
+        assert p.grad.float().abs().sum() > 0, name

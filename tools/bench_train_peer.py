@@ -1,0 +1,293 @@
+"""The peer of `tools/bench_train.py`: torchtitan's GPT-OSS at the bench's shapes, timed the same way.
+
+torchtitan is pinned to one release (`TORCHTITAN_VERSION`); its wheel and the pure-Python packages its
+model code imports (`PEER_PACKAGES`) travel in the repository's ignored `.whl/` directory, fetched there by
+
+    python3 tools/bench_train_peer.py --fetch      # pip download --no-deps -d .whl <the pinned packages>
+
+and installed on a machine without network by `pip install --no-index --no-deps --target DIR .whl/*.whl`
+with DIR on PYTHONPATH.
+
+The peer is the release's `gpt_oss` model (fused QKV, YaRN RoPE, sinks, token-choice top-k MoE with
+grouped GEMMs) at gpt-oss-120b width, built from its own layer factory with the bench's layer count and
+head vocabulary, bf16 parameters, its per-block `torch.compile(fullgraph=True)` as its trainer applies
+it, and its `varlen` attention (FlashAttention through `torch.nn.attention.varlen.varlen_attn`) over
+the packed documents, whose boundaries it finds from the positions. Its loss is the token-mean cross
+entropy of the head, the same quantity as the bench's log-prob loss.
+
+Known gradient defect (stated beside its timing): the peer applies the sinks after the attention
+kernel, rescaling the output by sigmoid(lse - sink). The rescale is exact in the forward, but the
+kernel's backward ignores the gradient that reaches its log-sum-exp, so the query and key gradients
+miss the sink term; the peer's backward does less work than a correct one.
+
+Without CUDA (no FlashAttention) the peer's attention modules are replaced by `EagerVarlen`, the same
+interface computed per document in plain torch, so its model code is exercised on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+TORCHTITAN_VERSION = "0.3.0"
+# the peer and what its model code imports beyond torch: package -> pinned version (pure Python wheels)
+PEER_PACKAGES = {
+    "torchtitan": TORCHTITAN_VERSION,
+    "spmd_types": "0.2.3",
+    "tyro": "1.0.17",
+    "docstring_parser": "0.18.0",
+    "typeguard": "4.6.1",
+}
+PEER_WHEELS = tuple(f"{name}-{version}-py3-none-any.whl" for name, version in PEER_PACKAGES.items())
+PEER_DEFECT = (
+    "sinks applied through the log-sum-exp after FlashAttention: its backward drops the sink term "
+    "from the query/key gradients"
+)
+
+
+def timing_summary(times: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of step times in seconds, and the spread (max - min) / median in percent."""
+    if not times:
+        raise ValueError("timing_summary needs at least one step time")
+    median = statistics.median(times)
+    return {
+        "median_s": median,
+        "min_s": min(times),
+        "max_s": max(times),
+        "spread_pct": 100.0 * (max(times) - min(times)) / median,
+    }
+
+
+def time_steps(
+    step: Callable[[], None],
+    warmup: int,
+    iters: int,
+    device: torch.device,
+    prepare: Callable[[], None] | None = None,
+) -> list[float]:
+    """Wall time of `iters` calls of `step` after `warmup` untimed ones, the device synchronized around
+    each; `prepare` (zeroing gradients) runs before each step, untimed."""
+    times = []
+    for it in range(warmup + iters):
+        if prepare is not None:
+            prepare()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def packed_positions(docs: Sequence[int]) -> torch.Tensor:
+    """(1, sum(docs)) int64 positions restarting at 0 at every document: how the peer marks the
+    documents of a packed row."""
+    if not docs or min(docs) < 1:
+        raise ValueError(f"document lengths must be positive, got {list(docs)}")
+    return torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
+
+
+class EagerVarlen(torch.nn.Module):
+    """Plain-torch stand-in for the peer's varlen attention module (same call, same outputs): per
+    document, causal within `window_size[0] + 1` keys (left -1: unlimited), GQA by repeating the KV
+    heads; returns out_transform(out, lse) with lse the natural-log log-sum-exp of the scaled scores."""
+
+    def __init__(self, window_size: tuple[int, int]):
+        super().__init__()
+        self.window_size = window_size
+
+    def forward(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
+        B, L, Hq, D = q.shape
+        if B != 1:
+            raise ValueError(f"EagerVarlen takes one packed row, got batch {B}")
+        scale = scale if scale is not None else 1.0 / math.sqrt(D)
+        rep = Hq // k.shape[2]
+        bounds = [int(b) for b in attention_masks.cu_seq_q.tolist()]
+        left = self.window_size[0]
+        outs, lses = [], []
+        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+            qd = q[0, s:e].transpose(0, 1).float()
+            kd = k[0, s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
+            vd = v[0, s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
+            scores = qd @ kd.transpose(1, 2) * scale
+            i = torch.arange(e - s)
+            visible = i[None, :] <= i[:, None]
+            if left >= 0:
+                visible &= i[:, None] - i[None, :] <= left
+            scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+            lse = torch.logsumexp(scores, dim=-1)
+            outs.append((torch.softmax(scores, dim=-1) @ vd).transpose(0, 1))
+            lses.append(lse.transpose(0, 1))
+        out = torch.cat(outs).unsqueeze(0).to(q.dtype)
+        lse = torch.cat(lses).unsqueeze(0)
+        return out if out_transform is None else out_transform(out, lse)
+
+
+def peer_config(
+    *,
+    dim: int,
+    hidden_dim: int,
+    num_experts: int,
+    top_k: int,
+    num_layers: int,
+    vocab: int,
+    attn_backend: str = "varlen",
+):
+    """The peer's GPT-OSS config from its own layer factory (as its 120b flavor builds it: 64 query /
+    8 KV heads of 64, even layers sliding with a 128-token window, YaRN RoPE) at these widths."""
+    import torchtitan.models.gpt_oss as tt
+    from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
+
+    rope = CosSinRoPE.Config(
+        dim=64,
+        max_seq_len=131072,
+        theta=150000.0,
+        scaling="yarn",
+        rope_factor=32,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_seq_len=4096,
+    )
+    layers = tt._build_gptoss_layers(
+        fuse_qkv=True,
+        dim=dim,
+        n_layers=num_layers,
+        hidden_dim=hidden_dim,
+        num_experts=num_experts,
+        top_k=top_k,
+        load_balance_coeff=1e-3,
+        attn_backend=attn_backend,
+        moe_comm_backend="standard",
+        rope=rope,
+    )
+    return tt.GptOssModel.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=vocab, embedding_dim=dim, param_init=tt._EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=tt._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=tt._output_linear_init(dim)),
+        layers=layers,
+    )
+
+
+def use_available_flash_attention() -> str:
+    """The FlashAttention the peer's varlen attention will run: it asks for FA3 on Hopper (FA4 from
+    Blackwell), which needs a registered provider; without one it is pointed at torch's built-in FA2
+    (as it does below Hopper). Returns the name."""
+    import torchtitan.tools.utils as tt_utils
+    from torch.nn.attention import list_flash_attention_impls
+
+    wanted = tt_utils.get_cuda_flash_attention_impl()
+    if wanted is None or wanted not in list_flash_attention_impls():
+        tt_utils.get_cuda_flash_attention_impl = lambda: None
+        return "FA2"
+    return wanted
+
+
+def build_peer(config, device: torch.device, dtype: torch.dtype, compile_blocks: bool):
+    """The peer model on `device` with parameters in `dtype` (buffers such as the RoPE cache keep
+    theirs); its attention replaced by `EagerVarlen` off CUDA; each block compiled as its trainer does
+    (`fullgraph=True`, scalar outputs captured for the MoE's data-dependent shapes)."""
+    from torchtitan.models.common.attention import VarlenAttention
+
+    if device.type == "cuda":
+        use_available_flash_attention()
+    with torch.device(device):
+        model = config.build()
+    model.init_states(buffer_device=device)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    if device.type != "cuda":
+        for block in model.layers.values():
+            inner = block.attention.inner_attention
+            if isinstance(inner, VarlenAttention):
+                block.attention.inner_attention = EagerVarlen(inner.window_size)
+    if compile_blocks:
+        torch._dynamo.config.capture_scalar_outputs = True
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 12)
+        for block in model.layers.values():
+            block.compile(fullgraph=True)
+    return model
+
+
+def peer_step(model, tokens: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """One forward + backward of the token-mean cross entropy; returns the (detached) loss."""
+    masks = model.get_attention_masks(positions)
+    logits = model(tokens, positions, masks)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def run_peer(
+    *,
+    model_config,
+    docs: Sequence[int],
+    device: torch.device,
+    warmup: int,
+    iters: int,
+    seed: int = 0,
+    compile_blocks: bool | None = None,
+) -> dict:
+    """Build the peer at `model_config`'s widths (a megatron_gptoss ModelConfig), time forward +
+    backward over one packed row of `docs`, and return the timing summary with the first loss."""
+    config = peer_config(
+        dim=model_config.hidden_size,
+        hidden_dim=model_config.intermediate_size,
+        num_experts=model_config.num_experts,
+        top_k=model_config.moe_router_topk,
+        num_layers=model_config.num_layers,
+        vocab=model_config.vocab_size,
+    )
+    torch.manual_seed(seed)
+    cuda = device.type == "cuda"
+    model = build_peer(config, device, torch.bfloat16, cuda if compile_blocks is None else compile_blocks)
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(docs)
+    tokens = torch.randint(0, model_config.vocab_size, (1, total), generator=gen).to(device)
+    targets = torch.randint(0, model_config.vocab_size, (1, total), generator=gen).to(device)
+    positions = packed_positions(docs).to(device)
+    losses: list[torch.Tensor] = []
+
+    def zero() -> None:
+        model.zero_grad(set_to_none=True)
+
+    def step() -> None:
+        losses.append(peer_step(model, tokens, positions, targets))
+
+    summary = timing_summary(time_steps(step, warmup, iters, device, prepare=zero))
+    summary["loss"] = float(losses[0])
+    summary["attention"] = f"varlen {use_available_flash_attention()}" if cuda else "EagerVarlen (CPU)"
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--fetch", action="store_true", help="download the pinned wheels into --dest")
+    parser.add_argument("--dest", default=".whl")
+    args = parser.parse_args()
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-d", args.dest]
+    command += [f"{name}=={version}" for name, version in PEER_PACKAGES.items()]
+    print(" ".join(command), flush=True)
+    if args.fetch:
+        subprocess.run(command, check=True)
+
+
+if __name__ == "__main__":
+    main()
