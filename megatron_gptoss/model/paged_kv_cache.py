@@ -172,6 +172,12 @@ class PagedKVCache:
     def storage_bytes(self) -> int:
         return sum(pool.storage_bytes() for pool in self.pools)
 
+    def drop_storage(self) -> None:
+        """Free every pool's keys and values (the cache is not used again)."""
+        for pool in self.pools:
+            pool.drop_storage()
+        self.layout = None
+
     def attend(
         self,
         layer: int,

@@ -15,10 +15,12 @@ from megatron_gptoss.errors import AttentionInputError
 try:
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
-    IMPORT_ERROR: Exception | None = None
+    IMPORT_ERROR: str | None = None
 except (ImportError, OSError, RuntimeError) as err:  # optional dependency, or its native libraries missing
     flash_attn_func = flash_attn_varlen_func = None
-    IMPORT_ERROR = err
+    # The message only: the exception's traceback would keep alive every frame of the stack that first
+    # imported this module (an engine's generate: its KV cache and activations) for the process's life.
+    IMPORT_ERROR = f"{type(err).__name__}: {err}"
 
 HEAD_DIMS = (64, 96, 128)
 DTYPES = (torch.bfloat16, torch.float16)

@@ -102,6 +102,8 @@ class EmbeddedEngine:
     def _release_cache(self) -> int:
         """Drop the KV cache (allocated again by the next request); returns its bytes."""
         kv_bytes = self._cache.storage_bytes() if self._cache is not None else 0
+        if self._cache is not None:  # freed now, whatever else still refers to the cache
+            self._cache.drop_storage()
         self._cache, self._scheduler, self._graphs, self._ahead = None, None, None, None
         return kv_bytes
 

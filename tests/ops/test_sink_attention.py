@@ -356,3 +356,31 @@ def test_eager_packed_input_one_document_at_a_time(monkeypatch, window):
         results.append([out.detach(), lse.detach(), *(t.grad.clone() for t in (q, k, v, sinks))])
     for ours, ref in zip(results[1], results[0]):
         assert rel_err(ours, ref) <= 1e-6
+
+
+def test_a_failed_optional_backend_import_keeps_no_caller_alive(monkeypatch):
+    """The first `backend_available("fa4")` imports the fa4 module from deep inside a caller (an engine's
+    generate); where flash-attn-4 is missing, the module must not keep the ImportError's traceback, whose
+    frames would hold the caller's locals (the KV cache) for the life of the process."""
+    import gc
+    import sys
+    import weakref
+
+    from megatron_gptoss.ops.sink_attention import backend_available
+
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # `import flash_attn...` raises ImportError
+    monkeypatch.delitem(sys.modules, "megatron_gptoss.ops.fa4_sink_attention", raising=False)
+
+    class Big:
+        pass
+
+    def caller() -> weakref.ref:
+        held = Big()  # a local of the frame that triggers the import
+        assert not backend_available("fa4", torch.zeros(1))
+        return weakref.ref(held)
+
+    ref = caller()
+    gc.collect()
+    assert ref() is None
+    module = sys.modules["megatron_gptoss.ops.fa4_sink_attention"]
+    assert isinstance(module.IMPORT_ERROR, str) and "flash_attn" in module.IMPORT_ERROR

@@ -127,8 +127,10 @@ def test_sleep_frees_the_cache_and_wake_restores_generation(learner, level):
     params = SamplingParams(max_new_tokens=5, seed=9)
     before = engine.generate([[1, 2, 3], [4, 5]], params)
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    cache = engine._cache  # a stray reference (e.g. a stored traceback's frames) must not keep its memory
     released = engine.sleep(level)
     assert released["weight_bytes"] == weight_bytes and released["kv_cache_bytes"] > 0
+    assert cache is not None and cache.storage_bytes() == 0
     assert engine.kv_blocks_free() == []
     if level == 2:
         assert all(p.numel() == 0 for p in engine.model.parameters())
