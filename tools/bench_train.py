@@ -56,6 +56,7 @@ from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
 from megatron_gptoss.parallel.loading import init_parallel, materialize  # noqa: E402
 from megatron_gptoss.parallel.pipeline import PipelineRunner, StagePlan, build_stage_model  # noqa: E402
 from megatron_gptoss.rl.ppo_loss import loss_denominators  # noqa: E402
+from megatron_gptoss.utils.host import to_device  # noqa: E402
 
 
 def model_config(args):
@@ -177,7 +178,7 @@ def main() -> None:
     tokens = loss_denominators([mask_dev], dims.group("dp")).tokens
 
     def loss_fn(rows, lp, ent):
-        return -(lp * mask_dev[rows.to(device)]).sum() / tokens
+        return -(lp * mask_dev[to_device(rows, device)]).sum() / tokens
 
     # (1) bf16 loss against fp32 on the same weights
     def eval_loss(r: PipelineRunner) -> float:

@@ -10,8 +10,13 @@ schedules of `torch.distributed.pipelining` over the pp group.
                  middle  hidden [1, N', H]  -> hidden [1, N', H]
                  last    hidden [1, N', H]  -> (log-prob [1, N], entropy [1, N]) fp32
                  N' = N / tp under sequence parallelism, else N. Every stage also receives its
-                 micro-batch's positions [1, N] (keyword; the last stage also the targets) and derives
-                 the document boundaries (cu_seqlens) from them.
+                 micro-batch's positions [1, N] (keyword; the last stage also the targets). Without pp
+                 the document boundaries (cu_seqlens, longest document) come from the host, computed
+                 when packing; the pp schedules pass tensors only, so their stages derive them from the
+                 positions on the device (a host sync per micro-batch and stage).
+    host syncs   none in the pp = 1 training step: inputs are copied from pinned memory without
+                 blocking, the boundaries are known on the host, and the loss gathers each row's values
+                 with index tensors built on the host (no boolean mask on device tensors).
     schedules    training: Schedule1F1B (vpp = 1) or ScheduleInterleaved1F1B (vpp > 1); the last stage
                  calls the caller's loss on each micro-batch as soon as its log-probs exist.
                  Log-probs only: ScheduleGPipe / ScheduleLoopedBFS without a loss.
@@ -45,6 +50,7 @@ from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.moe import Router, no_route, routing_dtype
 from megatron_gptoss.parallel.collectives import chunk_sizes
 from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.utils.host import to_device
 
 # (source rows of a micro-batch [R], log-probs [R, T], entropy [R, T]) -> this micro-batch's loss share
 LossFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -147,6 +153,8 @@ class PackedBatch:
     local_row_of: Tensor  # [M, N] int64: index into rows[m], -1 for filler
     shape: tuple[int, int]  # (B, T)
     routing: Tensor | None = None  # [M, N, layers, k]: router replay's experts (`moe.no_route` for filler)
+    # per micro-batch on the host: (cu_seqlens int32 [docs + 1], longest document), from the positions
+    boundaries: list[tuple[Tensor, int]] | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -156,23 +164,36 @@ class PackedBatch:
     def token_budget(self) -> int:
         return self.input_ids.shape[1]
 
+    def micro_boundaries(self, m: int) -> tuple[Tensor, int]:
+        """Micro-batch m's document boundaries on the host: (cu_seqlens int32 [docs + 1], longest)."""
+        if self.boundaries is None:
+            return cu_seqlens_from_positions(self.positions[m].cpu())
+        return self.boundaries[m]
+
     def micro_rows(self, m: int, values: Tensor) -> Tensor:
         """Values of micro-batch m's tokens ([N] or [1, N]) as [len(rows[m]), T] (0 at padding);
-        differentiable in `values`."""
+        differentiable in `values`. The gather's indices are built on the host (no data-dependent
+        sync on `values`' device)."""
         values = values.reshape(-1)
-        keep = self.local_row_of[m] >= 0
+        keep = (self.local_row_of[m] >= 0).cpu()
+        slots = keep.nonzero().reshape(-1)
+        rows, cols = self.local_row_of[m].cpu()[slots], self.col_of[m].cpu()[slots]
         out = values.new_zeros(len(self.rows[m]), self.shape[1])
-        index = (self.local_row_of[m][keep].to(values.device), self.col_of[m][keep].to(values.device))
-        return out.index_put(index, values[keep.to(values.device)])
+        device = values.device
+        picked = values.index_select(0, to_device(slots, device))
+        return out.index_put((to_device(rows, device), to_device(cols, device)), picked)
 
     def unpack(self, values: Tensor) -> Tensor:
-        """Values [M, N] of every packed token -> [B, T] in the source layout (0 at padding)."""
-        keep = self.row_of >= 0
-        out = values.new_zeros(self.shape)
-        out[self.row_of[keep].to(values.device), self.col_of[keep].to(values.device)] = values[
-            keep.to(values.device)
-        ]
-        return out
+        """Values [M, N] of every packed token -> [B, T] in the source layout (0 at padding), gathered
+        with indices built on the host."""
+        keep = (self.row_of >= 0).cpu().reshape(-1)
+        slots = keep.nonzero().reshape(-1)
+        rows, cols = self.row_of.cpu().reshape(-1)[slots], self.col_of.cpu().reshape(-1)[slots]
+        device = values.device
+        picked = values.reshape(-1).index_select(0, to_device(slots, device))
+        return values.new_zeros(self.shape).index_put(
+            (to_device(rows, device), to_device(cols, device)), picked
+        )
 
 
 def pack_micro_batches(
@@ -236,7 +257,8 @@ def pack_micro_batches(
         packed_routing = torch.full((*shape, *routing.shape[2:]), fill, dtype=routing.dtype)
         packed_routing[keep] = routing.cpu()[row_of[keep], col_of[keep]]
     shape_bt = (valid.shape[0], valid.shape[1])
-    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, shape_bt, packed_routing)
+    boundaries = [cu_seqlens_from_positions(pos[m]) for m in range(count)]  # host tensors: no sync
+    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, shape_bt, packed_routing, boundaries)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -250,9 +272,18 @@ class StageModule(nn.Module):
         self.temperature, self.chunk_size = 1.0, 1024
 
     def forward(
-        self, x: Tensor, positions: Tensor, targets: Tensor | None = None, routing: Tensor | None = None
+        self,
+        x: Tensor,
+        positions: Tensor,
+        targets: Tensor | None = None,
+        routing: Tensor | None = None,
+        boundaries: tuple[Tensor, int] | None = None,
     ):
-        cu_seqlens, max_seqlen = cu_seqlens_from_positions(positions)
+        """`boundaries`: the micro-batch's (cu_seqlens on x's device, longest document) when known on
+        the host; else derived from `positions`."""
+        cu_seqlens, max_seqlen = (
+            boundaries if boundaries is not None else cu_seqlens_from_positions(positions)
+        )
         if routing is not None:  # [1, N, layers, k] -> [N, layers, k]
             routing = routing.reshape(-1, *routing.shape[2:])
         hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen, routing=routing)
@@ -424,10 +455,12 @@ class PipelineRunner:
     def _run_single(self, packed: PackedBatch, m: int) -> tuple[Tensor, Tensor]:
         module = self.modules[0]
         ids, pos, tgt = (
-            t[m : m + 1].to(self.device) for t in (packed.input_ids, packed.positions, packed.targets)
+            to_device(t[m : m + 1], self.device) for t in (packed.input_ids, packed.positions, packed.targets)
         )
-        routing = None if packed.routing is None else packed.routing[m : m + 1].to(self.device)
-        return module(ids, positions=pos, targets=tgt, routing=routing)
+        routing = None if packed.routing is None else to_device(packed.routing[m : m + 1], self.device)
+        cu_seqlens, longest = packed.micro_boundaries(m)
+        boundaries = (to_device(cu_seqlens, self.device), longest)
+        return module(ids, positions=pos, targets=tgt, routing=routing, boundaries=boundaries)
 
     @staticmethod
     def _micro_loss(packed: PackedBatch, loss_fn: LossFn, m: int, lp: Tensor, ent: Tensor) -> Tensor:
@@ -442,12 +475,12 @@ class PipelineRunner:
 
     def _inputs(self, packed: PackedBatch) -> tuple[tuple, dict]:
         first = any(module.plan.is_first for module in self.modules)
-        args = (packed.input_ids.to(self.device),) if first else ()
-        kwargs = {"positions": packed.positions.to(self.device)}
+        args = (to_device(packed.input_ids, self.device),) if first else ()
+        kwargs = {"positions": to_device(packed.positions, self.device)}
         if self.has_last:
-            kwargs["targets"] = packed.targets.to(self.device)
+            kwargs["targets"] = to_device(packed.targets, self.device)
         if packed.routing is not None:
-            kwargs["routing"] = packed.routing.to(self.device)
+            kwargs["routing"] = to_device(packed.routing, self.device)
         return args, kwargs
 
     def _from_last(self, value: Tensor) -> Tensor:

@@ -32,6 +32,7 @@ from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
 from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.learner import MetricTotals, micro_loss, prepare_with, run_epochs
 from megatron_gptoss.rl.ppo_loss import loss_denominators
+from megatron_gptoss.utils.host import to_device
 
 
 class ParallelPolicy:
@@ -287,7 +288,7 @@ def supervised_step(policy: ParallelPolicy, batch: RolloutBatch, micro_batches: 
     def loss_fn(rows: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor) -> torch.Tensor:
         if not len(rows):  # a filler micro-batch: a zero tied to the graph, no metrics
             return logprobs.sum() * 0.0
-        mask = mine.loss_mask[rows.cpu()].to(logprobs.device)
+        mask = to_device(mine.loss_mask[rows.cpu()], logprobs.device)
         loss = -(logprobs * mask).sum() / denom.tokens
         totals.add({"loss/nll": loss.detach(), "pg/tokens": mask.sum()})
         return loss
