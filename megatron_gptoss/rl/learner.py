@@ -30,6 +30,7 @@ from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.correction import rollout_correction
 from megatron_gptoss.rl.kl_control import reward_kl_penalty
 from megatron_gptoss.rl.ppo_loss import LossNormalizer, compute_total_loss
+from megatron_gptoss.utils.host import to_device
 
 # batch -> per-token log-probs [B, T] of its targets (0 at padding)
 LogprobFn = Callable[[RolloutBatch], torch.Tensor]
@@ -105,11 +106,31 @@ def prepare_with(
 
 class MetricTotals:
     """Metrics of micro-batches combined into the mini-batch's: loss shares add up, extremes combine,
-    the rest are token-weighted means (weights: each micro-batch's `pg/tokens`)."""
+    the rest are token-weighted means (weights: each micro-batch's `pg/tokens`).
+
+    `add` keeps the micro-batch's values as they are (device tensors, detached) and reading them
+    waits for `sums` / `tokens` / `result`: a loss function that records its metrics makes no host
+    sync between the forward and the backward."""
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
-        self.tokens = 0.0
+        self._sums: dict[str, float] = {}
+        self._tokens = 0.0
+        self._pending: list[dict] = []
+
+    @property
+    def sums(self) -> dict[str, float]:
+        self._fold()
+        return self._sums
+
+    @property
+    def tokens(self) -> float:
+        self._fold()
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, value: float) -> None:
+        self._fold()
+        self._tokens = value
 
     @staticmethod
     def kind(key: str) -> str:
@@ -122,16 +143,25 @@ class MetricTotals:
         return "mean"
 
     def add(self, metrics: dict) -> None:
-        n = float(metrics["pg/tokens"])
-        self.tokens += n
-        for key, value in metrics.items():
-            kind, value = self.kind(key), float(value)
-            if kind == "max":
-                self.sums[key] = max(self.sums.get(key, float("-inf")), value)
-            elif kind == "min":
-                self.sums[key] = min(self.sums.get(key, float("inf")), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value * (n if kind == "mean" else 1.0)
+        if "pg/tokens" not in metrics:
+            raise KeyError("micro-batch metrics need 'pg/tokens' (the weight of their means)")
+        kept = {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        self._pending.append(kept)
+
+    def _fold(self) -> None:
+        """Read the pending micro-batches' values (in the order added) into the totals."""
+        pending, self._pending = self._pending, []
+        for metrics in pending:
+            n = float(metrics["pg/tokens"])
+            self._tokens += n
+            for key, value in metrics.items():
+                kind, value = self.kind(key), float(value)
+                if kind == "max":
+                    self._sums[key] = max(self._sums.get(key, float("-inf")), value)
+                elif kind == "min":
+                    self._sums[key] = min(self._sums.get(key, float("inf")), value)
+                else:
+                    self._sums[key] = self._sums.get(key, 0.0) + value * (n if kind == "mean" else 1.0)
 
     def result(self) -> dict[str, float]:
         """The combined metrics (means divided by the tokens, `pg/tokens` their total)."""
@@ -156,16 +186,17 @@ def micro_loss(
     old = logprobs.detach() if micro.old_logprobs is None or on_policy else micro.old_logprobs
     adv = micro.advantages
     advantages = adv[:, None].expand_as(logprobs) if adv.dim() == 1 else adv
+    device = logprobs.device
     return compute_total_loss(
         logprobs,
-        old.to(logprobs.device),
-        advantages.to(logprobs.device),
-        micro.loss_mask.to(logprobs.device),
+        to_device(old, device),
+        to_device(advantages, device),
+        to_device(micro.loss_mask, device),
         cfg,
         denom,
-        ref_logprobs=None if micro.ref_logprobs is None else micro.ref_logprobs.to(logprobs.device),
+        ref_logprobs=None if micro.ref_logprobs is None else to_device(micro.ref_logprobs, device),
         entropy=entropy,
-        is_weights=None if micro.is_weights is None else micro.is_weights.to(logprobs.device),
+        is_weights=None if micro.is_weights is None else to_device(micro.is_weights, device),
     )
 
 
