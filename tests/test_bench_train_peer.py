@@ -114,3 +114,29 @@ def test_peer_model_builds_and_trains_a_step_at_tiny_width():
             continue
         assert p.grad is not None and torch.isfinite(p.grad.float()).all(), name
         assert p.grad.float().abs().sum() > 0, name
+
+
+def test_adapt_varlen_call_repeats_kv_heads_where_gqa_is_missing():
+    seen = {}
+
+    def old_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        seen.update(k=k, v=v, scale=scale, window=window_size)
+        return q
+
+    call, note = peer.adapt_varlen_call(old_varlen)
+    assert "GQA by repeated KV heads" in note and "default split count" in note
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(10, 4, 8, generator=gen)
+    k = torch.randn(10, 2, 8, generator=gen)
+    v = torch.randn(10, 2, 8, generator=gen)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    call(q, k, v, cu, cu, 10, 10, scale=0.5, window_size=(3, 0), enable_gqa=True, num_splits=1)
+    assert torch.equal(seen["k"][:, 1], k[:, 0]) and torch.equal(seen["k"][:, 2], k[:, 1])
+    assert torch.equal(seen["v"][:, 3], v[:, 1]) and seen["k"].shape == (10, 4, 8)
+    assert seen["scale"] == 0.5 and seen["window"] == (3, 0)
+
+    def new_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, enable_gqa=False, num_splits=None, **kw):
+        return q
+
+    same, note = peer.adapt_varlen_call(new_varlen)
+    assert same is new_varlen and note == ""

@@ -189,13 +189,43 @@ def use_available_flash_attention() -> str:
     Blackwell), which needs a registered provider; without one it is pointed at torch's built-in FA2
     (as it does below Hopper). Returns the name."""
     import torchtitan.tools.utils as tt_utils
-    from torch.nn.attention import list_flash_attention_impls
 
+    try:
+        from torch.nn.attention import list_flash_attention_impls
+
+        available = set(list_flash_attention_impls())
+    except ImportError:
+        available = set()
     wanted = tt_utils.get_cuda_flash_attention_impl()
-    if wanted is None or wanted not in list_flash_attention_impls():
+    if wanted is None or wanted not in available:
         tt_utils.get_cuda_flash_attention_impl = lambda: None
         return "FA2"
     return wanted
+
+
+def adapt_varlen_call(varlen_attn: Callable) -> tuple[Callable, str]:
+    """`varlen_attn` behind the keywords the peer passes (`enable_gqa`, `num_splits`) where this torch's
+    lacks them: GQA by repeating the KV heads (dim 1 of the (tokens, heads, dim) layout), no split
+    count (the kernel's own choice). Returns the callable and a note of what was adapted ('' if
+    nothing)."""
+    import inspect
+
+    missing = {"enable_gqa", "num_splits"} - set(inspect.signature(varlen_attn).parameters)
+    if not missing:
+        return varlen_attn, ""
+
+    def call(q, k, v, *args, enable_gqa: bool = False, num_splits=None, **kwargs):
+        if enable_gqa and "enable_gqa" in missing and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        elif enable_gqa:
+            kwargs["enable_gqa"] = True
+        if num_splits is not None and "num_splits" not in missing:
+            kwargs["num_splits"] = num_splits
+        return varlen_attn(q, k, v, *args, **kwargs)
+
+    notes = {"enable_gqa": "GQA by repeated KV heads", "num_splits": "default split count"}
+    return call, "; ".join(notes[name] for name in sorted(missing)) + " (this torch's varlen_attn lacks them)"
 
 
 def build_peer(config, device: torch.device, dtype: torch.dtype, compile_blocks: bool):
@@ -205,7 +235,10 @@ def build_peer(config, device: torch.device, dtype: torch.dtype, compile_blocks:
     from torchtitan.models.common.attention import VarlenAttention
 
     if device.type == "cuda":
+        import torchtitan.models.common.attention as tt_attention
+
         use_available_flash_attention()
+        tt_attention.varlen_attn, _ = adapt_varlen_call(tt_attention.varlen_attn)
     with torch.device(device):
         model = config.build()
     model.init_states(buffer_device=device)
@@ -271,7 +304,15 @@ def run_peer(
 
     summary = timing_summary(time_steps(step, warmup, iters, device, prepare=zero))
     summary["loss"] = float(losses[0])
-    summary["attention"] = f"varlen {use_available_flash_attention()}" if cuda else "EagerVarlen (CPU)"
+    if cuda:
+        from torch.nn.attention.varlen import varlen_attn
+
+        adapted = adapt_varlen_call(varlen_attn)[1]
+        summary["attention"] = f"varlen {use_available_flash_attention()}" + (
+            f", {adapted}" if adapted else ""
+        )
+    else:
+        summary["attention"] = "EagerVarlen (CPU)"
     return summary
 
 
