@@ -5,18 +5,18 @@ schedules of `torch.distributed.pipelining` over the pp group.
                  stage s lives on pp rank s % pp, so rank r holds r, r + pp, ... (Megatron's interleaving).
                  Stage 0 also holds the embedding, stage S - 1 the final norm and the output layer.
     micro-batch  one packed row of `token_budget` tokens: whole documents, positions restarting at 0 in
-                 each, a filler document of padding at the end (`PackedBatch`).
+                 each, a filler document of padding at the end (`PackedBatch`, `parallel/packing.py`).
     stage i/o    first   input_ids [1, N]   -> hidden [1, N', H]      (point-to-point between stages)
                  middle  hidden [1, N', H]  -> hidden [1, N', H]
                  last    hidden [1, N', H]  -> (log-prob [1, N], entropy [1, N]) fp32
                  N' = N / tp under sequence parallelism, else N. Every stage also receives its
-                 micro-batch's positions [1, N] (keyword; the last stage also the targets). Without pp
-                 the document boundaries (cu_seqlens, longest document) come from the host, computed
-                 when packing; the pp schedules pass tensors only, so their stages derive them from the
-                 positions on the device (a host sync per micro-batch and stage).
-    host syncs   none in the pp = 1 training step: inputs are copied from pinned memory without
-                 blocking, the boundaries are known on the host, and the loss gathers each row's values
-                 with index tensors built on the host (no boolean mask on device tensors).
+                 micro-batch's positions [1, N] (keyword; the last stage also the targets) and its
+                 document boundaries computed on the host when packing: cu_seqlens [1, D + 1] (padded
+                 with N to the most documents of a micro-batch) and the longest document [1], host
+                 tensors that each stage copies to its device.
+    host syncs   none of the runner's in a training step: inputs are copied from pinned memory
+                 without blocking, the boundaries are known on the host, and the loss gathers each row's
+                 values with index tensors built on the host (no boolean mask on device tensors).
     schedules    training: Schedule1F1B (vpp = 1) or ScheduleInterleaved1F1B (vpp > 1); the last stage
                  calls the caller's loss on each micro-batch as soon as its log-probs exist.
                  Log-probs only: ScheduleGPipe / ScheduleLoopedBFS without a loss.
@@ -50,6 +50,7 @@ from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.moe import Router, no_route, routing_dtype
 from megatron_gptoss.parallel.collectives import chunk_sizes
 from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.packing import PackedBatch, cu_seqlens_from_positions, pack_micro_batches
 from megatron_gptoss.utils.host import to_device
 
 # (source rows of a micro-batch [R], log-probs [R, T], entropy [R, T]) -> this micro-batch's loss share
@@ -125,143 +126,6 @@ def copy_from_full(stage: nn.Module, full: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Packed micro-batches
-def cu_seqlens_from_positions(positions: Tensor) -> tuple[Tensor, int]:
-    """Document boundaries of packed tokens: positions [..., N] restart at 0 at each document (the
-    first token always starts one) -> (cu_seqlens int32 [docs + 1] over the flattened tokens, max length)."""
-    flat = positions.reshape(-1)
-    starts = (flat == 0).nonzero().reshape(-1)
-    if starts.numel() == 0 or int(starts[0]) != 0:
-        starts = torch.cat([starts.new_zeros(1), starts])
-    cu = torch.cat([starts, starts.new_full((1,), flat.numel())]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max())
-
-
-@dataclass
-class PackedBatch:
-    """Rows of a right-padded batch [B, T] (one document each) packed into M micro-batches of N tokens.
-
-    Micro-batch m holds the documents `rows[m]` in order, then one filler document (token 0) up to N.
-    `row_of[m, j]` / `col_of[m, j]` give the source row and column of token j (-1 for filler)."""
-
-    input_ids: Tensor  # [M, N] int64
-    positions: Tensor  # [M, N] int64
-    targets: Tensor  # [M, N] int64
-    rows: list[Tensor]  # M tensors of source row indices
-    row_of: Tensor  # [M, N] int64
-    col_of: Tensor  # [M, N] int64
-    local_row_of: Tensor  # [M, N] int64: index into rows[m], -1 for filler
-    shape: tuple[int, int]  # (B, T)
-    routing: Tensor | None = None  # [M, N, layers, k]: router replay's experts (`moe.no_route` for filler)
-    # per micro-batch on the host: (cu_seqlens int32 [docs + 1], longest document), from the positions
-    boundaries: list[tuple[Tensor, int]] | None = None
-
-    @property
-    def num_micro_batches(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def token_budget(self) -> int:
-        return self.input_ids.shape[1]
-
-    def micro_boundaries(self, m: int) -> tuple[Tensor, int]:
-        """Micro-batch m's document boundaries on the host: (cu_seqlens int32 [docs + 1], longest)."""
-        if self.boundaries is None:
-            return cu_seqlens_from_positions(self.positions[m].cpu())
-        return self.boundaries[m]
-
-    def micro_rows(self, m: int, values: Tensor) -> Tensor:
-        """Values of micro-batch m's tokens ([N] or [1, N]) as [len(rows[m]), T] (0 at padding);
-        differentiable in `values`. The gather's indices are built on the host (no data-dependent
-        sync on `values`' device)."""
-        values = values.reshape(-1)
-        keep = (self.local_row_of[m] >= 0).cpu()
-        slots = keep.nonzero().reshape(-1)
-        rows, cols = self.local_row_of[m].cpu()[slots], self.col_of[m].cpu()[slots]
-        out = values.new_zeros(len(self.rows[m]), self.shape[1])
-        device = values.device
-        picked = values.index_select(0, to_device(slots, device))
-        return out.index_put((to_device(rows, device), to_device(cols, device)), picked)
-
-    def unpack(self, values: Tensor) -> Tensor:
-        """Values [M, N] of every packed token -> [B, T] in the source layout (0 at padding), gathered
-        with indices built on the host."""
-        keep = (self.row_of >= 0).cpu().reshape(-1)
-        slots = keep.nonzero().reshape(-1)
-        rows, cols = self.row_of.cpu().reshape(-1)[slots], self.col_of.cpu().reshape(-1)[slots]
-        device = values.device
-        picked = values.reshape(-1).index_select(0, to_device(slots, device))
-        return values.new_zeros(self.shape).index_put(
-            (to_device(rows, device), to_device(cols, device)), picked
-        )
-
-
-def pack_micro_batches(
-    input_ids: Tensor,
-    targets: Tensor,
-    valid: Tensor,
-    token_budget: int,
-    min_micro_batches: int = 1,
-    multiple_of: int = 1,
-    routing: Tensor | None = None,
-) -> PackedBatch:
-    """Pack the rows of input_ids / targets / valid [B, T] (valid: a prefix of each row) in order into
-    micro-batches of `token_budget` tokens, greedily; at least `min_micro_batches`, a multiple of
-    `multiple_of` (filler-only micro-batches are added). A row longer than the budget is an error.
-    `routing` [B, T, layers, k] (router replay) is packed alike."""
-    lengths = valid.sum(1).tolist()
-    for b, n in enumerate(lengths):
-        if n > token_budget:
-            raise ValueError(f"row {b} has {n} tokens, more than the micro-batch token budget {token_budget}")
-        if not bool(valid[b, :n].all()):
-            raise ValueError(f"row {b}: valid tokens must be a prefix of the row")
-    groups: list[list[int]] = []
-    fill = token_budget
-    for b, n in enumerate(lengths):
-        if n == 0:
-            continue
-        if fill + n > token_budget:
-            groups.append([])
-            fill = 0
-        groups[-1].append(b)
-        fill += n
-    count = max(len(groups), min_micro_batches, 1)
-    count = -(-count // multiple_of) * multiple_of
-    groups += [[] for _ in range(count - len(groups))]
-
-    shape = (count, token_budget)
-    ids = torch.zeros(shape, dtype=torch.long)
-    tgt = torch.full(shape, -1, dtype=torch.long)  # -1: no log-prob needed (padding)
-    pos = torch.zeros(shape, dtype=torch.long)
-    row_of = torch.full(shape, -1, dtype=torch.long)
-    col_of = torch.full(shape, -1, dtype=torch.long)
-    local = torch.full(shape, -1, dtype=torch.long)
-    src_ids, src_tgt = input_ids.cpu(), targets.cpu()
-    for m, group in enumerate(groups):
-        at = 0
-        for i, b in enumerate(group):
-            n = lengths[b]
-            ids[m, at : at + n] = src_ids[b, :n]
-            tgt[m, at : at + n] = src_tgt[b, :n]
-            pos[m, at : at + n] = torch.arange(n)
-            row_of[m, at : at + n] = b
-            col_of[m, at : at + n] = torch.arange(n)
-            local[m, at : at + n] = i
-            at += n
-        pos[m, at:] = torch.arange(token_budget - at)
-    rows = [torch.tensor(g, dtype=torch.long) for g in groups]
-    packed_routing = None
-    if routing is not None:
-        keep = row_of >= 0
-        fill = no_route(routing.dtype)
-        packed_routing = torch.full((*shape, *routing.shape[2:]), fill, dtype=routing.dtype)
-        packed_routing[keep] = routing.cpu()[row_of[keep], col_of[keep]]
-    shape_bt = (valid.shape[0], valid.shape[1])
-    boundaries = [cu_seqlens_from_positions(pos[m]) for m in range(count)]  # host tensors: no sync
-    return PackedBatch(ids, pos, tgt, rows, row_of, col_of, local, shape_bt, packed_routing, boundaries)
-
-
-# ------------------------------------------------------------------------------------------------
 # Running the stages
 class StageModule(nn.Module):
     """One stage model behind the stage i/o of the module docstring (the module the schedule runs)."""
@@ -278,15 +142,22 @@ class StageModule(nn.Module):
         targets: Tensor | None = None,
         routing: Tensor | None = None,
         boundaries: tuple[Tensor, int] | None = None,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: Tensor | None = None,
     ):
-        """`boundaries`: the micro-batch's (cu_seqlens on x's device, longest document) when known on
-        the host; else derived from `positions`."""
-        cu_seqlens, max_seqlen = (
-            boundaries if boundaries is not None else cu_seqlens_from_positions(positions)
-        )
+        """The micro-batch's document boundaries: `boundaries` (cu_seqlens on the device, longest
+        document), or host tensors `cu_seqlens` [1, D + 1] padded with N and `max_seqlen` [1] (the pp
+        schedules' split of `PackedBatch.boundary_tensors`), else derived from `positions`."""
+        if boundaries is None and cu_seqlens is not None and max_seqlen is not None:
+            cu = cu_seqlens.reshape(-1)
+            cu = cu[: int((cu < cu[-1]).sum()) + 1]  # host tensor: the padding repeats the last bound
+            boundaries = (to_device(cu, positions.device), int(max_seqlen.reshape(-1)[0]))
+        if boundaries is None:
+            boundaries = cu_seqlens_from_positions(positions)
+        cu_seqlens_dev, longest = boundaries
         if routing is not None:  # [1, N, layers, k] -> [N, layers, k]
             routing = routing.reshape(-1, *routing.shape[2:])
-        hidden = self.model.hidden_states(x, positions, cu_seqlens, max_seqlen, routing=routing)
+        hidden = self.model.hidden_states(x, positions, cu_seqlens_dev, longest, routing=routing)
         if not self.plan.is_last:
             return hidden
         if targets is None:
@@ -481,6 +352,7 @@ class PipelineRunner:
             kwargs["targets"] = to_device(packed.targets, self.device)
         if packed.routing is not None:
             kwargs["routing"] = to_device(packed.routing, self.device)
+        kwargs["cu_seqlens"], kwargs["max_seqlen"] = packed.boundary_tensors()  # host tensors
         return args, kwargs
 
     def _from_last(self, value: Tensor) -> Tensor:

@@ -100,3 +100,25 @@ def test_single_stage_step_uses_the_host_boundaries(tmp_path, monkeypatch):
         assert torch.equal(runner.forward_backward(packed, loss_fn), ref_loss)
     finally:
         dist.destroy_process_group()
+
+
+def test_stage_takes_the_padded_host_boundaries_of_the_pp_schedules(monkeypatch):
+    packed, _ = packed_example()
+    cu, longest = packed.boundary_tensors()
+    assert cu.shape == (packed.num_micro_batches, 3) and cu.dtype == torch.int32
+    assert cu[0].tolist() == [0, 5, 12] and cu[2].tolist() == [0, 7, 12] and cu[3].tolist() == [0, 12, 12]
+    assert longest.tolist() == [b[1] for b in packed.boundaries]
+
+    config = tiny_config()
+    model = build_model(config, seed=4)
+    stage = pipeline.StageModule(model, StagePlan(0, 1, range(config.num_layers)))
+    for m in range(packed.num_micro_batches):
+        ids, pos, tgt = (t[m : m + 1] for t in (packed.input_ids, packed.positions, packed.targets))
+        want = stage(ids, positions=pos, targets=tgt)  # boundaries derived from the positions
+        with monkeypatch.context() as patch:
+            patch.setattr(pipeline, "cu_seqlens_from_positions", None)  # must not be called
+            got = stage(
+                ids, positions=pos, targets=tgt, cu_seqlens=cu[m : m + 1], max_seqlen=longest[m : m + 1]
+            )
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
