@@ -22,6 +22,7 @@ from megatron_gptoss.rl.batch import RolloutBatch
 from megatron_gptoss.rl.learner import MetricTotals, run_epochs
 from megatron_gptoss.rl.parallel_learner import ParallelPolicy
 from megatron_gptoss.rl.ppo_loss import LossNormalizer, aggregate, loss_denominators
+from megatron_gptoss.utils.host import to_device
 
 
 def value_loss(
@@ -78,9 +79,9 @@ def critic_gradients(critic: ParallelPolicy, mini: RolloutBatch, cfg: PPOConfig,
         device = values.device
         loss, metrics = value_loss(
             values,
-            part.values.to(device),
-            part.returns.to(device),
-            part.loss_mask.to(device),
+            to_device(part.values, device),
+            to_device(part.returns, device),
+            to_device(part.loss_mask, device),
             clip,
             cfg.loss_agg_mode,
             denom,
