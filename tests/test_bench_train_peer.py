@@ -48,8 +48,8 @@ def test_packed_positions_restart_per_document():
 
 def sink_attention_reference(q, k, v, sinks, docs, window, scale):
     """float64, from the formula: per document, softmax over the visible keys and the head's sink
-    logit, the sink contributing no value."""
-    q, k, v = q[0].double(), k[0].double(), v[0].double()
+    logit, the sink contributing no value. q/k/v (tokens, heads, dim)."""
+    q, k, v = q.double(), k.double(), v.double()
     rep = q.shape[1] // k.shape[1]
     out, start = [], 0
     for n in docs:
@@ -64,7 +64,7 @@ def sink_attention_reference(q, k, v, sinks, docs, window, scale):
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :n]
         out.append((probs @ vd).transpose(0, 1))
         start += n
-    return torch.cat(out).unsqueeze(0)
+    return torch.cat(out)
 
 
 @pytest.mark.parametrize("window", [None, 4])
@@ -72,18 +72,28 @@ def test_eager_varlen_with_sink_rescale_matches_sink_attention(window):
     gen = torch.Generator().manual_seed(7)
     docs, hq, hkv, d = [9, 5, 7], 4, 2, 8
     total = sum(docs)
-    q = torch.randn(1, total, hq, d, generator=gen, requires_grad=True)
-    k = torch.randn(1, total, hkv, d, generator=gen, requires_grad=True)
-    v = torch.randn(1, total, hkv, d, generator=gen, requires_grad=True)
+    q = torch.randn(total, hq, d, generator=gen, requires_grad=True)
+    k = torch.randn(total, hkv, d, generator=gen, requires_grad=True)
+    v = torch.randn(total, hkv, d, generator=gen, requires_grad=True)
     sinks = torch.randn(hq, generator=gen, requires_grad=True)
     cu = torch.tensor([0, 9, 14, 21], dtype=torch.int32)
-    module = peer.EagerVarlen((window - 1, 0) if window else (-1, 0))
     scale = 1 / math.sqrt(d)
-
-    def rescale(out, lse):  # the peer's sink epilogue: out * sigmoid(lse - sink)
-        return out * torch.sigmoid(lse - sinks.view(1, 1, -1)).unsqueeze(-1)
-
-    ours = module(q, k, v, attention_masks=SimpleNamespace(cu_seq_q=cu), scale=scale, out_transform=rescale)
+    out, lse = peer.eager_varlen_attn(
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        9,
+        9,
+        return_aux=SimpleNamespace(lse=True),
+        scale=scale,
+        window_size=(window - 1, 0) if window else (-1, 0),
+        enable_gqa=True,
+    )
+    assert lse.shape == (hq, total)
+    # the peer's sink epilogue: out * sigmoid(lse - sink), lse taken as (tokens, heads)
+    ours = out * torch.sigmoid(lse.t() - sinks.view(1, -1)).unsqueeze(-1)
     inputs = [q, k, v, sinks]
     ref = sink_attention_reference(q, k, v, sinks, docs, window, scale)
     assert rel(ours, ref) < 1e-6
@@ -92,6 +102,8 @@ def test_eager_varlen_with_sink_rescale_matches_sink_attention(window):
     want = torch.autograd.grad(ref, inputs, grad_out.double())
     for name, g, w in zip("qkvs", got, want, strict=True):
         assert rel(g, w) < 1e-5, name
+    plain = peer.eager_varlen_attn(q, k, v, cu, cu, 9, 9, window_size=(-1, -1))  # no aux: the output only
+    assert isinstance(plain, torch.Tensor) and plain.shape == q.shape
 
 
 def test_peer_model_builds_and_trains_a_step_at_tiny_width():
@@ -100,7 +112,12 @@ def test_peer_model_builds_and_trains_a_step_at_tiny_width():
     torch.manual_seed(0)
     model = peer.build_peer(config, torch.device("cpu"), torch.bfloat16, compile_blocks=False)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert all(isinstance(b.attention.inner_attention, peer.EagerVarlen) for b in model.layers.values())
+    from torchtitan.models.common import attention as tt_attention
+
+    assert tt_attention.varlen_attn is peer.eager_varlen_attn
+    assert all(
+        isinstance(b.attention.inner_attention, tt_attention.VarlenAttention) for b in model.layers.values()
+    )
     windows = [b.attention.inner_attention.window_size for b in model.layers.values()]
     assert windows == [(127, 0), (-1, 0)]  # sliding (128 keys) then full, as gpt-oss
     docs = [24, 16]

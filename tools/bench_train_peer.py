@@ -20,8 +20,9 @@ kernel, rescaling the output by sigmoid(lse - sink). The rescale is exact in the
 kernel's backward ignores the gradient that reaches its log-sum-exp, so the query and key gradients
 miss the sink term; the peer's backward does less work than a correct one.
 
-Without CUDA (no FlashAttention) the peer's attention modules are replaced by `EagerVarlen`, the same
-interface computed per document in plain torch, so its model code is exercised on the CPU.
+Without CUDA (no FlashAttention) the peer's varlen attention calls `eager_varlen_attn`, the same call
+computed per document in plain torch, so the rest of its code (its varlen attention module, the sink
+rescale, the boundaries from positions) runs on the CPU.
 """
 
 from __future__ import annotations
@@ -98,40 +99,49 @@ def packed_positions(docs: Sequence[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in docs]).unsqueeze(0)
 
 
-class EagerVarlen(torch.nn.Module):
-    """Plain-torch stand-in for the peer's varlen attention module (same call, same outputs): per
-    document, causal within `window_size[0] + 1` keys (left -1: unlimited), GQA by repeating the KV
-    heads; returns out_transform(out, lse) with lse the natural-log log-sum-exp of the scaled scores."""
-
-    def __init__(self, window_size: tuple[int, int]):
-        super().__init__()
-        self.window_size = window_size
-
-    def forward(self, q, k, v, *, attention_masks, scale=None, out_transform=None, **kwargs):
-        B, L, Hq, D = q.shape
-        if B != 1:
-            raise ValueError(f"EagerVarlen takes one packed row, got batch {B}")
-        scale = scale if scale is not None else 1.0 / math.sqrt(D)
-        rep = Hq // k.shape[2]
-        bounds = [int(b) for b in attention_masks.cu_seq_q.tolist()]
-        left = self.window_size[0]
-        outs, lses = [], []
-        for s, e in zip(bounds[:-1], bounds[1:], strict=True):
-            qd = q[0, s:e].transpose(0, 1).float()
-            kd = k[0, s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
-            vd = v[0, s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
-            scores = qd @ kd.transpose(1, 2) * scale
-            i = torch.arange(e - s)
-            visible = i[None, :] <= i[:, None]
-            if left >= 0:
-                visible &= i[:, None] - i[None, :] <= left
-            scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-            lse = torch.logsumexp(scores, dim=-1)
-            outs.append((torch.softmax(scores, dim=-1) @ vd).transpose(0, 1))
-            lses.append(lse.transpose(0, 1))
-        out = torch.cat(outs).unsqueeze(0).to(q.dtype)
-        lse = torch.cat(lses).unsqueeze(0)
-        return out if out_transform is None else out_transform(out, lse)
+def eager_varlen_attn(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    **_,
+):
+    """Plain-torch stand-in for `torch.nn.attention.varlen.varlen_attn` (same call, same outputs) where
+    FlashAttention is missing: q/k/v (tokens, heads, dim) of documents `cu_seq_q` (self-attention:
+    cu_seq_k the same), window (left, right) keys around each query (-1: unlimited), GQA by repeating
+    the KV heads. Returns the output, and with `return_aux.lse` also the natural-log log-sum-exp of the
+    scaled scores, (heads, tokens) fp32."""
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    rep = query.shape[1] // key.shape[1]
+    bounds = [int(b) for b in cu_seq_q.tolist()]
+    left, right = window_size
+    outs, lses = [], []
+    for s, e in zip(bounds[:-1], bounds[1:], strict=True):
+        q = query[s:e].transpose(0, 1).float()
+        k = key[s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
+        v = value[s:e].repeat_interleave(rep, dim=1).transpose(0, 1).float()
+        scores = q @ k.transpose(1, 2) * scale
+        i = torch.arange(e - s, device=query.device)
+        offset = i[:, None] - i[None, :]  # query minus key position
+        visible = torch.ones_like(offset, dtype=torch.bool)
+        if left >= 0:
+            visible &= offset <= left
+        if right >= 0:
+            visible &= offset >= -right
+        scores = scores.masked_fill(~visible, float("-inf"))
+        lses.append(torch.logsumexp(scores, dim=-1))
+        outs.append((torch.softmax(scores, dim=-1) @ v).transpose(0, 1))
+    out = torch.cat(outs).to(query.dtype)
+    if return_aux is not None and return_aux.lse:
+        return out, torch.cat(lses, dim=1)
+    return out
 
 
 def peer_config(
@@ -230,25 +240,20 @@ def adapt_varlen_call(varlen_attn: Callable) -> tuple[Callable, str]:
 
 def build_peer(config, device: torch.device, dtype: torch.dtype, compile_blocks: bool):
     """The peer model on `device` with parameters in `dtype` (buffers such as the RoPE cache keep
-    theirs); its attention replaced by `EagerVarlen` off CUDA; each block compiled as its trainer does
-    (`fullgraph=True`, scalar outputs captured for the MoE's data-dependent shapes)."""
-    from torchtitan.models.common.attention import VarlenAttention
+    theirs); off CUDA its varlen attention calls `eager_varlen_attn`; each block compiled as its trainer
+    does (`fullgraph=True`, scalar outputs captured for the MoE's data-dependent shapes)."""
+    import torchtitan.models.common.attention as tt_attention
 
     if device.type == "cuda":
-        import torchtitan.models.common.attention as tt_attention
-
         use_available_flash_attention()
         tt_attention.varlen_attn, _ = adapt_varlen_call(tt_attention.varlen_attn)
+    else:
+        tt_attention.varlen_attn = eager_varlen_attn
     with torch.device(device):
         model = config.build()
     model.init_states(buffer_device=device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
-    if device.type != "cuda":
-        for block in model.layers.values():
-            inner = block.attention.inner_attention
-            if isinstance(inner, VarlenAttention):
-                block.attention.inner_attention = EagerVarlen(inner.window_size)
     if compile_blocks:
         torch._dynamo.config.capture_scalar_outputs = True
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 12)
@@ -312,7 +317,7 @@ def run_peer(
             f", {adapted}" if adapted else ""
         )
     else:
-        summary["attention"] = "EagerVarlen (CPU)"
+        summary["attention"] = "eager_varlen_attn (CPU)"
     return summary
 
 
