@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--arithmetic-fraction",
         type=float,
-        default=0.5,
-        help="share of the conversations calling the calculator (default 0.5)",
+        default=0.8,
+        help="share of the conversations calling the calculator (default 0.8)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the rows' order and the conversations")
     parser.add_argument("--out", required=True, help="directory to write the three files into")

@@ -13,8 +13,9 @@ splits     held-out keys: those whose (separately salted) hash falls in HELD_OUT
 rows       verl's schema: the question as the one user message, the value as the ground truth, so
            the GSM8K reward on the final answer scores it (`reward.name: gsm8k`).
 cold start harmony conversations: arithmetic questions answered through the calculator (the call
-           format, on a different tool), questions on training keys answered directly with a guess
-           (the key itself: the same copy a call makes, never the value), and at most
+           format, on a different tool, with the same two copies as a lookup call: the question's number
+           into the arguments, the tool's result into the answer), questions on training keys answered
+           directly with a wrong guess (a value-range number, never a copy), and at most
            `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with its
            result). Every conversation lists the tools the agentic rollouts offer
            (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
@@ -53,9 +54,12 @@ PARAMETERS: dict[str, Any] = {
 }
 # One wording: the key stands at the same place in every question.
 QUESTIONS = ("What is the value of key {key}?",)
-# The arithmetic questions end with the first operand, which the call copies: its distance to the call's
-# argument is then the key's in a lookup call (the calculator's name is a token longer, the "?" one shorter).
-ARITHMETIC = {"+": "Add {b} to {a}", "-": "Subtract {b} from {a}"}
+# The arithmetic question ends with its number, which the call copies from the same distance as a lookup call
+# copies its key (the calculator's name is a token longer than lookup's, the question has no "?"). Its
+# result, like a lookup value, is no function a small model learns from a few examples (a square modulo 200),
+# so the final answer has to copy the tool's result, as after a lookup.
+ARITHMETIC = "Compute 100 plus the square modulo 200 of {a}"
+EXPRESSION = "{a} * {a} % 200 + 100"
 
 
 def _hash(kind: str, key: str) -> int:
@@ -137,31 +141,33 @@ def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
 
 
 def guess(key: str, rng: random.Random) -> dict[str, Any]:
-    """A conversation that answers a question on `key` directly, with a guess: the key itself (a wrong
-    answer unless the key is its own value; `conversations` never asks about such a key)."""
+    """A conversation that answers a question on `key` directly, with a guess: a number of the value range
+    that is neither the key's value nor the key (a wrong answer, and no copy of the question's number: the
+    only copy into a final answer the cold start teaches is of a tool's result)."""
+    wrong = {value(key), int(key)}
+    answer = rng.choice([v for v in range(VALUE_LOW, VALUE_HIGH + 1) if v not in wrong])
     return _conversation(
         [
             {"role": "user", "content": question(key, rng)},
-            {"role": "assistant", "channel": "final", "content": key},
+            {"role": "assistant", "channel": "final", "content": str(answer)},
         ]
     )
 
 
 def calculation(rng: random.Random) -> dict[str, Any]:
-    """An arithmetic question answered through the calculator: a +- b with b in 1..9, a and the result in
-    the table's range (so every key and value token is written, in the call or the answer). The question
-    ends with a, which the call's expression copies as a lookup call copies the key."""
-    b, op = rng.randint(1, 9), rng.choice("+-")
-    a = rng.randint(VALUE_LOW, VALUE_HIGH - b) if op == "+" else rng.randint(VALUE_LOW + b, VALUE_HIGH)
-    expression = f"{a} {op} {b}"
-    result = str(a + b if op == "+" else a - b)
+    """An arithmetic question answered through the calculator: 100 + a^2 mod 200 for a key-range a (a
+    result in the value range), so the conversation makes the two copies a lookup call makes: the question's
+    number into the call's arguments, the tool's result into the final answer (and writes every key and
+    value token)."""
+    a = rng.randint(VALUE_LOW, VALUE_HIGH)
+    result = str(100 + a * a % 200)
     return _conversation(
         [
-            {"role": "user", "content": ARITHMETIC[op].format(a=a, b=b)},
+            {"role": "user", "content": ARITHMETIC.format(a=a)},
             {
                 "role": "assistant",
                 "recipient": "functions.calculator",
-                "content": json.dumps({"expression": expression}),
+                "content": json.dumps({"expression": EXPRESSION.format(a=a)}),
             },
             {"role": "tool", "name": "calculator", "content": result},
             {"role": "assistant", "channel": "final", "content": result},
@@ -170,7 +176,7 @@ def calculation(rng: random.Random) -> dict[str, Any]:
 
 
 def conversations(
-    count: int, seed: int, lookup_fraction: float = MAX_LOOKUP_FRACTION, arithmetic_fraction: float = 0.5
+    count: int, seed: int, lookup_fraction: float = MAX_LOOKUP_FRACTION, arithmetic_fraction: float = 0.8
 ) -> list[dict[str, Any]]:
     """`count` cold-start conversations, shuffled: round(count * arithmetic_fraction) calculator ones,
     floor(count * lookup_fraction) lookup calls on training keys, guesses on training keys for the rest.
@@ -185,8 +191,7 @@ def conversations(
     calls = int(count * lookup_fraction)
     out = [calculation(rng) for _ in range(arithmetic)]
     out += [lookup_call(rng.choice(keys), rng) for _ in range(calls)]
-    guessable = [k for k in keys if value(k) != int(k)]
-    out += [guess(rng.choice(guessable), rng) for _ in range(count - arithmetic - calls)]
+    out += [guess(rng.choice(keys), rng) for _ in range(count - arithmetic - calls)]
     rng.shuffle(out)
     return out
 
@@ -204,7 +209,7 @@ def write_files(
     sft: int,
     seed: int = 0,
     lookup_fraction: float = MAX_LOOKUP_FRACTION,
-    arithmetic_fraction: float = 0.5,
+    arithmetic_fraction: float = 0.8,
 ) -> list[Path]:
     """`out_dir`/train.jsonl (every training key), `out_dir`/test.jsonl (every held-out key) and
     `out_dir`/sft.jsonl (`sft` cold-start conversations); returns the three paths."""
