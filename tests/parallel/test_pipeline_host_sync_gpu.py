@@ -5,9 +5,8 @@ raise; the step before it (warm-up: kernel compilation, allocator growth) is not
 import pytest
 import torch
 import torch.distributed as dist
-from common import tiny_config
 
-from megatron_gptoss.config import ParallelConfig
+from megatron_gptoss.config import ParallelConfig, gpt_oss_tiny
 from megatron_gptoss.model import build_model
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.pipeline import PipelineRunner, StagePlan
@@ -22,7 +21,7 @@ pytestmark = [
 
 def test_training_step_makes_no_host_sync(tmp_path):
     device = torch.device("cuda")
-    config = tiny_config(attention_backend="triton")
+    config = gpt_oss_tiny(attention_backend="triton")
     dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:
         dims = ParallelDims.build(ParallelConfig(), config)
