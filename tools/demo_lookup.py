@@ -5,8 +5,8 @@ it.
     python tools/demo_lookup.py [--out DIR] [--cold-start-steps N] [OVERRIDES...]
 
     data        DIR/data (tools/make_lookup_task.py): train.jsonl (a question on each of 157 training keys),
-                test.jsonl (the 43 held-out keys), sft.jsonl (cold-start conversations: half calculator
-                calls, 5% lookup calls on training keys, the rest direct guesses)
+                test.jsonl (the 43 held-out keys), sft.jsonl (cold-start conversations: 80% calculator
+                calls, 5% lookup calls on training keys, the rest "I do not know." to a lookup question)
     cold start  configs/demo_lookup.yaml with run.mode=sft on sft.jsonl (DIR/cold_start)
     RL          the same config with agent.enabled=true (the calculator and lookup tools), run.init_from_hf =
                 the cold start's HF export (DIR/rl); its step-0 evaluation is the cold start's: greedy, every
@@ -45,7 +45,7 @@ def train(overrides: list[str]) -> None:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo_lookup", help="output directory")
-    parser.add_argument("--cold-start-steps", type=int, default=300, help="supervised steps (default 300)")
+    parser.add_argument("--cold-start-steps", type=int, default=400, help="supervised steps (default 400)")
     parser.add_argument("--sft", type=int, default=2000, help="cold-start conversations (default 2000)")
     args, overrides = parser.parse_known_args(argv)
     out = Path(args.out)

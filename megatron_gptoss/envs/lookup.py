@@ -15,7 +15,8 @@ rows       verl's schema: the question as the one user message, the value as the
 cold start harmony conversations: arithmetic questions answered through the calculator (the call
            format, on a different tool, with the same two copies as a lookup call: the question's number
            into the arguments, the tool's result into the answer), questions on training keys answered
-           directly with a wrong guess (a value-range number, never a copy), and at most
+           directly with "I do not know." (no number: the only number a final answer writes is a copy
+           of a tool's result), and at most
            `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with its
            result). Every conversation lists the tools the agentic rollouts offer
            (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
@@ -43,6 +44,8 @@ VALUE_LOW, VALUE_HIGH = 100, 299
 # The held-out keys: those hashing into HELD_OUT_BUCKETS of BUCKETS buckets.
 BUCKETS = 5
 HELD_OUT_BUCKETS = 1
+# A direct answer to a question on a key: the model cannot know the value.
+UNKNOWN = "I do not know."
 # The largest share of cold-start conversations that may call the lookup tool.
 MAX_LOOKUP_FRACTION = 0.05
 DESCRIPTION = "Returns the value stored under a key of the facts table."
@@ -140,16 +143,14 @@ def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
     )
 
 
-def guess(key: str, rng: random.Random) -> dict[str, Any]:
-    """A conversation that answers a question on `key` directly, with a guess: a number of the value range
-    that is neither the key's value nor the key (a wrong answer, and no copy of the question's number: the
-    only copy into a final answer the cold start teaches is of a tool's result)."""
-    wrong = {value(key), int(key)}
-    answer = rng.choice([v for v in range(VALUE_LOW, VALUE_HIGH + 1) if v not in wrong])
+def direct_answer(key: str, rng: random.Random) -> dict[str, Any]:
+    """A conversation that answers a question on `key` directly: without the tool the model cannot know the
+    value, so it says so (`UNKNOWN`, scored 0). No number is written, so the only number a final answer
+    of the cold start writes is a copy of a tool's result."""
     return _conversation(
         [
             {"role": "user", "content": question(key, rng)},
-            {"role": "assistant", "channel": "final", "content": str(answer)},
+            {"role": "assistant", "channel": "final", "content": UNKNOWN},
         ]
     )
 
@@ -179,7 +180,8 @@ def conversations(
     count: int, seed: int, lookup_fraction: float = MAX_LOOKUP_FRACTION, arithmetic_fraction: float = 0.8
 ) -> list[dict[str, Any]]:
     """`count` cold-start conversations, shuffled: round(count * arithmetic_fraction) calculator ones,
-    floor(count * lookup_fraction) lookup calls on training keys, guesses on training keys for the rest.
+    floor(count * lookup_fraction) lookup calls on training keys, direct answers (UNKNOWN) to questions on
+    training keys for the rest.
     ValueError when `lookup_fraction` exceeds MAX_LOOKUP_FRACTION or the fractions exceed 1."""
     if not 0 <= lookup_fraction <= MAX_LOOKUP_FRACTION:
         raise ValueError(f"lookup_fraction={lookup_fraction} must be in [0, {MAX_LOOKUP_FRACTION}]")
@@ -191,7 +193,7 @@ def conversations(
     calls = int(count * lookup_fraction)
     out = [calculation(rng) for _ in range(arithmetic)]
     out += [lookup_call(rng.choice(keys), rng) for _ in range(calls)]
-    out += [guess(rng.choice(keys), rng) for _ in range(count - arithmetic - calls)]
+    out += [direct_answer(rng.choice(keys), rng) for _ in range(count - arithmetic - calls)]
     rng.shuffle(out)
     return out
 
