@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from router_ties import tied
 from test_loop_engine import LOOKUP, TEST_FORMAT
 
 from megatron_gptoss.agent import TOOL, AgentLoop, ToolExecutor, ToolRegistry
@@ -29,7 +30,6 @@ from megatron_gptoss.rl.batch import RolloutBatch, build_batch, packed_logprobs
 from megatron_gptoss.rollout import EmbeddedEngine
 
 CONFIG = gpt_oss_tiny()
-DELTA = 3e-7
 OPTIONS = dict(max_batch_slots=2, block_size=4, max_step_tokens=6)  # chunked prefill, rows joining
 
 
@@ -39,17 +39,6 @@ def noisy_model(config, seed: int, scale: float) -> GPTOSSModel:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(scale * torch.randn(p.shape, generator=gen))
-    return model
-
-
-@torch.no_grad()
-def tied(model: GPTOSSModel, prefer: int) -> GPTOSSModel:
-    """Experts 1 and 2 of every router: equal rows, equal biases, then `prefer` (1 or 2) gets +DELTA."""
-    for layer in model.decoder.layers.values():
-        router = layer.mlp.router
-        router.weight[2] = router.weight[1]
-        router.bias[2] = router.bias[1]
-        router.bias[prefer] += DELTA
     return model
 
 

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 from common import build_dims, reference_model, tiny_config  # noqa: E402
 from harness import pool  # noqa: E402
+from router_ties import DELTA, tied  # noqa: E402
 
 from megatron_gptoss.config import PPOConfig  # noqa: E402
 from megatron_gptoss.config.model import ModelConfig  # noqa: E402
@@ -33,23 +34,11 @@ from megatron_gptoss.rl import parallel_learner  # noqa: E402
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch, packed_logprobs  # noqa: E402
 
 SEED, LAYERS, VOCAB, TEMPERATURE, GROUP = 3, 2, 96, 1.0, 2
-DELTA = 3e-7  # the bias that breaks the tie: a few float32 ulps of the router's logits
 PPO = PPOConfig(correction_mode="none")
 
 
 def config() -> ModelConfig:
     return tiny_config(num_layers=LAYERS)
-
-
-@torch.no_grad()
-def tied(model: GPTOSSModel, prefer: int) -> GPTOSSModel:
-    """Experts 1 and 2 of every router: equal rows, equal biases, then `prefer` (1 or 2) gets +DELTA."""
-    for layer in model.decoder.layers.values():
-        router = layer.mlp.router
-        router.weight[2] = router.weight[1]
-        router.bias[2] = router.bias[1]
-        router.bias[prefer] += DELTA
-    return model
 
 
 def full_model(prefer: int) -> GPTOSSModel:
