@@ -79,12 +79,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, targets)
         ctx.inv_temp, ctx.chunk = inv_temp, chunk
         ctx.mark_non_differentiable(targets)
+        ctx.set_materialize_grads(False)  # an output the loss does not read gets None: its term is skipped
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets = ctx.saved_tensors
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
+        if grad_logprobs is None and grad_entropy is None:
+            return None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         half = _half_gemms(hidden) and weight.dtype == hidden.dtype
@@ -108,14 +111,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad_entropy):
     """Gradient w.r.t. the tempered logits z of one chunk: g_lp (onehot - p) - g_ent p (log p + entropy)
-    (z - E_p[z] equals log p + entropy)."""
+    (z - E_p[z] equals log p + entropy). A gradient that is None (an output the loss does not read) drops
+    its term."""
     h, t = hidden[s : s + chunk], targets[s : s + chunk]
     logp, p, _, entropy = _chunk_stats(h, weight, t, inv_temp)
-    g_lp = grad_logprobs[s : s + chunk].float()
-    dz = -p * g_lp[:, None]
-    dz.scatter_add_(1, t[:, None], g_lp[:, None])
-    g_ent = grad_entropy[s : s + chunk].float()
-    dz -= g_ent[:, None] * p * (logp + entropy[:, None])
+    if grad_entropy is None:
+        dz = p
+    else:
+        g_ent = grad_entropy[s : s + chunk].float()
+        dz = logp.add_(entropy[:, None]).mul_(p).mul_(-g_ent[:, None])
+    if grad_logprobs is not None:
+        g_lp = grad_logprobs[s : s + chunk].float()
+        if grad_entropy is None:
+            dz = p.mul_(-g_lp[:, None])
+        else:
+            dz.addcmul_(p, g_lp[:, None], value=-1.0)
+        dz.scatter_add_(1, t[:, None], g_lp[:, None])
     return dz
 
 

@@ -35,6 +35,25 @@ def test_logprobs_entropy_and_grads_match_float64(temperature, chunk):
     assert rel_err(weight.grad, w64.grad) <= 1e-5
 
 
+@pytest.mark.parametrize("read", ["logprobs", "entropy"])
+def test_an_output_the_loss_does_not_read_drops_its_gradient_term(read):
+    """A loss of the log-probs alone (SFT) or of the entropy alone: the backward skips the other output's term
+    and still matches float64."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(2, 9, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(40, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 40, (2, 9), generator=gen)
+    g = torch.randn(2, 9, generator=gen)
+    lp, ent = token_logprobs(hidden, weight, targets, temperature=0.8, chunk_size=5, with_entropy=True)
+    ((lp if read == "logprobs" else ent) * g).sum().backward()
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = reference(h64, w64, targets, 0.8)
+    ((ref_lp if read == "logprobs" else ref_ent) * g.double()).sum().backward()
+    assert rel_err(hidden.grad, h64.grad) <= 1e-5
+    assert rel_err(weight.grad, w64.grad) <= 1e-5
+
+
 _PEAK_SCRIPT = """
 import resource, sys, torch
 from megatron_gptoss.model import token_logprobs
