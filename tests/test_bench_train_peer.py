@@ -157,3 +157,29 @@ def test_adapt_varlen_call_repeats_kv_heads_where_gqa_is_missing():
 
     same, note = peer.adapt_varlen_call(new_varlen)
     assert same is new_varlen and note == ""
+
+
+def test_import_peer_fills_a_name_this_torch_lacks_with_a_placeholder(tmp_path, monkeypatch):
+    """A peer module importing a name a torch module lacks imports with a placeholder in its place, listed;
+    an import error of anything else is raised."""
+    import torch.distributed
+
+    pkg = tmp_path / "peerpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "uses_new_torch.py").write_text(
+        "from torch.distributed import NameFromANewerTorch\n\n"
+        "def f(x: NameFromANewerTorch) -> int:\n    return 1\n"
+    )
+    (pkg / "broken.py").write_text("from peerpkg import not_there\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(peer, "TORCH_PLACEHOLDERS", [])
+    try:
+        module = peer.import_peer("peerpkg.uses_new_torch")
+        assert module.f(None) == 1
+        assert peer.TORCH_PLACEHOLDERS == ["torch.distributed.NameFromANewerTorch"]
+        with pytest.raises(ImportError, match="not_there"):
+            peer.import_peer("peerpkg.broken")
+    finally:
+        if hasattr(torch.distributed, "NameFromANewerTorch"):
+            delattr(torch.distributed, "NameFromANewerTorch")

@@ -317,6 +317,8 @@ def print_peer_table(ours: dict, peer: dict, flops: float, args) -> None:
         ("megatron_gptoss", ours, ""),
         (f"torchtitan {TORCHTITAN_VERSION}", peer, f"attention {peer['attention']}; {PEER_DEFECT}"),
     ]
+    if peer.get("torch_placeholders"):
+        rows[1] = (*rows[1][:2], rows[1][2] + f"; placeholders for {', '.join(peer['torch_placeholders'])}")
     print(
         f"\nforward + backward, {args.tokens} tokens as {args.tokens // args.doc_len} x {args.doc_len} "
         f"packed, vocab {args.vocab}, median of {args.iters} steps after {args.warmup} warm-ups"

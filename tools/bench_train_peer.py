@@ -28,7 +28,9 @@ rescale, the boundaries from positions) runs on the CPU.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -156,7 +158,7 @@ def peer_config(
 ):
     """The peer's GPT-OSS config from its own layer factory (as its 120b flavor builds it: 64 query /
     8 KV heads of 64, even layers sliding with a 128-token window, YaRN RoPE) at these widths."""
-    import torchtitan.models.gpt_oss as tt
+    tt = import_peer()
     from torchtitan.models.common import CosSinRoPE, Embedding, Linear, RMSNorm
 
     rope = CosSinRoPE.Config(
@@ -194,20 +196,49 @@ def peer_config(
     )
 
 
+_MISSING_NAME = re.compile(r"cannot import name '(\w+)' from '(torch[\w.]*)'")
+# names of newer torch releases the peer's package imports (at module level) for code the one-GPU block never
+# runs, filled in by `import_peer` with placeholders
+TORCH_PLACEHOLDERS: list[str] = []
+
+
+def import_peer(module: str = "torchtitan.models.gpt_oss", limit: int = 8):
+    """Import `module` of the peer. A name that this torch lacks and the peer imports from a torch module
+    (torchtitan 0.3.0's FSDP helpers import `torch.distributed.fsdp.DataParallelMeshDims`, new after torch
+    2.11) becomes a placeholder class, listed in TORCH_PLACEHOLDERS: code that used one would fail where it
+    does, and the single-GPU block calls none of it. Other import errors are raised."""
+    for _ in range(limit):
+        try:
+            return importlib.import_module(module)
+        except ImportError as err:
+            match = _MISSING_NAME.search(str(err))
+            if match is None:
+                raise
+            name, owner = match.groups()
+            if hasattr(importlib.import_module(owner), name):
+                raise
+            setattr(importlib.import_module(owner), name, type(name, (), {"__module__": owner}))
+            TORCH_PLACEHOLDERS.append(f"{owner}.{name}")
+            for loaded in [m for m in sys.modules if m.split(".")[0] == module.split(".")[0]]:
+                del sys.modules[loaded]  # half-imported modules of the failed attempt
+    raise ImportError(f"{module}: more than {limit} names missing from this torch ({TORCH_PLACEHOLDERS})")
+
+
 def use_available_flash_attention() -> str:
     """The FlashAttention the peer's varlen attention will run: it asks for FA3 on Hopper (FA4 from
-    Blackwell), which needs a registered provider; without one it is pointed at torch's built-in FA2
-    (as it does below Hopper). Returns the name."""
+    Blackwell), which needs that kernel's package; where activating it fails (torch 2.11 lists FA3 but
+    `flash_attn_interface` is not installed) it is pointed at torch's built-in FA2 (as it does below
+    Hopper). Returns the name."""
     import torchtitan.tools.utils as tt_utils
 
-    try:
-        from torch.nn.attention import list_flash_attention_impls
-
-        available = set(list_flash_attention_impls())
-    except ImportError:
-        available = set()
     wanted = tt_utils.get_cuda_flash_attention_impl()
-    if wanted is None or wanted not in available:
+    if wanted is None:
+        return "FA2"
+    try:
+        from torch.nn.attention import activate_flash_attention_impl
+
+        activate_flash_attention_impl(wanted)
+    except (ImportError, RuntimeError, ValueError, KeyError):  # not registered, or its package missing
         tt_utils.get_cuda_flash_attention_impl = lambda: None
         return "FA2"
     return wanted
@@ -318,6 +349,8 @@ def run_peer(
         )
     else:
         summary["attention"] = "eager_varlen_attn (CPU)"
+    if TORCH_PLACEHOLDERS:
+        summary["torch_placeholders"] = list(TORCH_PLACEHOLDERS)
     return summary
 
 
