@@ -57,12 +57,14 @@ PARAMETERS: dict[str, Any] = {
 }
 # One wording: the key stands at the same place in every question.
 QUESTIONS = ("What is the value of key {key}?",)
-# The arithmetic question ends with its number, which the call copies from the same distance as a lookup call
-# copies its key (the calculator's name is a token longer than lookup's, the question has no "?"). Its
-# result, like a lookup value, is no function a small model learns from a few examples (a square modulo 200),
-# so the final answer has to copy the tool's result, as after a lookup.
-ARITHMETIC = "Compute 100 plus the square modulo 200 of {a}"
-EXPRESSION = "{a} * {a} % 200 + 100"
+# The arithmetic question ends with the number the call copies first, from the same distance as a lookup call
+# copies its key (the calculator's name is a token longer than lookup's, the question has no "?"). Its result,
+# like a lookup value, is no function of the question a small model can learn (a product of two numbers
+# modulo 200, 40,000 pairs), so the final answer has to copy the tool's result, as after a lookup. (With
+# a one-number result, a square modulo 200, the cold start memorised the results and copied a lookup's value
+# less often.)
+ARITHMETIC = "Compute 100 plus the product modulo 200 of {b} and {a}"
+EXPRESSION = "{a} * {b} % 200 + 100"
 
 
 def _hash(kind: str, key: str) -> int:
@@ -156,19 +158,19 @@ def direct_answer(key: str, rng: random.Random) -> dict[str, Any]:
 
 
 def calculation(rng: random.Random) -> dict[str, Any]:
-    """An arithmetic question answered through the calculator: 100 + a^2 mod 200 for a key-range a (a
+    """An arithmetic question answered through the calculator: 100 + a * b mod 200 for key-range a and b (a
     result in the value range), so the conversation makes the two copies a lookup call makes: the question's
-    number into the call's arguments, the tool's result into the final answer (and writes every key and
+    last number into the call's arguments, the tool's result into the final answer (and writes every key and
     value token)."""
-    a = rng.randint(VALUE_LOW, VALUE_HIGH)
-    result = str(100 + a * a % 200)
+    a, b = rng.randint(VALUE_LOW, VALUE_HIGH), rng.randint(VALUE_LOW, VALUE_HIGH)
+    result = str(100 + a * b % 200)
     return _conversation(
         [
-            {"role": "user", "content": ARITHMETIC.format(a=a)},
+            {"role": "user", "content": ARITHMETIC.format(a=a, b=b)},
             {
                 "role": "assistant",
                 "recipient": "functions.calculator",
-                "content": json.dumps({"expression": EXPRESSION.format(a=a)}),
+                "content": json.dumps({"expression": EXPRESSION.format(a=a, b=b)}),
             },
             {"role": "tool", "name": "calculator", "content": result},
             {"role": "assistant", "channel": "final", "content": result},
