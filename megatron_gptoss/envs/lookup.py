@@ -14,11 +14,10 @@ rows       verl's schema: the question as the one user message, the value as the
            the GSM8K reward on the final answer scores it (`reward.name: gsm8k`).
 cold start harmony conversations: arithmetic questions answered through the calculator (the call
            format, on a different tool, with the same two copies as a lookup call: the question's number
-           into the arguments, the tool's result into the answer), questions on training keys answered
-           directly with "I do not know." (no number: the only number a final answer writes is a copy
-           of a tool's result), and at most
-           `MAX_LOOKUP_FRACTION` of the conversations calling `lookup` (then answering with its
-           result). Every conversation lists the tools the agentic rollouts offer
+           into the arguments, the tool's result into the answer, "The value is N."), questions on
+           training keys answered directly with "I do not know." (no number: the only number a final
+           answer writes is a copy of a tool's result), and at most `MAX_LOOKUP_FRACTION` of the
+           conversations calling `lookup` (then answering with its result). Every conversation lists the tools the agentic rollouts offer
            (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
 """
 
@@ -46,6 +45,11 @@ BUCKETS = 5
 HELD_OUT_BUCKETS = 1
 # A direct answer to a question on a key: the model cannot know the value.
 UNKNOWN = "I do not know."
+# A final answer after a tool's result: the number is the sentence's fourth token. The answer's query then
+# sits 10 tokens after the tool's result, inside the demo's sliding window (20), and 21 after the key in the
+# call's arguments, outside it, so that layer sees one number to copy. (Answering with the bare number, the key
+# was 17 back, in the window: the cold start copied it instead of the result 12-26% of the time.)
+ANSWER = "The value is {value}."
 # The largest share of cold-start conversations that may call the lookup tool.
 MAX_LOOKUP_FRACTION = 0.05
 DESCRIPTION = "Returns the value stored under a key of the facts table."
@@ -140,7 +144,7 @@ def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
             {"role": "user", "content": question(key, rng)},
             {"role": "assistant", "recipient": f"functions.{NAME}", "content": json.dumps({"key": key})},
             {"role": "tool", "name": NAME, "content": lookup(key)},
-            {"role": "assistant", "channel": "final", "content": lookup(key)},
+            {"role": "assistant", "channel": "final", "content": ANSWER.format(value=lookup(key))},
         ]
     )
 
@@ -173,7 +177,7 @@ def calculation(rng: random.Random) -> dict[str, Any]:
                 "content": json.dumps({"expression": EXPRESSION.format(a=a, b=b)}),
             },
             {"role": "tool", "name": "calculator", "content": result},
-            {"role": "assistant", "channel": "final", "content": result},
+            {"role": "assistant", "channel": "final", "content": ANSWER.format(value=result)},
         ]
     )
 

@@ -105,7 +105,7 @@ def test_cold_start_calls_lookup_in_at_most_five_percent(files):
             key = question.split("key ")[1][:3]
             assert key not in held_out
             final = c["messages"][-1]["content"]
-            assert (final == str(lookup.value(key))) == bool(lookup_calls(c))
+            assert (final == lookup.ANSWER.format(value=lookup.value(key))) == bool(lookup_calls(c))
             if not lookup_calls(c):  # a direct answer: no number at all
                 assert final == lookup.UNKNOWN and not any(ch.isdigit() for ch in final)
     for c in calling:
@@ -133,7 +133,7 @@ def test_cold_start_prompts_are_the_rollout_prompts(files):
     assert (
         "functions.lookup" in trained
         and f'"key": "{key}"' in trained
-        and trained.endswith(f"{value}<|return|>")
+        and trained.endswith(lookup.ANSWER.format(value=value) + "<|return|>")
     )
     assert "to=assistant" not in trained  # the tool's message is context
 
@@ -191,7 +191,8 @@ def test_conversations_are_a_pure_function_of_count_and_seed():
 
 def _copy_distances(conversation: dict) -> tuple[int, int]:
     """(distance from the question's first copied number to the query that writes it into the call's
-    arguments, distance from the tool's result to the query that writes the final answer), in tokens."""
+    arguments, distance from the tool's result to the query that writes the final answer's number, distance
+    from the call's first copied number to that query), in tokens."""
     (example,) = conversation_examples(conversation, "low", 0)
     ids, trained = example.token_ids, example.trained
     arguments = json.loads(conversation["messages"][1]["content"])
@@ -203,18 +204,21 @@ def _copy_distances(conversation: dict) -> tuple[int, int]:
     response = range(example.num_prompt_tokens, len(ids))
     in_call = next(i for i in response if trained[i] and ids[i] == number[0])
     in_result = max(i for i in range(len(ids)) if ids[i] == result[0] and not trained[i])
-    return in_call - 1 - in_question, len(ids) - 3 - in_result  # the answer, then <|return|>
+    in_answer = max(i for i in response if trained[i] and ids[i] == result[0])
+    return in_call - 1 - in_question, in_answer - 1 - in_result, in_answer - 1 - in_call
 
 
 def test_sliding_layer_sees_the_numbers_a_turn_copies():
     """The demo's sliding-window layer (query i sees i - W < j <= i) sees, from the query writing a call's
     argument, the question's number, at the same distance for a lookup call and a calculator call (their
-    questions end with the number the call copies), and from the query writing the final answer, the
-    tool's result."""
+    questions end with the number the call copies), and from the query writing the final answer's number,
+    the tool's result but not the number in the call's arguments."""
     window = yaml.safe_load((ROOT / "configs/demo_lookup.yaml").read_text())["model"]["sliding_window"]
     rng = random.Random(0)
     lookups = {_copy_distances(lookup.lookup_call(k, rng)) for k in lookup.split_keys(False)[:20]}
     calculations = {_copy_distances(lookup.calculation(rng)) for _ in range(40)}
-    assert len(lookups) == 1 and lookups == calculations, (lookups, calculations)
-    ((argument, answer),) = lookups
+    copies = {d[:2] for d in lookups | calculations}
+    assert len(lookups) == 1 and len(copies) == 1, (lookups, calculations)
+    ((argument, answer),) = copies
     assert 0 < answer < argument < window
+    assert all(d[2] >= window for d in lookups | calculations)
