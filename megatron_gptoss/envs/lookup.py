@@ -17,8 +17,9 @@ cold start harmony conversations: arithmetic questions answered through the calc
            into the arguments, the tool's result into the answer, "The value is N."), questions on
            training keys answered directly with "I do not know." (no number: the only number a final
            answer writes is a copy of a tool's result), and at most `MAX_LOOKUP_FRACTION` of the
-           conversations calling `lookup` (then answering with its result). Every conversation lists the tools the agentic rollouts offer
-           (`agent.builtin_tools: [calculator]` and `lookup`), so its prompt is the rollouts' prompt.
+           conversations calling `lookup` (then answering with its result). Every conversation lists
+           the tools the agentic rollouts offer (`agent.builtin_tools: [calculator]` and `lookup`), so
+           its prompt is the rollouts' prompt.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ BUCKETS = 5
 HELD_OUT_BUCKETS = 1
 # A direct answer to a question on a key: the model cannot know the value.
 UNKNOWN = "I do not know."
-# A final answer after a tool's result: the number is the sentence's fourth token. The answer's query then
-# sits 10 tokens after the tool's result, inside the demo's sliding window (20), and 21 after the key in the
-# call's arguments, outside it, so that layer sees one number to copy. (Answering with the bare number, the key
-# was 17 back, in the window: the cold start copied it instead of the result 12-26% of the time.)
+# A final answer after a tool's result: the number comes after four tokens, so the query writing it sits 10
+# tokens after the tool's result, inside the demo's sliding window (20), and 23 after the key in the call's
+# arguments, outside it: that layer sees one number to copy. (Answering with the bare number, the key was 17
+# back, in the window, and the cold start copied it instead of the result 12-26% of the time.)
 ANSWER = "The value is {value}."
 # The largest share of cold-start conversations that may call the lookup tool.
 MAX_LOOKUP_FRACTION = 0.05
