@@ -115,17 +115,13 @@ def _chunk_grad(hidden, weight, targets, s, chunk, inv_temp, grad_logprobs, grad
     its term."""
     h, t = hidden[s : s + chunk], targets[s : s + chunk]
     logp, p, _, entropy = _chunk_stats(h, weight, t, inv_temp)
-    if grad_entropy is None:
-        dz = p
-    else:
+    dz = None
+    if grad_entropy is not None:
         g_ent = grad_entropy[s : s + chunk].float()
         dz = logp.add_(entropy[:, None]).mul_(p).mul_(-g_ent[:, None])
     if grad_logprobs is not None:
         g_lp = grad_logprobs[s : s + chunk].float()
-        if grad_entropy is None:
-            dz = p.mul_(-g_lp[:, None])
-        else:
-            dz.addcmul_(p, g_lp[:, None], value=-1.0)
+        dz = p.mul_(-g_lp[:, None]) if dz is None else dz.addcmul_(p, g_lp[:, None], value=-1.0)
         dz.scatter_add_(1, t[:, None], g_lp[:, None])
     return dz
 
