@@ -313,12 +313,10 @@ def main() -> None:
 def print_peer_table(ours: dict, peer: dict, flops: float, args) -> None:
     """Our and the peer's forward + backward side by side: median, min-max, spread, model TF/s (the
     bench's FLOP formula for both), and the peer's time over ours (> 1: ours is faster)."""
-    rows = [
-        ("megatron_gptoss", ours, ""),
-        (f"torchtitan {TORCHTITAN_VERSION}", peer, f"attention {peer['attention']}; {PEER_DEFECT}"),
-    ]
+    note = f"attention {peer['attention']}; {PEER_DEFECT}"
     if peer.get("torch_placeholders"):
-        rows[1] = (*rows[1][:2], rows[1][2] + f"; placeholders for {', '.join(peer['torch_placeholders'])}")
+        note += f"; placeholders for {', '.join(peer['torch_placeholders'])}"
+    rows = [("megatron_gptoss", ours, ""), (f"torchtitan {TORCHTITAN_VERSION}", peer, note)]
     print(
         f"\nforward + backward, {args.tokens} tokens as {args.tokens // args.doc_len} x {args.doc_len} "
         f"packed, vocab {args.vocab}, median of {args.iters} steps after {args.warmup} warm-ups"

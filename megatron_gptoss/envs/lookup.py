@@ -140,12 +140,13 @@ def _conversation(messages: list[dict[str, Any]]) -> dict[str, Any]:
 
 def lookup_call(key: str, rng: random.Random) -> dict[str, Any]:
     """A conversation that calls lookup on `key` and answers with the result."""
+    result = lookup(key)
     return _conversation(
         [
             {"role": "user", "content": question(key, rng)},
             {"role": "assistant", "recipient": f"functions.{NAME}", "content": json.dumps({"key": key})},
-            {"role": "tool", "name": NAME, "content": lookup(key)},
-            {"role": "assistant", "channel": "final", "content": ANSWER.format(value=lookup(key))},
+            {"role": "tool", "name": NAME, "content": result},
+            {"role": "assistant", "channel": "final", "content": ANSWER.format(value=result)},
         ]
     )
 

@@ -189,7 +189,7 @@ def test_conversations_are_a_pure_function_of_count_and_seed():
     assert "217" in question
 
 
-def _copy_distances(conversation: dict) -> tuple[int, int]:
+def _copy_distances(conversation: dict) -> tuple[int, int, int]:
     """(distance from the question's first copied number to the query that writes it into the call's
     arguments, distance from the tool's result to the query that writes the final answer's number, distance
     from the call's first copied number to that query), in tokens."""
