@@ -16,7 +16,8 @@ Parts:
               GPU), static, and continuous with eager decode steps give the same tokens, log-probs within
               1e-5 of each other; on a GPU also bf16 decode steps replayed from CUDA graphs against the same
               bucketed steps run eagerly (tokens equal, log-probs within 1e-6); fails the run otherwise
-    decode    per --slots B, decode steps eager and (GPU) from CUDA graphs: B prompts of --prompt-len
+    decode    per --slots B and per --experts path (the decode expert kernels, or the library's grouped
+              GEMM as the baseline), decode steps eager and (GPU) from CUDA graphs: B prompts of --prompt-len
               tokens prefilled --decode-chunk tokens a step, then at least --decode-steps steps decoding all
               B rows (no stop): the median time of such a step, against the roofline time = (bytes of the
               weights read by that step + bytes of the KV read) / bandwidth, for the spec bandwidth of the GPU
@@ -40,6 +41,7 @@ Prints one markdown table per part; --json appends every result as a JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -56,7 +58,7 @@ from megatron_gptoss.hf.io import iter_checkpoint
 from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
 from megatron_gptoss.hf.names import hf_names, hf_shapes, match_hf
 from megatron_gptoss.model import build_model
-from megatron_gptoss.ops import batch_invariant
+from megatron_gptoss.ops import batch_invariant, moe_decode
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -294,16 +296,21 @@ def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[
         prefill_steps = math.ceil(slots * args.prompt_len / args.decode_chunk)
         new = args.decode_steps + prefill_steps
         prompts = prompts_of(slots, args.prompt_len, config.vocab_size, seed=slots)
-        for graphs in graph_modes(device):
-            engine.reconfigure(engine_options(args, slots, new=new, graphs=graphs, chunk=args.decode_chunk))
-            engine.log = []
-            head = {"part": "decode", "slots": slots, "graphs": graphs}
-            try:
-                engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * slots)
-            except torch.cuda.OutOfMemoryError:
-                rows.append({**head, "status": "out of memory"})
-                continue
-            rows.append({**head, **decode_row(engine, config, slots, spec, copy, size)})
+        for experts in args.experts:
+            for graphs in graph_modes(device):
+                engine.reconfigure(
+                    engine_options(args, slots, new=new, graphs=graphs, chunk=args.decode_chunk)
+                )
+                engine.log = []
+                head = {"part": "decode", "slots": slots, "experts": experts, "graphs": graphs}
+                library = moe_decode.library_only() if experts == "library" else contextlib.nullcontext()
+                try:
+                    with library:
+                        engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * slots)
+                except torch.cuda.OutOfMemoryError:
+                    rows.append({**head, "status": "out of memory"})
+                    continue
+                rows.append({**head, **decode_row(engine, config, slots, spec, copy, size)})
     return rows
 
 
@@ -443,7 +450,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--bitwise", action="store_true", help="the batch-invariant kernels (rollout.bitwise_on_policy)"
     )
+    parser.add_argument(
+        "--experts",
+        type=lambda s: s.split(","),
+        default=["decode"],
+        help="decode part: the engine's expert GEMMs, comma-separated: decode (the decode kernels of "
+        "ops.moe_decode where eligible), library (grouped GEMM)",
+    )
     args = parser.parse_args(argv)
+    if not set(args.experts) <= {"decode", "library"}:
+        parser.error(f"--experts takes decode and library, got {args.experts}")
     with batch_invariant.enabled(args.bitwise):
         return _run(args)
 

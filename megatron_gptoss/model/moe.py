@@ -12,7 +12,14 @@ from torch import nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.lora import LoRA, active, make_adapter
-from megatron_gptoss.ops import batch_invariant, fused_moe
+from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
+
+# The decode expert kernels (`ops.moe_decode`) take a forward of at most this many rows per expert on
+# average. They stream each hit expert's weight once per tile of at most 128 of its rows, so their time is
+# the weight read while the rows are few; with more rows the GEMMs turn compute-bound, where the library's
+# grouped GEMM is the faster. Measured at gpt-oss-20b widths on an H100 (tools/bench_moe_decode.py): 8 and
+# 32 rows per expert 1.20x and 1.14x faster than the library, 128 rows 0.96x; 64 lies between, untimed.
+DECODE_ROWS_PER_EXPERT = 64
 
 
 def no_route(dtype: torch.dtype) -> int:
@@ -111,8 +118,11 @@ class Experts(nn.Module):
     Backends (`expert_backend`): `grouped_mm` (auto on CUDA) sorts the tokens on the device, runs the
     GEMMs as `torch._grouped_mm` (a loop over experts on the CPU) and the permutation, bias + SwiGLU and
     router weighting as fused Triton kernels (`megatron_gptoss.ops.fused_moe`; on the CPU under
-    TRITON_INTERPRET=1): no host sync. `loop` (auto on the CPU) is the eager reference: a loop over
-    experts with the per-expert counts read on the host.
+    TRITON_INTERPRET=1): no host sync. The rollout engine's forward steps (inside `moe_decode.decode_scope`)
+    over few rows per expert, without autograd (`decode_kernels`), run the GEMMs with their bias and
+    SwiGLU as `ops.moe_decode`'s kernels.
+    `loop` (auto on the CPU) is the eager reference: a loop over experts with the per-expert counts read
+    on the host.
     """
 
     def __init__(self, config: ModelConfig, dtype=None, device=None, num_experts: int | None = None):
@@ -134,10 +144,37 @@ class Experts(nn.Module):
             return True
         return x.is_cuda and hasattr(torch, "_grouped_mm") and fused_moe.triton_available()
 
+    def decode_kernels(self, x: torch.Tensor) -> bool:
+        """Whether `compute` runs the decode expert kernels (`ops.moe_decode`, forward only) for rows x: on
+        CUDA in 16-bit floats (in fp32 their products are FMA loops, slower than the library's), where
+        `decode_eligible`."""
+        half = x.dtype in (torch.bfloat16, torch.float16)
+        return x.is_cuda and half and fused_moe.triton_available() and self.decode_eligible(x)
+
+    def decode_eligible(self, x: torch.Tensor) -> bool:
+        """The decode kernels' conditions but the device: inside `moe_decode.decode_scope` (the rollout
+        engine's steps; never the learner's forwards), the fused path, nothing for autograd to record,
+        no active adapter, the batch-invariant mode off, x in the weights' dtype and at most
+        `DECODE_ROWS_PER_EXPERT` rows per expert on average."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if not moe_decode.in_decode_scope():
+            return False
+        if not self.fused(x) or batch_invariant.active() or x.dtype != fc1.weight.dtype:
+            return False
+        if active(fc1.lora) is not None or active(fc2.lora) is not None:
+            return False
+        params = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params):
+            return False
+        return x.shape[0] <= DECODE_ROWS_PER_EXPERT * self.num_experts
+
     def compute(self, x: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
         """Rows x [M, H] sorted by expert (this instance's expert e: rows [bounds[e], bounds[e + 1]),
         bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        if self.decode_kernels(x):
+            h = moe_decode.decode_fc1(x, fc1.weight, fc1.bias, bounds, self.limit, self.alpha)
+            return moe_decode.decode_fc2(h, fc2.weight, fc2.bias, bounds)
         if self.fused(x):
             gemm = "grouped_mm" if x.is_cuda else "loop"
             h = fused_moe.swiglu_bias(fc1(x, bounds, gemm), fc1.bias, bounds, self.limit, self.alpha)

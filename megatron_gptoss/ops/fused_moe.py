@@ -84,7 +84,7 @@ def expert_of_rows(bounds: Tensor, rows: int) -> Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# References (PyTorch, the contracts above)
+# References (PyTorch, the contracts above; computed in fp32, float64 for float64 inputs)
 def permute_reference(x: Tensor, slot_rows: Tensor, k: int) -> Tensor:
     out = x.new_empty(slot_rows.numel(), x.shape[1])
     out[slot_rows] = x.repeat_interleave(k, dim=0)
@@ -97,10 +97,15 @@ def unpermute_reference(rows: Tensor, probs: Tensor, slot_rows: Tensor) -> Tenso
     return (picked * probs.float()[..., None]).sum(1).to(rows.dtype)
 
 
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    """fp32, or float64 for float64 inputs (the references' compute dtype)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def swiglu_reference(h: Tensor, bias: Tensor | None, bounds: Tensor, limit: float, alpha: float) -> Tensor:
-    hf = h.float()
+    hf = h.to(_acc_dtype(h))
     if bias is not None:
-        hf = hf + bias.float()[expert_of_rows(bounds, h.shape[0])]
+        hf = hf + bias.to(hf.dtype)[expert_of_rows(bounds, h.shape[0])]
     gate, up = hf.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
@@ -108,7 +113,8 @@ def swiglu_reference(h: Tensor, bias: Tensor | None, bounds: Tensor, limit: floa
 
 
 def expert_bias_reference(y: Tensor, bias: Tensor, bounds: Tensor) -> Tensor:
-    return (y.float() + bias.float()[expert_of_rows(bounds, y.shape[0])]).to(y.dtype)
+    yf = y.to(_acc_dtype(y))
+    return (yf + bias.to(yf.dtype)[expert_of_rows(bounds, y.shape[0])]).to(y.dtype)
 
 
 # ------------------------------------------------------------------------------------------------

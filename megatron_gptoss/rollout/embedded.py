@@ -37,6 +37,7 @@ from megatron_gptoss.hf.convert import load_hf_tensors
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.logprobs import fp32_logits
 from megatron_gptoss.model.paged_kv_cache import PagedKVCache
+from megatron_gptoss.ops import moe_decode
 from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Head, Sampling
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
@@ -247,19 +248,8 @@ class EmbeddedEngine:
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
-        step = None
-        if self._graphs is not None and plan.chunks:
-            step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, self._graph_sampling(plan))
-        if step is not None:
-            hidden = step.hidden
-        else:
-            self._cache.layout = plan.layout
-            try:
-                hidden = self.model.hidden_states(
-                    plan.input_ids, position_ids=plan.positions, cache=self._cache
-                )
-            finally:
-                self._cache.layout = None
+        with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
+            hidden, step = self._forward(plan)
         if self.routing is not None:
             self.routing.collect(plan)
         scheduler.computed(plan)
@@ -281,6 +271,21 @@ class EmbeddedEngine:
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
         return plan
+
+    def _forward(self, plan: StepPlan):
+        """The step's hidden states, replayed from a decode graph (then also its `step`) or run eagerly."""
+        assert self._cache is not None
+        if self._graphs is not None and plan.chunks:
+            step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, self._graph_sampling(plan))
+            if step is not None:
+                return step.hidden, step
+        self._cache.layout = plan.layout
+        try:
+            return self.model.hidden_states(
+                plan.input_ids, position_ids=plan.positions, cache=self._cache
+            ), None
+        finally:
+            self._cache.layout = None
 
     def _take_ahead(self) -> StepPlan | None:
         """The plan built ahead during the last step, where it still holds: the same rows run, in the same

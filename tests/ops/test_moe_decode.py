@@ -1,0 +1,334 @@
+"""Decode expert kernels (megatron_gptoss.ops.moe_decode) against float64 references, fp32 on the CPU
+under the Triton interpreter (tiny shapes: experts without rows, experts with more rows than a tile,
+partial column and K blocks, both product orientations, with and without bias), the MoE block's decode
+path against its library path and when it is taken, tools/bench_moe_decode.py at toy widths; on a CUDA GPU
+(`gpu`): bf16 and fp32 against float64 and the library path, replays of a captured CUDA graph on new
+routings. Errors per tensor are ||ours - ref|| / ||ref||."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_gptoss.config import gpt_oss_tiny
+from megatron_gptoss.config.lora import LoRAConfig
+from megatron_gptoss.model.moe import DECODE_ROWS_PER_EXPERT, Experts
+from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
+from megatron_gptoss.ops.moe_decode import DecodeConfig
+from megatron_gptoss.rollout import SamplingParams
+from tests.rollout.helpers_engine import engine_of, perturbed_learner
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+# Kernel launches on CPU tensors run under the interpreter only (with a GPU present, tests/ops/conftest.py
+# leaves TRITON_INTERPRET unset and the CUDA tests below take over)
+interpreted = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton tests need TRITON_INTERPRET=1"
+)
+LIMIT, ALPHA = 7.0, 1.702
+ROOT = Path(__file__).resolve().parents[2]
+TILES = {
+    "plain": DecodeConfig(block_m=16, block_n=16, block_k=16, warps=1, stages=1, swap=False),
+    "swap": DecodeConfig(block_m=16, block_n=16, block_k=32, warps=1, stages=1, swap=True),
+    "plain_tma": DecodeConfig(block_m=16, block_n=16, block_k=32, warps=1, stages=1, swap=False, tma=True),
+    "swap_tma": DecodeConfig(block_m=16, block_n=16, block_k=16, warps=1, stages=1, swap=True, tma=True),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def bounds_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def inputs(counts, hidden, inter, bias, seed=0):
+    """fp32 rows sorted by expert and weights scaled so that the gate and up products reach beyond the
+    SwiGLU limit (both clamps taken)."""
+    g = torch.Generator().manual_seed(seed)
+    e, m = len(counts), sum(counts)
+    x = torch.randn(m, hidden, generator=g)
+    w1 = torch.randn(e, 2 * inter, hidden, generator=g) * (6.0 / hidden**0.5)
+    w2 = torch.randn(e, hidden, inter, generator=g) / inter**0.5
+    b1 = torch.randn(e, 2 * inter, generator=g) if bias else None
+    b2 = torch.randn(e, hidden, generator=g) if bias else None
+    return x, w1, b1, w2, b2, bounds_of(counts)
+
+
+def f64(t):
+    return None if t is None else t.double()
+
+
+@pytest.mark.parametrize("tile", sorted(TILES))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize(
+    "counts,hidden,inter",
+    [([5, 0, 19, 3], 48, 40), ([0, 17, 0, 23], 64, 32), ([1, 2, 0, 0], 32, 64), ([0, 0, 0, 0], 32, 32)],
+)
+@interpreted
+def test_kernels_match_float64_reference(tile, bias, counts, hidden, inter):
+    x, w1, b1, w2, b2, bounds = inputs(counts, hidden, inter, bias)
+    cfg = TILES[tile]
+    h = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, cfg)
+    h_ref = moe_decode.fc1_reference(x.double(), w1.double(), f64(b1), bounds, LIMIT, ALPHA)
+    assert h.shape == (sum(counts), inter) and h.dtype == x.dtype
+    # fc2 on the same fp32 rows for both, so its error is its own
+    y = moe_decode.decode_fc2(h, w2, b2, bounds, cfg)
+    y_ref = moe_decode.fc2_reference(h.double(), w2.double(), f64(b2), bounds)
+    assert y.shape == (sum(counts), hidden) and y.dtype == x.dtype
+    if not sum(counts):
+        return
+    pre = moe_decode._grouped_reference(x.double(), w1.double(), bounds)
+    assert (pre[:, :inter] > LIMIT).any() and (pre[:, inter:].abs() > LIMIT).any()
+    assert rel_err(h, h_ref) <= 1e-6
+    assert rel_err(y, y_ref) <= 1e-6
+
+
+def test_default_config_on_cpu_and_cuda_shapes():
+    assert moe_decode.default_config(1024, 32, torch.device("cpu")) == moe_decode.CPU_CONFIG
+    cuda = torch.device("cuda")
+    for rows, experts in [(0, 32), (256, 32), (1000, 32), (2048, 32), (8192, 32), (1024, 128)]:
+        for dtype, gated in [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float32, True)]:
+            cfg = moe_decode.default_config(rows, experts, cuda, dtype, gated)
+            average = rows / experts
+            for block in (cfg.block_m, cfg.block_k):  # powers of two the kernel's dot takes
+                assert block & (block - 1) == 0 and block >= 16
+            assert cfg.block_m <= 128 and cfg.block_m >= min(128, 2 * average)
+            assert cfg.block_m == 16 or cfg.block_m < 4 * average
+            per_stage = ((2 if gated else 1) * cfg.block_n + cfg.block_m) * cfg.block_k * dtype.itemsize
+            assert cfg.stages >= 2 and cfg.stages * per_stage <= moe_decode.SHARED_MEMORY_BUDGET
+
+
+def test_bad_shapes_are_named():
+    x, w1, b1, w2, b2, bounds = inputs([3, 2, 0, 1], 48, 32, True)
+    with pytest.raises(ValueError, match="bounds must be int32"):
+        moe_decode.decode_fc1(x, w1, b1, bounds.long(), LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="do not match"):
+        moe_decode.decode_fc2(x, w2, b2, bounds)  # rows [M, H] where fc2 takes [M, I]
+    with pytest.raises(ValueError, match="bias"):
+        moe_decode.decode_fc1(x, w1, b2, bounds, LIMIT, ALPHA)
+
+
+def experts_pair(bias: bool, lora: bool = False):
+    config = dataclasses.replace(gpt_oss_tiny(), expert_backend="grouped_mm", add_bias_linear=bias)
+    if lora:
+        config = dataclasses.replace(config, lora=LoRAConfig(rank=2))
+    torch.manual_seed(0)
+    experts = Experts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(0.5 * torch.randn(p.shape))
+    return experts
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [True, False])
+def test_experts_decode_path_equals_library_path(bias, monkeypatch):
+    experts = experts_pair(bias)
+    e, hidden = experts.num_experts, experts.linear_fc1.weight.shape[2]
+    g = torch.Generator().manual_seed(3)
+    indices = torch.stack([torch.randperm(e - 1, generator=g)[:2] for _ in range(13)])  # last expert empty
+    probs = torch.softmax(torch.randn(13, 2, generator=g), dim=-1)
+    x = torch.randn(13, hidden, generator=g)
+    with torch.no_grad(), moe_decode.decode_scope():
+        assert experts.decode_eligible(x) and not experts.decode_kernels(x)  # CPU: the library path
+        library = experts(x, probs, indices)
+        monkeypatch.setattr(Experts, "decode_kernels", lambda self, x: True)
+        decode = experts(x, probs, indices)
+    assert rel_err(decode, library) <= 1e-6
+
+
+def test_decode_eligible_conditions():
+    experts = experts_pair(True)
+    e, hidden = experts.num_experts, experts.linear_fc1.weight.shape[2]
+    x = torch.randn(8, hidden)
+    with torch.no_grad():
+        assert not experts.decode_eligible(x)  # outside the engine's decode scope: the learner's forwards
+    with moe_decode.decode_scope():
+        assert experts.decode_eligible(x) is False  # gradients enabled, weights require grad
+    with torch.no_grad(), moe_decode.decode_scope():
+        assert experts.decode_eligible(x)
+        assert not experts.decode_eligible(x.double())
+        assert experts.decode_eligible(torch.randn(DECODE_ROWS_PER_EXPERT * e, hidden))
+        assert not experts.decode_eligible(torch.randn(DECODE_ROWS_PER_EXPERT * e + 1, hidden))
+        with batch_invariant.enabled():
+            assert not experts.decode_eligible(x)
+        loop = Experts(dataclasses.replace(gpt_oss_tiny(), expert_backend="loop"))
+        assert not loop.decode_eligible(x)
+        assert not experts_pair(True, lora=True).decode_eligible(x)
+        with moe_decode.library_only():  # a benchmark's baseline, nested either way
+            assert not experts.decode_eligible(x)
+            with moe_decode.decode_scope():
+                assert not experts.decode_eligible(x)
+        assert experts.decode_eligible(x)
+    for p in experts.parameters():
+        p.requires_grad_(False)
+    with moe_decode.decode_scope():
+        assert experts.decode_eligible(x)
+        assert not experts.decode_eligible(x.requires_grad_())
+
+
+def test_fused_references_keep_float64():
+    """The references compute in float64 for float64 inputs (a float32 detour would cost ~1e-8)."""
+    h = torch.randn(6, 8, dtype=torch.float64) * 3
+    bounds = bounds_of([2, 4])
+    out = fused_moe.swiglu_reference(h, None, bounds, LIMIT, ALPHA)
+    gate, up = h[:, :4].clamp(max=LIMIT), h[:, 4:].clamp(-LIMIT, LIMIT)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, (up + 1) * (gate * torch.sigmoid(gate * ALPHA)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_moe_decode", ROOT / "tools" / "bench_moe_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_tiny_checks_and_times(monkeypatch, capsys):
+    """tools/bench_moe_decode.py at toy widths: its check passes, the sweep and the table run; a decode
+    path with a wrong result fails the check."""
+    bench = _bench()
+    assert bench.main(["--tiny", "--budget-s", "0.01", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "decode, best" in out and "FAILED" not in out
+    monkeypatch.setattr(bench, "decode_fc2", lambda cfg: lambda h, w, b, bounds: torch.zeros_like(h))
+    assert bench.main(["--tiny", "--check-only"]) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA (`-m gpu`)
+def library_path(x, w1, b1, w2, b2, bounds):
+    """torch._grouped_mm + the fused bias / SwiGLU kernels: (h, y), y from the library's own h."""
+    from megatron_gptoss.model.moe import grouped_linear
+
+    h = fused_moe.swiglu_bias(grouped_linear(x, w1, bounds, "grouped_mm"), b1, bounds, LIMIT, ALPHA)
+    y = grouped_linear(h, w2, bounds, "grouped_mm")
+    return h, (y if b2 is None else fused_moe.expert_bias(y, b2, bounds))
+
+
+def gpu_inputs(counts, hidden, inter, seed=0):
+    x, w1, b1, w2, b2, bounds = inputs(counts, hidden, inter, True, seed)
+    return x.cuda(), w1.cuda(), b1.cuda(), w2.cuda(), b2.cuda(), bounds.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize("swap", [True, False])
+@pytest.mark.parametrize("counts", [[9, 0, 70, 1, 33, 0, 16, 130], [3, 0, 0, 5, 0, 0, 0, 1]])
+def test_kernels_bf16_and_fp32_gpu(tma, swap, counts):
+    """bf16 (default tiles, both orientations): the decode path's error against float64 at most that of the
+    library path (which rounds the GEMM output to bf16 before the SwiGLU) plus 1e-3; fp32 with IEEE dots
+    (small tiles: experts over several row tiles) within 1e-5."""
+    x, w1, b1, w2, b2, bounds = gpu_inputs(counts, 576, 320)
+    small = DecodeConfig(
+        block_m=32, block_n=32, block_k=32, warps=4, stages=2, swap=swap, tma=tma
+    )  # fp32 FMA
+    h_ref = moe_decode.fc1_reference(x.double(), w1.double(), b1.double(), bounds, LIMIT, ALPHA)
+    h32 = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, small)
+    y_ref = moe_decode.fc2_reference(h32.double(), w2.double(), b2.double(), bounds)
+    assert rel_err(h32, h_ref) <= 1e-5
+    assert rel_err(moe_decode.decode_fc2(h32, w2, b2, bounds, small), y_ref) <= 1e-5
+    cfg = {
+        gated: dataclasses.replace(
+            moe_decode.default_config(x.shape[0], len(counts), x.device, torch.bfloat16, gated),
+            swap=swap,
+            tma=tma,
+        )
+        for gated in (True, False)
+    }
+    bf = [t.bfloat16() for t in (x, w1, b1, w2, b2)]
+    h = moe_decode.decode_fc1(*bf[:3], bounds, LIMIT, ALPHA, cfg[True])
+    y = moe_decode.decode_fc2(h, *bf[3:], bounds, cfg[False])
+    h_lib, y_lib = library_path(*bf, bounds)
+    ref = [t.double() for t in bf]
+    h_ref = moe_decode.fc1_reference(*ref[:3], bounds, LIMIT, ALPHA)
+    assert rel_err(h, h_ref) <= rel_err(h_lib, h_ref) + 1e-3
+    assert rel_err(y, moe_decode.fc2_reference(h.double(), *ref[3:], bounds)) <= 5e-3
+    assert rel_err(y, y_lib) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tma", [False, True])
+def test_graph_replay_reads_bounds_on_the_device_gpu(tma):
+    """Captured once, replayed on other routings of the same row count: each replay equals the eager call
+    bit for bit (the bounds are read on the device only)."""
+    counts = [[10, 0, 30, 24], [0, 64, 0, 0], [16, 16, 16, 16]]
+    x, w1, b1, w2, b2, bounds = gpu_inputs(counts[0], 256, 192)
+    x, w1, b1, w2, b2 = (t.bfloat16() for t in (x, w1, b1, w2, b2))
+    static_x, static_bounds = x.clone(), bounds.clone()
+    cfg = {
+        g: dataclasses.replace(moe_decode.default_config(64, 4, x.device, torch.bfloat16, g), tma=tma)
+        for g in (True, False)
+    }
+
+    def step():
+        h = moe_decode.decode_fc1(static_x, w1, b1, static_bounds, LIMIT, ALPHA, cfg[True])
+        return h, moe_decode.decode_fc2(h, w2, b2, static_bounds, cfg[False])
+
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        h, y = step()
+    for i, c in enumerate(counts):
+        static_x.copy_(torch.randn(x.shape, device=x.device) * (i + 1))
+        static_bounds.copy_(bounds_of(c).cuda())
+        graph.replay()
+        expected_h, expected_y = step()
+        assert torch.equal(h, expected_h)
+        assert torch.equal(y, expected_y)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_experts_take_the_decode_path_gpu(monkeypatch):
+    """bf16 block on CUDA: the decode path in the decode scope under no_grad (not with gradients, not outside
+    the scope), within 1e-2 of the library path."""
+    experts = experts_pair(True).cuda().bfloat16()
+    e, hidden = experts.num_experts, experts.linear_fc1.weight.shape[2]
+    indices = torch.stack([torch.randperm(e)[:2] for _ in range(40)]).cuda()
+    probs = torch.softmax(torch.randn(40, 2), dim=-1).cuda()
+    x = torch.randn(40, hidden).cuda().bfloat16()
+    assert not experts.decode_kernels(x)
+    calls = []
+    real = moe_decode.decode_fc1
+    monkeypatch.setattr(moe_decode, "decode_fc1", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        assert not experts.decode_kernels(x)  # the learner's forwards: outside the decode scope
+    with torch.no_grad(), moe_decode.decode_scope():
+        assert experts.decode_kernels(x)
+        decode = experts(x, probs, indices)
+        assert calls
+        monkeypatch.setattr(Experts, "decode_kernels", lambda self, x: False)
+        library = experts(x, probs, indices)
+    assert rel_err(decode, library) <= 1e-2
+
+
+def test_only_the_engines_steps_enter_the_decode_scope(monkeypatch):
+    """The embedded engine's forward steps (prefill and decode) run inside `decode_scope`; the learner's
+    forward of the same model does not, so its experts never take the decode kernels."""
+    seen: list[bool] = []
+    real = Experts.decode_kernels
+    monkeypatch.setattr(
+        Experts, "decode_kernels", lambda self, x: seen.append(moe_decode.in_decode_scope()) or real(self, x)
+    )
+    learner = perturbed_learner(0)
+    engine = engine_of(learner)
+    engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=3, temperature=1.0, seed=0))
+    assert seen and all(seen)
+    seen.clear()
+    with torch.no_grad():
+        learner.hidden_states(torch.tensor([[1, 2, 3]]))
+    assert seen and not any(seen)
+    assert not moe_decode.in_decode_scope()
