@@ -13,9 +13,9 @@ it.
                 held-out key, the call rate (eval/call_rate) and the reward (eval/accuracy)
     plot        DIR/both_phases.png: the cold start's metrics, then RL's, on one step axis
 
-OVERRIDES (config fields, e.g. run.steps=20 model.hidden_size=64) apply to both phases; the cold start's
-length and learning rate are its own. Prints and writes (DIR/summary.json) the held-out call rate and reward
-before and after RL and the wall times.
+OVERRIDES (config fields, e.g. run.steps=30 rollout.temperature=0.7) apply to both phases, except that the
+cold start's mode, length, learning rate and schedule are its own (set last). Prints and writes
+(DIR/summary.json) the held-out call rate and reward before and after RL and the wall times.
 """
 
 from __future__ import annotations
@@ -64,10 +64,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     train(
         [
             *files,
+            *overrides,
             *COLD_START,
             f"run.steps={args.cold_start_steps}",
             f"run.output_dir={cold_start}",
-            *overrides,
         ]
     )
     cold_done = time.perf_counter()
