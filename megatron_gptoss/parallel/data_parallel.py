@@ -91,6 +91,10 @@ def all_gather_shards(shard: Tensor, full: Tensor, group: dist.ProcessGroup) -> 
 
 
 # ------------------------------------------------------------------------------------------------
+# Elements per piece of the update-ratio norms (16 MB in fp32: the difference's temporary stays cached)
+_NORM_PIECE = 1 << 22
+
+
 @dataclass
 class _Bucket:
     """The parameters of one (model chunk, group, dtype) laid out in one flat buffer."""
@@ -141,14 +145,13 @@ class DistributedOptimizer:
             for (kind, _), params in sorted(grouped.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
                 self.buckets.append(self._bucket(params, kind))
         self.master = [b.data[b.lo : b.hi].detach().to(torch.float32, copy=True) for b in self.buckets]
-        on_cuda = bool(self.master) and self.master[0].is_cuda
         self.inner = torch.optim.AdamW(
             [m.requires_grad_(True) for m in self.master],
             lr=cfg.lr,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps,
             weight_decay=cfg.weight_decay,
-            fused=on_cuda or None,  # no full-size temporaries on the GPU
+            fused=True,  # one pass per step, no full-size temporaries (CUDA and CPU alike)
         )
         self.zero_grad()
 
@@ -235,7 +238,7 @@ class DistributedOptimizer:
             lo, hi = (b.lo, b.hi) if self.shard else _own_range(b, size)
             lo = max(lo, b.counted_from)
             if hi > lo:
-                square += b.grad[lo:hi].pow(2).sum()
+                square += torch.linalg.vector_norm(b.grad[lo:hi]).square()
         all_reduce_sum(square, self.dims.group("dp"))
         all_reduce_sum(square, self.dims.group("mp"))
         return square.sqrt()
@@ -291,10 +294,12 @@ class DistributedOptimizer:
             size = dist.get_world_size(b.group)
             lo, hi = (b.lo, b.hi) if self.shard else _own_range(b, size)
             lo = max(lo, b.counted_from)
-            if hi > lo:
-                old = b.data[lo:hi].float()
-                squares[0] += (master[lo - b.lo : hi - b.lo] - old).pow(2).sum()
-                squares[1] += old.pow(2).sum()
+            for start in range(lo, hi, _NORM_PIECE):  # pieces: no full-size temporary of the difference
+                end = min(start + _NORM_PIECE, hi)
+                old = b.data[start:end].float()
+                new = master[start - b.lo : end - b.lo]
+                squares[0] += torch.linalg.vector_norm(new - old).square()
+                squares[1] += torch.linalg.vector_norm(old).square()
         all_reduce_sum(squares, self.dims.group("dp"))
         all_reduce_sum(squares, self.dims.group("mp"))
         delta, old_norm = squares.sqrt().tolist()

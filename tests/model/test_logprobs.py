@@ -4,7 +4,7 @@ import pytest
 import torch
 from hf_reference import rel_err
 
-from megatron_gptoss.model import token_logprobs
+from megatron_gptoss.model import logprobs, token_logprobs
 
 
 def reference(hidden, weight, targets, temperature):
@@ -33,6 +33,30 @@ def test_logprobs_entropy_and_grads_match_float64(temperature, chunk):
     assert rel_err(ent, ref_ent) <= 1e-6
     assert rel_err(hidden.grad, h64.grad) <= 1e-5
     assert rel_err(weight.grad, w64.grad) <= 1e-5
+
+
+def test_cpu_chunks_are_capped_by_the_cache_budget(monkeypatch):
+    """On the CPU a chunk holds at most CPU_CHUNK_ELEMENTS logits (here 3 rows of a 50-way layer) whatever
+    chunk_size asks, in reused buffers: the log-probs, entropy and gradients still match float64, with a
+    last chunk shorter than the buffers."""
+    monkeypatch.setattr(logprobs, "CPU_CHUNK_ELEMENTS", 3 * 50 + 7)
+    seen = []
+    real = logprobs._chunk_logp
+    monkeypatch.setattr(logprobs, "_chunk_logp", lambda h, *a: seen.append(h.shape[0]) or real(h, *a))
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(50, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 50, (10,), generator=gen)
+    g_lp, g_ent = torch.randn(10, generator=gen), torch.randn(10, generator=gen)
+    lp, ent = token_logprobs(hidden, weight, targets, temperature=0.9, chunk_size=1024, with_entropy=True)
+    ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+    assert seen == [3, 3, 3, 1] * 2  # forward, then the backward's recomputation
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    ref_lp, ref_ent = reference(h64, w64, targets, 0.9)
+    ((ref_lp * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
+    assert rel_err(lp, ref_lp) <= 1e-6 and rel_err(ent, ref_ent) <= 1e-6
+    assert rel_err(hidden.grad, h64.grad) <= 1e-5 and rel_err(weight.grad, w64.grad) <= 1e-5
 
 
 @pytest.mark.parametrize("read", ["logprobs", "entropy"])
