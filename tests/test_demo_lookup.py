@@ -1,7 +1,8 @@
 """The lookup demo's command (tools/demo_lookup.py) at tiny width and length: it writes the lookup task and
 its cold-start conversations, trains the cold start, starts agentic RL (the calculator and lookup tools)
 from the cold start's HF export with the real tokenizer and the full 201,088-way output layer, evaluates the
-held-out keys before and after RL (reward and call rate), and plots both phases on one axis."""
+held-out keys before and after RL (reward and call rate), measures the cold start's teacher-forced copy
+rates, and plots both phases on one axis."""
 
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ def test_demo_runs_both_phases(tmp_path):
         summary["rl_reward"] == evals[-1]["eval/accuracy"]
         and summary["rl_call_rate"] == evals[-1]["eval/call_rate"]
     )
+    copies = [summary[f"cold_start_copies_{name}"] for name in ("key", "value", "both")]
+    assert all(0.0 <= rate <= 1.0 for rate in copies) and copies[2] <= min(copies[:2])
+    held_out = (tmp_path / "held_out_calls.jsonl").read_text().splitlines()
+    assert len(held_out) == len(test_rows)
     assert all("reward/train_mean" in r and "agent/call_rate" in r for r in rl if r["step"] > 0)
     assert (tmp_path / "both_phases.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "summary.json").read_text()) == summary

@@ -12,6 +12,9 @@ it.
                 the cold start's HF export (DIR/rl); its step-0 evaluation is the cold start's: greedy, every
                 held-out key, the call rate (eval/call_rate) and the reward (eval/accuracy)
     plot        DIR/both_phases.png: the cold start's metrics, then RL's, on one step axis
+    copies      teacher-forced on a lookup conversation of every held-out key, how often the cold start's
+                most likely token is the key where the call copies it and the value where the answer
+                copies it (`copy_rates`; in DIR/summary.json)
 
 OVERRIDES (config fields, e.g. run.steps=30 rollout.temperature=0.7) apply to both phases, except that the
 cold start's mode, length, learning rate and schedule are its own (set last). Prints and writes
@@ -40,6 +43,50 @@ def train(overrides: list[str]) -> None:
     subprocess.run(
         [sys.executable, "-m", "megatron_gptoss.train", "--config", str(CONFIG), *overrides], check=True
     )
+
+
+def copy_rates(hf_dir: Path, out: Path) -> dict[str, float]:
+    """Teacher-forced copy rates of the HF model in `hf_dir` on a lookup conversation of every held-out key
+    (written to `out`): the share whose argmax token is the key where the call writes it ("key"), the value
+    where the final answer writes it ("value"), both ("both"). The key and value are the first and last
+    trained tokens that are three-digit numbers."""
+    import random
+
+    import torch
+
+    from megatron_gptoss.data.conversations import ConversationSet
+    from megatron_gptoss.envs import lookup
+    from megatron_gptoss.harmony import get_tokenizer
+    from megatron_gptoss.hf.io import load_hf
+
+    rng = random.Random(0)
+    out.write_text("".join(json.dumps(lookup.lookup_call(k, rng)) + "\n" for k in lookup.split_keys(True)))
+    examples = ConversationSet([str(out)], 0, "low", 4096).examples
+    tokenizer = get_tokenizer()
+    model = load_hf(hf_dir, dtype=torch.float32).eval()
+    weight = model.output_weight()
+
+    def is_number(token: int) -> bool:
+        text = tokenizer.decode([token]).strip()
+        return text.isdigit() and len(text) == 3
+
+    hits = {"key": 0, "value": 0, "both": 0}
+    with torch.no_grad():
+        for example in examples:
+            ids = example.token_ids
+            numbers = [
+                i
+                for i in range(example.num_prompt_tokens, len(ids))
+                if example.trained[i] and is_number(ids[i])
+            ]
+            hidden = model.hidden_states(torch.tensor([ids]))[0]
+            key, value = (
+                int((hidden[i - 1] @ weight.t()).argmax()) == ids[i] for i in (numbers[0], numbers[-1])
+            )
+            hits["key"] += key
+            hits["value"] += value
+            hits["both"] += key and value
+    return {name: count / len(examples) for name, count in hits.items()}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -71,6 +118,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         ]
     )
     cold_done = time.perf_counter()
+    copies = copy_rates(cold_start / "hf_final", out / "held_out_calls.jsonl")
+    print(f"cold start, teacher-forced on the held-out keys: {copies}")
+    rl_start = time.perf_counter()
     rl = out / "rl"
     train(
         [
@@ -95,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         "rl_call_rate": evals[-1]["eval/call_rate"],
         "rl_reward": evals[-1]["eval/accuracy"],
         "rl_steps": evals[-1]["step"],
+        **{f"cold_start_copies_{name}": rate for name, rate in copies.items()},
         "cold_start_s": cold_done - start,
-        "rl_s": done - cold_done,
+        "rl_s": done - rl_start,
         "total_s": time.perf_counter() - start,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
