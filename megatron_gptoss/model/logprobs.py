@@ -71,22 +71,22 @@ def _chunk_logp(
     lse: torch.Tensor | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
 ):
-    """One chunk's (log_softmax [n, V], its normaliser [n, 1]), fp32; `lse` given (the forward's): not
-    recomputed. The log-softmax is written over the logits' own buffer: `buffers[0]` where given, with
-    `buffers[1]` as the normaliser's scratch (both [n, V] fp32 of the chunk's rows)."""
+    """One chunk's (log_softmax [n, V], its normaliser [n, 1], scratch), fp32; `lse` given (the forward's):
+    not recomputed. The log-softmax is written over the logits' own buffer: `buffers[0]` where given, with
+    `buffers[1]` as the normaliser's scratch (both [n, V] fp32 of the chunk's rows); scratch is the chunk's
+    rows of `buffers[1]` for the caller's next [n, V] temporary, or None."""
     out, scratch = (None, None) if buffers is None else (b[: h.shape[0]] for b in buffers)
     z = fp32_logits(h, weight, out)
     if inv_temp != 1.0:
         z.mul_(inv_temp)
     if lse is None:
         lse = normaliser(z, scratch)
-    return z.sub_(lse), lse
+    return z.sub_(lse), lse, scratch
 
 
 def _entropy(logp: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """-sum_v p log p per row of logp [n, V] -> [n]; p written into `out` (logp's shape) where given."""
-    p = torch.exp(logp) if out is None else torch.exp(logp, out=out)
-    return p.mul_(logp).sum(-1).neg_()
+    return torch.exp(logp, out=out).mul_(logp).sum(-1).neg_()
 
 
 # On the CPU a chunk of at most this many logits (16 MB in fp32) stays in the last-level cache through the
@@ -120,9 +120,11 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lse = hidden.new_empty(n, 1, dtype=torch.float32)
         buffers = _cpu_buffers(hidden, weight.shape[0], chunk)
         for s in range(0, n, chunk):
-            logp, lse[s : s + chunk] = _chunk_logp(hidden[s : s + chunk], weight, inv_temp, None, buffers)
+            logp, lse[s : s + chunk], scratch = _chunk_logp(
+                hidden[s : s + chunk], weight, inv_temp, None, buffers
+            )
             logprobs[s : s + chunk] = logp.gather(1, targets[s : s + chunk, None]).squeeze(1)
-            entropy[s : s + chunk] = _entropy(logp, None if buffers is None else buffers[1][: logp.shape[0]])
+            entropy[s : s + chunk] = _entropy(logp, scratch)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.inv_temp, ctx.chunk = inv_temp, chunk
         ctx.mark_non_differentiable(targets)
@@ -164,12 +166,12 @@ def _chunk_grad(saved, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
     `_chunk_logp`; dz is written over the first."""
     hidden, weight, targets, lse, entropy = saved
     h, t = hidden[s : s + chunk], targets[s : s + chunk]
-    logp, _ = _chunk_logp(h, weight, inv_temp, lse[s : s + chunk], buffers)
+    logp, _, scratch = _chunk_logp(h, weight, inv_temp, lse[s : s + chunk], buffers)
     if grad_entropy is None:  # p = exp(log p) over the same buffer
         g_lp = grad_logprobs[s : s + chunk].float()
         dz = logp.exp_().mul_(-g_lp[:, None])
         return dz.scatter_add_(1, t[:, None], g_lp[:, None])
-    p = torch.exp(logp) if buffers is None else torch.exp(logp, out=buffers[1][: logp.shape[0]])
+    p = torch.exp(logp, out=scratch)
     g_ent = grad_entropy[s : s + chunk].float()
     dz = logp.add_(entropy[s : s + chunk, None]).mul_(p).mul_(-g_ent[:, None])
     if grad_logprobs is not None:
