@@ -38,6 +38,8 @@ class ProfiledEngine(EmbeddedEngine):
     profile_at: int = 8
     times: list[float]
     kernels: dict[str, float] | None = None
+    ops: str | None = None  # the eager step's op table, where asked for
+    want_ops: bool = False
     host: cProfile.Profile | None = None  # host time of the decode-only steps, where asked for
 
     def _step(self):
@@ -47,10 +49,15 @@ class ProfiledEngine(EmbeddedEngine):
         ready = ready and all(len(s.tokens) - s.computed == 1 for s in self._scheduler.running)
         if ready and len(self.times) == self.profile_at and self.kernels is None:
             activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
+            if self.want_ops:
+                activities = sorted({ProfilerActivity.CPU, *activities}, key=str)
             with profile(activities=activities) as prof:
                 plan = super()._step()
                 sync(self.device)
             self.kernels = kernel_times(prof)
+            if self.want_ops:
+                key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+                self.ops = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
         elif ready and self.host is not None:
             self.host.enable()
             plan = super()._step()
@@ -95,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="off,auto", help="cuda_graphs modes to profile")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--host", action="store_true", help="also print the host functions by own time")
+    parser.add_argument("--ops", action="store_true", help="also print the profiled step's ops by device time "
+                        "(host activity recorded too: eager steps attribute kernels to ops)")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -122,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         engine.rows, engine.times, engine.kernels = args.slots, [], None
         engine.host = cProfile.Profile() if args.host else None
+        engine.want_ops, engine.ops = args.ops, None
         engine.profile_at = min(8, args.decode_steps // 2)
         engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
         step = statistics.median(engine.times) if engine.times else float("nan")
@@ -133,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         print("| kernel | ms | share |\n|---|---|---|")
         for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
             print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
+        if engine.ops is not None:
+            print(f"ops of the profiled step:\n{engine.ops}")
         if engine.host is not None:
             text = io.StringIO()
             pstats.Stats(engine.host, stream=text).sort_stats("tottime").print_stats(args.top)

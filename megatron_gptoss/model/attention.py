@@ -16,6 +16,7 @@ from megatron_gptoss.ops import (
     sink_decode,
     sink_paged_decode,
 )
+from megatron_gptoss.ops import fused_moe, fused_rope
 from megatron_gptoss.ops.cached_attention import cached_sink_attention
 from megatron_gptoss.ops.sink_attention import resolve_backend
 
@@ -102,6 +103,13 @@ class SelfAttention(nn.Module):
         q = grouped[..., :r, :].reshape(*lead, self.num_groups * r, d)
         return q, grouped[..., r, :], grouped[..., r + 1, :]
 
+    @staticmethod
+    def _fused_rotary(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+        """Whether an engine forward (a KV cache, nothing for autograd to record) rotates queries and keys in
+        one kernel (`ops.fused_rope`, bitwise the PyTorch path's): CUDA with Triton."""
+        grad = torch.is_grad_enabled() and qkv.requires_grad
+        return qkv.is_cuda and not grad and cos.dtype == qkv.dtype and fused_moe.triton_available()
+
     def _uses_triton(self, q: torch.Tensor) -> bool:
         """Whether cached attention runs the Triton kernels: where the training forward runs Triton (its
         decode rows equal its training rows bit for bit)."""
@@ -137,8 +145,11 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         # Shapes come from qkv: a sequence-parallel linear_qkv gathers the tokens that x holds a chunk of.
         batch, tokens, _ = qkv.shape
-        q, k, v = self.split_qkv(qkv)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None and self._fused_rotary(qkv, cos):
+            q, k, v = fused_rope.rotary_qkv(qkv, cos, sin, self.num_groups, self.heads_per_group, self.head_dim)
+        else:
+            q, k, v = self.split_qkv(qkv)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             out = cache.attend(self.layer, q, k, v, positions, self._cached_attention, self._paged_decode)
         elif cu_seqlens is not None:

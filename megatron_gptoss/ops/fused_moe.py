@@ -33,6 +33,9 @@ _UNPERMUTE_BWD_BLOCK = 512  # columns per step of the combine's backward (one pr
 # gpt-oss-120b widths, 64k rows over 128 experts)
 _SWIGLU_TILE = (16, 128, 4)
 _BIAS_TILE = (64, 128, 4)
+# The routing sort's one-program path: slots at most, and the [experts, slots] tile its bounds count over
+_SMALL_SORT_SLOTS = 4096
+_SMALL_SORT_TILE = 32768
 
 
 def _pow2(n: int) -> int:
@@ -65,13 +68,36 @@ def _kernels():
 # Routing sort
 def sort_by_expert(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
     """indices [N, K] -> (slot_rows [N * K] int64, bounds int32 [E + 1], order [N * K] int64: the slot
-    of each sorted row). Device work only: no host sync."""
+    of each sorted row). Device work only: no host sync. On CUDA, up to `_SMALL_SORT_SLOTS` slots (decode
+    steps) are sorted by one Triton program (`sort_small`); more by torch.sort and searchsorted."""
+    if indices.is_cuda and indices.numel() <= _SMALL_SORT_SLOTS and triton_available():
+        return sort_small(indices, num_experts)
     flat = indices.reshape(-1)
     experts, order = torch.sort(flat, stable=True)
     slot_rows = torch.empty_like(order)
     slot_rows[order] = torch.arange(order.numel(), device=order.device)
     edges = torch.arange(num_experts + 1, device=flat.device, dtype=experts.dtype)
     bounds = torch.searchsorted(experts, edges, out_int32=True)
+    return slot_rows, bounds, order
+
+
+def sort_small(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`sort_by_expert` as one Triton program (a bitonic sort of distinct (expert, slot) keys, so stable;
+    the same three tensors as the torch path's): at most `_SMALL_SORT_SLOTS` slots. CUDA, or the CPU under
+    TRITON_INTERPRET=1."""
+    flat = indices.reshape(-1).contiguous()
+    n = flat.numel()
+    if n > _SMALL_SORT_SLOTS:
+        raise ValueError(f"sort_small sorts at most {_SMALL_SORT_SLOTS} slots, got {n}")
+    slot_rows = torch.empty(n, dtype=torch.int64, device=flat.device)
+    order = torch.empty_like(slot_rows)
+    bounds = torch.empty(num_experts + 1, dtype=torch.int32, device=flat.device)
+    block_n = max(16, _pow2(n))
+    block_e = max(1, min(_pow2(num_experts + 1), _SMALL_SORT_TILE // block_n))
+    _kernels().sort_small_kernel[(1,)](
+        flat, slot_rows, order, bounds, n, num_experts, BLOCK_N=block_n, LOG_N=block_n.bit_length() - 1,
+        BLOCK_E=block_e, num_warps=8,
+    )  # fmt: skip
     return slot_rows, bounds, order
 
 

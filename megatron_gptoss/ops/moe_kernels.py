@@ -17,6 +17,25 @@ import triton.language as tl
 
 
 # ------------------------------------------------------------------------------------------------
+# Routing sort of few slots: one program sorts (expert, slot) keys, then counts the rows below each expert
+@triton.jit
+def sort_small_kernel(
+    indices, slot_rows, order, bounds, n, E, BLOCK_N: tl.constexpr, LOG_N: tl.constexpr, BLOCK_E: tl.constexpr
+):  # fmt: skip
+    slots = tl.arange(0, BLOCK_N)
+    valid = slots < n
+    expert = tl.load(indices + slots, mask=valid, other=E).to(tl.int32)  # padding sorts after every expert
+    keys = tl.sort((expert << LOG_N) | slots)  # distinct keys: by expert, then by slot (stable)
+    slot = keys & (BLOCK_N - 1)
+    tl.store(order + slots, slot.to(tl.int64), mask=valid)
+    tl.store(slot_rows + slot, slots.to(tl.int64), mask=valid)
+    for first in range(0, E + 1, BLOCK_E):
+        edge = first + tl.arange(0, BLOCK_E)
+        below = tl.sum((expert[None, :] < edge[:, None]).to(tl.int32), axis=1)  # rows of experts < edge
+        tl.store(bounds + edge, below, mask=edge <= E)
+
+
+# ------------------------------------------------------------------------------------------------
 # Permutation: token rows -> expert-sorted rows, and its backward (sum of a token's K rows)
 @triton.jit
 def permute_fwd_kernel(

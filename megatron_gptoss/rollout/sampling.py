@@ -17,7 +17,7 @@ import torch
 
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.model.logprobs import normaliser
-from megatron_gptoss.ops import batch_invariant
+from megatron_gptoss.ops import batch_invariant, fused_moe, fused_sampling
 
 # splitmix64's constants as signed 64-bit integers (torch's int64 arithmetic wraps around)
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -59,7 +59,13 @@ def sample_from_logits(
     """logits [B, V] fp32 -> (tokens [B], log-probs [B]). The log-prob is that of the tempered, untruncated
     distribution; top-k then top-p only restrict what can be sampled. With `row_seeds` [B] the draw is the
     seeded, counter-based one at counter `position` (an int, or int64 [B] per row); otherwise `generator`'s
-    multinomial."""
+    multinomial. Seeded and untruncated on CUDA (the batch-invariant mode off), one Triton kernel draws
+    (`ops.fused_sampling`)."""
+    truncated = bool(params.top_k and params.top_k < logits.shape[-1]) or params.top_p < 1.0
+    fused = logits.is_cuda and fused_moe.triton_available() and not batch_invariant.active()
+    if row_seeds is not None and fused and not truncated:
+        uniforms = counter_uniform(row_seeds, position).float()
+        return fused_sampling.seeded_sample(logits.float(), uniforms, params.temperature)
     if batch_invariant.active():  # the learner's log-probs to the bit (`model.logprobs`)
         logp = logits.float() * (1.0 / params.temperature)
         logp = logp - normaliser(logp)

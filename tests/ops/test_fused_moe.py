@@ -85,6 +85,30 @@ def test_sort_by_expert():
 
 
 @needs_triton
+@pytest.mark.parametrize(
+    "tokens,k,experts", [(9, 3, 6), (1, 1, 1), (256, 4, 32), (64, 4, 128), (1000, 4, 128), (300, 4, 32)]
+)
+def test_sort_small_equals_the_torch_sort(tokens, k, experts):
+    """The one-program sort gives the torch path's three tensors exactly, its bounds counted in one
+    chunk of edges or several (33 or 129 edges over 1024 to 4096 slots), with an expert never chosen (the
+    last) and experts chosen by many slots; on fresh random routings (repeats within a token included)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(tokens * 7 + experts)
+    indices = torch.randint(0, max(experts - 1, 1), (tokens, k), generator=g)
+    indices[: tokens // 3] = indices[: tokens // 3] % 3  # a few experts take most slots
+    want = fused_moe.sort_by_expert(indices, experts)  # CPU: torch.sort
+    got = fused_moe.sort_small(indices.to(device), experts)
+    for name, ours, ref in zip(("slot_rows", "bounds", "order"), got, want, strict=True):
+        assert ours.dtype == ref.dtype, name
+        assert torch.equal(ours.cpu(), ref), name
+
+
+def test_sort_small_refuses_too_many_slots():
+    with pytest.raises(ValueError, match="at most 4096 slots"):
+        fused_moe.sort_small(torch.zeros(1025, 4, dtype=torch.long), 8)
+
+
+@needs_triton
 @pytest.mark.parametrize("k,hidden,inter", [(3, 40, 24), (1, 16, 8)])
 def test_kernels_match_reference_fp32(k, hidden, inter):
     device = "cuda" if torch.cuda.is_available() else "cpu"

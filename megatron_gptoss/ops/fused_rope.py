@@ -1,0 +1,52 @@
+"""The rollout engine's rotary embedding in one Triton launch per layer: the query and key heads of the fused
+QKV projection rotated (`model.rope.apply_rotary`, rotate-half) into contiguous outputs, in place of the
+split's copy and the fourteen elementwise kernels of the PyTorch path for queries and keys.
+
+    rotary_qkv(qkv [..., G * (R + 2) * D], cos, sin [..., D / 2], groups G, heads_per_group R, head_dim D)
+        -> q [..., G * R, D], k [..., G, D] (new, contiguous), v [..., G, D] (a view of qkv)
+
+Bitwise equal to the PyTorch path (`split_qkv` then `apply_rotary`) in every dtype: each product, then the
+difference or sum, is rounded to the dtype as the elementwise ops round them, and the launch turns off
+fused multiply-adds. Forward only (the engine's forwards; the learner's keep the PyTorch path and autograd).
+CUDA, or the CPU under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import Tensor
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def rotary_qkv(
+    qkv: Tensor, cos: Tensor, sin: Tensor, groups: int, heads_per_group: int, head_dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    lead = qkv.shape[:-1]
+    width = groups * (heads_per_group + 2) * head_dim
+    if qkv.shape[-1] != width or head_dim % 2 or _pow2(head_dim) != head_dim:
+        raise ValueError(f"qkv [..., {qkv.shape[-1]}] must be [..., G * (R + 2) * D] = [..., {width}] with "
+                         f"head_dim a power of two, got head_dim {head_dim}")  # fmt: skip
+    half = head_dim // 2
+    tokens = qkv[..., 0].numel()
+    flat = qkv.reshape(tokens, width)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    cos2, sin2 = (t.expand(*lead, half).reshape(tokens, half) for t in (cos, sin))
+    if cos2.dtype != qkv.dtype or sin2.dtype != qkv.dtype:
+        raise ValueError(f"cos / sin must be in the activations' dtype {qkv.dtype}, got {cos2.dtype}")
+    cos2, sin2 = cos2.contiguous(), sin2.contiguous()
+    q = torch.empty(tokens, groups * heads_per_group, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty(tokens, groups, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
+        kernels.rotary_qkv_kernel[(tokens, groups)](
+            flat, cos2, sin2, q, k, groups, flat.stride(0), cos2.stride(0), R=heads_per_group,
+            HEADS=_pow2(heads_per_group + 1), HALF=half, num_warps=4, enable_fp_fusion=False,
+        )  # fmt: skip
+    v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
+    return q.view(*lead, groups * heads_per_group, head_dim), k.view(*lead, groups, head_dim), v

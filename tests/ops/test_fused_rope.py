@@ -1,0 +1,51 @@
+"""The engine's fused rotary embedding (`ops.fused_rope.rotary_qkv`) is bitwise equal to the PyTorch path
+(`Attention.split_qkv` then `apply_rotary`): fp32 on the CPU under the Triton interpreter, bf16 and fp32 on
+a CUDA GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatron_gptoss.config import gpt_oss_20b
+from megatron_gptoss.model.rope import RotaryEmbedding, apply_rotary
+from megatron_gptoss.ops.fused_rope import rotary_qkv
+
+needs_triton = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(qkv, cos, sin, groups, r, d):
+    lead = qkv.shape[:-1]
+    grouped = qkv.view(*lead, groups, r + 2, d)
+    q = grouped[..., :r, :].reshape(*lead, groups * r, d)
+    k, v = grouped[..., r, :], grouped[..., r + 1, :]
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
+@pytest.mark.parametrize("groups,r,d,tokens", [(2, 4, 16, 7), (8, 8, 64, 5), (1, 1, 8, 1), (3, 2, 32, 130)])
+def test_rotary_qkv_is_bitwise_the_torch_path(dtype, groups, r, d, tokens):
+    config = gpt_oss_20b(head_dim=d)
+    rotary = RotaryEmbedding(config, DEVICE)
+    positions = torch.randint(0, 100_000, (1, tokens), device=DEVICE)
+    cos, sin = rotary(positions, dtype)
+    qkv = torch.randn(1, tokens, groups * (r + 2) * d, device=DEVICE).mul(4).to(dtype)
+    ours = rotary_qkv(qkv, cos, sin, groups, r, d)
+    for name, a, b in zip("qkv", ours, reference(qkv, cos, sin, groups, r, d), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert torch.equal(a, b), (name, float((a.float() - b.float()).abs().max()))
+
+
+def test_bad_layouts_are_named():
+    with pytest.raises(ValueError, match=r"G \* \(R \+ 2\) \* D"):
+        rotary_qkv(torch.zeros(1, 3, 100), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 2, 4, 16)
+    with pytest.raises(ValueError, match="activations' dtype"):
+        qkv = torch.zeros(1, 3, 2 * 6 * 16)
+        rotary_qkv(qkv, torch.zeros(1, 3, 8, dtype=torch.bfloat16), torch.zeros(1, 3, 8), 2, 4, 16)
