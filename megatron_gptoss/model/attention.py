@@ -145,13 +145,20 @@ class SelfAttention(nn.Module):
         qkv = self.linear_qkv(x)
         # Shapes come from qkv: a sequence-parallel linear_qkv gathers the tokens that x holds a chunk of.
         batch, tokens, _ = qkv.shape
+        target = None
         if cache is not None and self._fused_rotary(qkv, cos):
-            q, k, v = fused_rope.rotary_qkv(qkv, cos, sin, self.num_groups, self.heads_per_group, self.head_dim)
+            target = cache.slot_target(self.layer)
+            if target is not None and (target[0].dtype != qkv.dtype or target[2].numel() != batch * tokens):
+                target = None  # a cache in another dtype, or not one slot per token: attend writes
+            heads = (self.num_groups, self.heads_per_group, self.head_dim)
+            q, k, v = fused_rope.rotary_qkv(qkv, cos, sin, *heads, kv_cache=target)
         else:
             q, k, v = self.split_qkv(qkv)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
-            out = cache.attend(self.layer, q, k, v, positions, self._cached_attention, self._paged_decode)
+            out = cache.attend(
+                self.layer, q, k, v, positions, self._cached_attention, self._paged_decode, target is not None
+            )
         elif cu_seqlens is not None:
             flat = (batch * tokens, -1, self.head_dim)
             out = self.core_attention(

@@ -33,10 +33,15 @@ class KVCache:
         self.values[layer][rows, positions] = v.to(self.values[layer].dtype)
         return self.keys[layer], self.values[layer]
 
+    def slot_target(self, layer: int) -> None:
+        """None: this cache's writes are its own (the paged cache lets the rotary kernel write its slots)."""
+        return None
+
     def attend(
-        self, layer: int, q, k, v, positions: torch.Tensor, attention_fn, paged_fn=None
+        self, layer: int, q, k, v, positions: torch.Tensor, attention_fn, paged_fn=None, written=False
     ) -> torch.Tensor:
         """Store this layer's new k/v, then `attention_fn(q, keys, values, positions, None)` on the cache
-        (`paged_fn`, the paged cache's block-table decode, has no use here: the cache is contiguous)."""
+        (`paged_fn`, the paged cache's block-table decode, has no use here: the cache is contiguous;
+        `written` is never true here, as `slot_target` gives no slots)."""
         k_all, v_all = self.write(layer, k, v, positions)
         return attention_fn(q, k_all, v_all, positions, None)

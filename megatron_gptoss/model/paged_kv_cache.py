@@ -125,11 +125,15 @@ class AttentionGroup:
 @dataclass
 class StepLayout:
     """Device tensors of one packed forward. `slots` per pool: [N] flat slot (block x block_size + offset) of
-    each packed token; `inverse` [N]: each token's row in the concatenated padded attention outputs."""
+    each packed token; `inverse` [N]: each token's row in the concatenated padded attention outputs.
+    `in_order`: one group of one query per row whose rows are the packed tokens in order (`token_index` and
+    `inverse` are the identity: a decode-only step), so attention gathers neither its queries nor its
+    outputs."""
 
     slots: list[torch.Tensor]
     groups: list[AttentionGroup]
     inverse: torch.Tensor
+    in_order: bool = False
 
 
 class PagedKVCache:
@@ -178,6 +182,17 @@ class PagedKVCache:
             pool.drop_storage()
         self.layout = None
 
+    def slot_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(keys, values [pool slots, Hkv, D], slots [N]): where this step's new keys and values of `layer`
+        go, for a kernel that writes them itself (`attend(..., written=True)` then skips its write)."""
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("PagedKVCache.slot_target before the scheduler set the step layout")
+        index = self.pool_of[layer]
+        pool = self.pools[index]
+        flat = (-1, *pool.shape[1:])
+        return pool.keys[layer].view(flat), pool.values[layer].view(flat), layout.slots[index]
+
     def attend(
         self,
         layer: int,
@@ -187,10 +202,11 @@ class PagedKVCache:
         positions: torch.Tensor,
         attention_fn: AttentionFn,
         paged_fn: PagedFn | None = None,
+        written: bool = False,
     ) -> torch.Tensor:
         """q [1, N, Hq, D], k / v [1, N, Hkv, D] of the packed tokens -> attention output [1, N, Hq, D].
         A group of one query per row goes to `paged_fn` (the blocks read through the table, no dense view)
-        where it returns a result."""
+        where it returns a result. `written`: k and v are in their slots already (`slot_target`)."""
         layout = self.layout
         if layout is None:
             raise RuntimeError("PagedKVCache.attend before the scheduler set the step layout")
@@ -199,14 +215,18 @@ class PagedKVCache:
         keys, values = pool.keys[layer], pool.values[layer]
         flat = (-1, *pool.shape[1:])
         slots = layout.slots[index]
-        keys.view(flat).index_copy_(0, slots, k.reshape(flat).to(keys.dtype))
-        values.view(flat).index_copy_(0, slots, v.reshape(flat).to(values.dtype))
+        if not written:
+            keys.view(flat).index_copy_(0, slots, k.reshape(flat).to(keys.dtype))
+            values.view(flat).index_copy_(0, slots, v.reshape(flat).to(values.dtype))
         q_flat = q.reshape(-1, *q.shape[2:])
         outs = []
         for group in layout.groups:
             b, t = group.token_index.shape
             table = group.tables[index]
-            qg = q_flat.index_select(0, group.token_index.reshape(-1)).view(b, t, *q.shape[2:])
+            if layout.in_order:
+                qg = q_flat.view(b, t, *q.shape[2:])
+            else:
+                qg = q_flat.index_select(0, group.token_index.reshape(-1)).view(b, t, *q.shape[2:])
             if t == 1 and paged_fn is not None:
                 rows = group.token_index[:, 0]
                 where = positions.reshape(-1).index_select(0, rows)
@@ -221,4 +241,4 @@ class PagedKVCache:
                 attention_fn(qg, kg, vg, group.q_positions[index], slots_of_view).reshape(b * t, *q.shape[2:])
             )
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        return out.index_select(0, layout.inverse).view(q.shape)
+        return (out if layout.in_order else out.index_select(0, layout.inverse)).view(q.shape)

@@ -5,6 +5,9 @@ split's copy and the fourteen elementwise kernels of the PyTorch path for querie
     rotary_qkv(qkv [..., G * (R + 2) * D], cos, sin [..., D / 2], groups G, heads_per_group R, head_dim D)
         -> q [..., G * R, D], k [..., G, D] (new, contiguous), v [..., G, D] (a view of qkv)
 
+With `kv_cache` = (k_pool, v_pool [slots, G, D], slots [tokens]) the rotated keys and the values are also
+written to each token's slot of the pools (the paged cache's write, in the same launch).
+
 Bitwise equal to the PyTorch path (`split_qkv` then `apply_rotary`) in every dtype: each product, then the
 difference or sum, is rounded to the dtype as the elementwise ops round them, and the launch turns off
 fused multiply-adds. Forward only (the engine's forwards; the learner's keep the PyTorch path and autograd).
@@ -24,7 +27,13 @@ def _pow2(n: int) -> int:
 
 
 def rotary_qkv(
-    qkv: Tensor, cos: Tensor, sin: Tensor, groups: int, heads_per_group: int, head_dim: int
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    groups: int,
+    heads_per_group: int,
+    head_dim: int,
+    kv_cache: tuple[Tensor, Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     lead = qkv.shape[:-1]
     width = groups * (heads_per_group + 2) * head_dim
@@ -42,11 +51,22 @@ def rotary_qkv(
     cos2, sin2 = cos2.contiguous(), sin2.contiguous()
     q = torch.empty(tokens, groups * heads_per_group, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, groups, head_dim, dtype=qkv.dtype, device=qkv.device)
+    k_pool = v_pool = slots = k  # placeholders where nothing is written to a cache
+    if kv_cache is not None:
+        k_pool, v_pool, slots = kv_cache
+        shape = (groups, head_dim)
+        for pool in (k_pool, v_pool):
+            if tuple(pool.shape[1:]) != shape or pool.dtype != qkv.dtype or not pool.is_contiguous():
+                raise ValueError(f"KV pools must be contiguous [slots, {groups}, {head_dim}] in {qkv.dtype}, "
+                                 f"got {tuple(pool.shape)} {pool.dtype}")  # fmt: skip
+        if slots.shape != (tokens,):
+            raise ValueError(f"slots must be [{tokens}] (one per token), got {tuple(slots.shape)}")
     if tokens:
         kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
         kernels.rotary_qkv_kernel[(tokens, groups)](
-            flat, cos2, sin2, q, k, groups, flat.stride(0), cos2.stride(0), R=heads_per_group,
-            HEADS=_pow2(heads_per_group + 1), HALF=half, num_warps=4, enable_fp_fusion=False,
+            flat, cos2, sin2, q, k, k_pool, v_pool, slots, groups, flat.stride(0), cos2.stride(0),
+            R=heads_per_group, HEADS=_pow2(heads_per_group + 1), HALF=half, WRITE_KV=kv_cache is not None,
+            num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
     v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
     return q.view(*lead, groups * heads_per_group, head_dim), k.view(*lead, groups, head_dim), v

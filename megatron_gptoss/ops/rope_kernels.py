@@ -9,12 +9,13 @@ import triton.language as tl
 
 @triton.jit
 def rotary_qkv_kernel(
-    qkv, cos, sin, q_out, k_out, groups, stride_token, stride_cos, R: tl.constexpr, HEADS: tl.constexpr,
-    HALF: tl.constexpr,
+    qkv, cos, sin, q_out, k_out, k_pool, v_pool, slots, groups, stride_token, stride_cos, R: tl.constexpr,
+    HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, KV group): the group's R query heads and its key head (rows of a [HEADS, HALF]
     tile, HEADS = R + 1 rounded up to a power of two) rotated by the token's cos / sin. Each product, then
-    the difference or sum, is rounded to the output dtype as PyTorch's elementwise ops round them."""
+    the difference or sum, is rounded to the output dtype as PyTorch's elementwise ops round them. With
+    WRITE_KV the rotated key and the value also go to the token's slot of the KV pools [slots, groups, D]."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     head = tl.arange(0, HEADS)
@@ -36,3 +37,11 @@ def rotary_qkv_kernel(
     is_k = (head == R)[:, None]
     tl.store(k_dst, out_first, mask=is_k)
     tl.store(k_dst + HALF, out_second, mask=is_k)
+    if WRITE_KV:
+        slot = tl.load(slots + token).to(tl.int64)
+        at = (slot * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
+        tl.store(k_pool + at, out_first, mask=is_k)
+        tl.store(k_pool + at + HALF, out_second, mask=is_k)
+        v_src = qkv + token * stride_token + (group * (R + 2) + R + 1) * (2 * HALF) + col
+        tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + col, tl.load(v_src))
+        tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + HALF + col, tl.load(v_src + HALF))

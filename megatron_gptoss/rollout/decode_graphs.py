@@ -90,7 +90,7 @@ class _Buffers:
         index = torch.arange(batch, device=device)
         views = [w * block_size for w in widths]
         group = AttentionGroup(index.view(batch, 1), self.q_positions, self.tables, views)
-        self.layout = StepLayout(self.slots, [group], index)
+        self.layout = StepLayout(self.slots, [group], index, in_order=True)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
         # [2, batch] float64: sampled tokens and their log-probs (with `params`)

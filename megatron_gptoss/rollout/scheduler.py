@@ -297,6 +297,7 @@ class Scheduler:
                 for index, qp, tb, kv in groups
             ],
             staged[inv],
+            in_order=all(c.count == 1 and c.offset == i for i, c in enumerate(chunks)),
         )
         samplers = chunks if ahead else [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
         return StepPlan(chunks, staged[ids].view(1, -1), staged[pos].view(1, -1), layout, samplers)

@@ -43,6 +43,28 @@ def test_rotary_qkv_is_bitwise_the_torch_path(dtype, groups, r, d, tokens):
         assert torch.equal(a, b), (name, float((a.float() - b.float()).abs().max()))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
+def test_rotary_qkv_writes_the_cache_slots(dtype):
+    """With `kv_cache`, each token's rotated key and its value land in its slot of the pools (the paged
+    cache's index_copy_ of the PyTorch path), the other slots untouched; q, k, v as without it."""
+    groups, r, d, tokens, pool_slots = 3, 2, 16, 9, 40
+    rotary = RotaryEmbedding(gpt_oss_20b(head_dim=d), DEVICE)
+    cos, sin = rotary(torch.randint(0, 5000, (1, tokens), device=DEVICE), dtype)
+    qkv = torch.randn(1, tokens, groups * (r + 2) * d, device=DEVICE).mul(4).to(dtype)
+    slots = torch.randperm(pool_slots, device=DEVICE)[:tokens]
+    k_pool = torch.full((pool_slots, groups, d), 7.0, device=DEVICE, dtype=dtype)
+    v_pool = k_pool.clone()
+    q, k, v = rotary_qkv(qkv, cos, sin, groups, r, d, kv_cache=(k_pool, v_pool, slots))
+    ref_q, ref_k, ref_v = reference(qkv, cos, sin, groups, r, d)
+    assert torch.equal(q, ref_q) and torch.equal(k, ref_k) and torch.equal(v, ref_v)
+    want_k = torch.full_like(k_pool, 7.0).index_copy_(0, slots, ref_k.reshape(tokens, groups, d))
+    want_v = torch.full_like(v_pool, 7.0).index_copy_(0, slots, ref_v.reshape(tokens, groups, d))
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(ValueError, match="slots must be"):
+        rotary_qkv(qkv, cos, sin, groups, r, d, kv_cache=(k_pool, v_pool, slots[:-1]))
+
+
 def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match=r"G \* \(R \+ 2\) \* D"):
         rotary_qkv(torch.zeros(1, 3, 100), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 2, 4, 16)
