@@ -92,7 +92,7 @@ def copy_rates(hf_dir: Path, out: Path) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="outputs/demo_lookup", help="output directory")
-    parser.add_argument("--cold-start-steps", type=int, default=400, help="supervised steps (default 400)")
+    parser.add_argument("--cold-start-steps", type=int, default=600, help="supervised steps (default 600)")
     parser.add_argument("--sft", type=int, default=2000, help="cold-start conversations (default 2000)")
     args, overrides = parser.parse_known_args(argv)
     out = Path(args.out)

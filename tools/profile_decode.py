@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default="off,auto", help="cuda_graphs modes to profile")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--host", action="store_true", help="also print the host functions by own time")
-    parser.add_argument("--ops", action="store_true", help="also print the profiled step's ops by device time "
-                        "(host activity recorded too: eager steps attribute kernels to ops)")  # fmt: skip
+    ops_help = "also print the profiled step's ops by device time (eager steps attribute kernels to ops)"
+    parser.add_argument("--ops", action="store_true", help=ops_help)
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

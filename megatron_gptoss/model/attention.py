@@ -12,11 +12,12 @@ from megatron_gptoss.model.rope import apply_rotary
 from megatron_gptoss.ops import (
     backend_available,
     batch_invariant,
+    fused_moe,
+    fused_rope,
     sink_attention,
     sink_decode,
     sink_paged_decode,
 )
-from megatron_gptoss.ops import fused_moe, fused_rope
 from megatron_gptoss.ops.cached_attention import cached_sink_attention
 from megatron_gptoss.ops.sink_attention import resolve_backend
 

@@ -40,7 +40,8 @@ def draws(rows: int, vocab: int, temperature: float, device: str, seed: int = 0)
 def test_fused_draws_equal_the_torch_path(vocab, temperature):
     """Same tokens on every row (partial and whole last blocks, one block, a one-token row), log-probs within
     fp32 rounding of the PyTorch log-softmax."""
-    tokens, logp, ref_tokens, ref_logp = draws(48, vocab, temperature, "cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, logp, ref_tokens, ref_logp = draws(48, vocab, temperature, device)
     assert tokens.dtype == torch.int64 and logp.dtype == torch.float32
     assert torch.equal(tokens, ref_tokens)
     assert tokens[0] == vocab - 1
