@@ -106,10 +106,9 @@ class SelfAttention(nn.Module):
 
     @staticmethod
     def _fused_rotary(qkv: torch.Tensor, cos: torch.Tensor) -> bool:
-        """Whether an engine forward (a KV cache, nothing for autograd to record) rotates queries and keys in
-        one kernel (`ops.fused_rope`, bitwise the PyTorch path's): CUDA with Triton."""
-        grad = torch.is_grad_enabled() and qkv.requires_grad
-        return qkv.is_cuda and not grad and cos.dtype == qkv.dtype and fused_moe.triton_available()
+        """Whether queries and keys are rotated in one kernel (`ops.fused_rope`: bitwise the PyTorch path's
+        forward; its backward one launch): CUDA with Triton."""
+        return qkv.is_cuda and cos.dtype == qkv.dtype and fused_moe.triton_available()
 
     def _uses_triton(self, q: torch.Tensor) -> bool:
         """Whether cached attention runs the Triton kernels: where the training forward runs Triton (its
@@ -147,8 +146,8 @@ class SelfAttention(nn.Module):
         # Shapes come from qkv: a sequence-parallel linear_qkv gathers the tokens that x holds a chunk of.
         batch, tokens, _ = qkv.shape
         target = None
-        if cache is not None and self._fused_rotary(qkv, cos):
-            target = cache.slot_target(self.layer)
+        if self._fused_rotary(qkv, cos):
+            target = None if cache is None else cache.slot_target(self.layer)
             if target is not None and (target[0].dtype != qkv.dtype or target[2].numel() != batch * tokens):
                 target = None  # a cache in another dtype, or not one slot per token: attend writes
             heads = (self.num_groups, self.heads_per_group, self.head_dim)

@@ -10,7 +10,8 @@ written to each token's slot of the pools (the paged cache's write, in the same 
 
 Bitwise equal to the PyTorch path (`split_qkv` then `apply_rotary`) in every dtype: each product, then the
 difference or sum, is rounded to the dtype as the elementwise ops round them, and the launch turns off
-fused multiply-adds. Forward only (the engine's forwards; the learner's keep the PyTorch path and autograd).
+fused multiply-adds. Where autograd records (the learner), the backward is the rotation transposed in one
+launch (fp32, one rounding: within rounding of PyTorch's autograd of `apply_rotary`, whose every op rounds).
 CUDA, or the CPU under TRITON_INTERPRET=1.
 """
 
@@ -42,21 +43,38 @@ def rotary_qkv(
                          f"head_dim a power of two, got head_dim {head_dim}")  # fmt: skip
     half = head_dim // 2
     tokens = qkv[..., 0].numel()
-    flat = qkv.reshape(tokens, width)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
     cos2, sin2 = (t.expand(*lead, half).reshape(tokens, half) for t in (cos, sin))
     if cos2.dtype != qkv.dtype or sin2.dtype != qkv.dtype:
         raise ValueError(f"cos / sin must be in the activations' dtype {qkv.dtype}, got {cos2.dtype}")
     cos2, sin2 = cos2.contiguous(), sin2.contiguous()
-    q = torch.empty(tokens, groups * heads_per_group, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
+    heads = (groups, heads_per_group, head_dim)
+    if kv_cache is None and torch.is_grad_enabled() and qkv.requires_grad:
+        q, k = _RotaryQK.apply(qkv, cos2.detach(), sin2.detach(), heads)
+    else:
+        q, k = _forward(qkv.detach(), cos2, sin2, heads, kv_cache)
+    return q.view(*lead, groups * heads_per_group, head_dim), k.view(*lead, groups, head_dim), v
+
+
+def _forward(
+    qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], kv_cache
+) -> tuple[Tensor, Tensor]:
+    groups, per_group, head_dim = heads
+    tokens = cos.shape[0]
+    flat = qkv.reshape(tokens, -1)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    q = torch.empty(tokens, groups * per_group, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, groups, head_dim, dtype=qkv.dtype, device=qkv.device)
     k_pool = v_pool = slots = k  # placeholders where nothing is written to a cache
     if kv_cache is not None:
         k_pool, v_pool, slots = kv_cache
-        shape = (groups, head_dim)
         for pool in (k_pool, v_pool):
-            if tuple(pool.shape[1:]) != shape or pool.dtype != qkv.dtype or not pool.is_contiguous():
+            if (
+                tuple(pool.shape[1:]) != (groups, head_dim)
+                or pool.dtype != qkv.dtype
+                or not pool.is_contiguous()
+            ):
                 raise ValueError(f"KV pools must be contiguous [slots, {groups}, {head_dim}] in {qkv.dtype}, "
                                  f"got {tuple(pool.shape)} {pool.dtype}")  # fmt: skip
         if slots.shape != (tokens,):
@@ -64,9 +82,34 @@ def rotary_qkv(
     if tokens:
         kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
         kernels.rotary_qkv_kernel[(tokens, groups)](
-            flat, cos2, sin2, q, k, k_pool, v_pool, slots, groups, flat.stride(0), cos2.stride(0),
-            R=heads_per_group, HEADS=_pow2(heads_per_group + 1), HALF=half, WRITE_KV=kv_cache is not None,
+            flat, cos, sin, q, k, k_pool, v_pool, slots, groups, flat.stride(0), cos.stride(0),
+            R=per_group, HEADS=_pow2(per_group + 1), HALF=head_dim // 2, WRITE_KV=kv_cache is not None,
             num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
-    v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
-    return q.view(*lead, groups * heads_per_group, head_dim), k.view(*lead, groups, head_dim), v
+    return q, k
+
+
+class _RotaryQK(torch.autograd.Function):
+    """The rotated queries and keys of the learner's forward; backward: the rotation transposed, into the
+    QKV gradient's query and key places (zeros in the value's)."""
+
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, heads):
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.shape = heads, qkv.shape
+        return _forward(qkv, cos, sin, heads, None)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        groups, per_group, head_dim = ctx.heads
+        tokens = cos.shape[0]
+        grad = torch.empty(ctx.shape, dtype=grad_q.dtype, device=grad_q.device)
+        if tokens:
+            kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
+            gq, gk = grad_q.contiguous(), grad_k.contiguous()
+            kernels.rotary_qkv_bwd_kernel[(tokens, groups)](
+                gq, gk, cos, sin, grad, groups, grad.shape[-1], cos.stride(0), R=per_group,
+                HEADS=_pow2(per_group + 2), HALF=head_dim // 2, num_warps=4,
+            )  # fmt: skip
+        return grad, None, None, None

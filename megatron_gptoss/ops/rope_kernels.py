@@ -45,3 +45,33 @@ def rotary_qkv_kernel(
         v_src = qkv + token * stride_token + (group * (R + 2) + R + 1) * (2 * HALF) + col
         tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + col, tl.load(v_src))
         tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + HALF + col, tl.load(v_src + HALF))
+
+
+@triton.jit
+def rotary_qkv_bwd_kernel(
+    grad_q, grad_k, cos, sin, grad_qkv, groups, stride_token, stride_cos, R: tl.constexpr,
+    HEADS: tl.constexpr, HALF: tl.constexpr,
+):  # fmt: skip
+    """The forward's transpose, one program per (token, KV group): the gradients of the group's query heads
+    and key head rotated back (d first = g1 c + g2 s, d second = g2 c - g1 s, in fp32, one rounding) into
+    their places of the QKV gradient; the value head's place gets zeros (its gradient arrives through the
+    value's view)."""
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    head = tl.arange(0, HEADS)
+    col = tl.arange(0, HALF)
+    is_q = head < R
+    is_k = head == R
+    q_src = grad_q + (token * groups * R + group * R + head)[:, None] * (2 * HALF) + col[None, :]
+    k_src = grad_k + (token * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
+    g1 = tl.load(q_src, mask=is_q[:, None], other=0.0).to(tl.float32)
+    g1 += tl.load(k_src, mask=is_k[:, None], other=0.0).to(tl.float32)
+    g2 = tl.load(q_src + HALF, mask=is_q[:, None], other=0.0).to(tl.float32)
+    g2 += tl.load(k_src + HALF, mask=is_k[:, None], other=0.0).to(tl.float32)
+    c = tl.load(cos + token * stride_cos + col).to(tl.float32)[None, :]
+    s = tl.load(sin + token * stride_cos + col).to(tl.float32)[None, :]
+    dtype = grad_qkv.dtype.element_ty
+    dst = grad_qkv + token * stride_token + (group * (R + 2) + head)[:, None] * (2 * HALF) + col[None, :]
+    keep = (head < R + 2)[:, None]  # the value head (R + 1) writes its zeros
+    tl.store(dst, (g1 * c + g2 * s).to(dtype), mask=keep)
+    tl.store(dst + HALF, (g2 * c - g1 * s).to(dtype), mask=keep)

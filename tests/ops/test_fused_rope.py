@@ -65,6 +65,28 @@ def test_rotary_qkv_writes_the_cache_slots(dtype):
         rotary_qkv(qkv, cos, sin, groups, r, d, kv_cache=(k_pool, v_pool, slots[:-1]))
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32])
+@pytest.mark.parametrize("groups,r,d,tokens", [(2, 4, 16, 7), (8, 8, 64, 33)])
+def test_rotary_qkv_backward_matches_autograd_of_the_torch_path(dtype, groups, r, d, tokens):
+    """Where autograd records: the same forward bits, and the QKV gradient (queries, keys and the value's
+    view together) within rounding of autograd through `apply_rotary` (fp32: 1e-6; bf16, whose every
+    PyTorch op rounds: 1e-2), on fresh random inputs and output gradients."""
+    rotary = RotaryEmbedding(gpt_oss_20b(head_dim=d), DEVICE)
+    cos, sin = rotary(torch.randint(0, 100_000, (1, tokens), device=DEVICE), dtype)
+    qkv = torch.randn(1, tokens, groups * (r + 2) * d, device=DEVICE).mul(4).to(dtype)
+    ours_in, ref_in = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    ours = rotary_qkv(ours_in, cos, sin, groups, r, d)
+    ref = reference(ref_in, cos, sin, groups, r, d)
+    grads = [torch.randn_like(t) for t in ref]
+    (ours_grad,) = torch.autograd.grad(ours, ours_in, grads)
+    (ref_grad,) = torch.autograd.grad(ref, ref_in, grads)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a.detach(), b.detach())
+    err = float((ours_grad.double() - ref_grad.double()).norm() / ref_grad.double().norm())
+    assert err < (1e-6 if dtype == torch.float32 else 1e-2), err
+
+
 def test_bad_layouts_are_named():
     with pytest.raises(ValueError, match=r"G \* \(R \+ 2\) \* D"):
         rotary_qkv(torch.zeros(1, 3, 100), torch.zeros(1, 3, 8), torch.zeros(1, 3, 8), 2, 4, 16)
