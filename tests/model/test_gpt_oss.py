@@ -3,6 +3,7 @@
 import pytest
 import torch
 from hf_reference import hf_twin, rel_err
+from triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.model import build_model
@@ -104,6 +105,7 @@ def test_activation_checkpointing_gives_same_gradients():
         assert rel_err(p.grad, grads[n]) <= 1e-6, n
 
 
+@interpreted
 def test_grouped_experts_backend_matches_loop_when_available():
     model = perturbed_model(7)
     ids = torch.randint(0, model.config.vocab_size, (1, 16))

@@ -6,10 +6,10 @@ intermediates to bf16 where the fused one rounds once)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
+from triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.model.moe import MoE
@@ -50,10 +50,7 @@ def errors(fused, ref, x, grad):
     return result
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
+@interpreted  # CPU tensors
 def test_fused_backend_equals_eager_fp32():
     config = gpt_oss_tiny()
     fused, ref = moe_pair(config, torch.float32, "cpu")
