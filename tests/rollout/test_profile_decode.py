@@ -1,0 +1,22 @@
+"""tools/profile_decode.py at toy size on the CPU: it profiles a decode-only step of every asked mode and
+prints the step's kernels (CPU ops here) by time, the median step time, and with --ops the op table."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
+    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "tools/profile_decode.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--tiny", "--modes", "off", "--ops", "--top", "5"])
+    out = capsys.readouterr().out
+    assert "## cuda_graphs=off: 4 rows" in out and "decode-only steps, median" in out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| kernel")]
+    assert 1 <= len(rows) <= 5 and all(float(row.split("|")[2]) >= 0 for row in rows)
+    assert "ops of the profiled step:" in out and "aten::" in out
