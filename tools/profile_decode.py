@@ -48,15 +48,16 @@ class ProfiledEngine(EmbeddedEngine):
         ready = self._scheduler is not None and len(self._scheduler.running) == self.rows
         ready = ready and all(len(s.tokens) - s.computed == 1 for s in self._scheduler.running)
         if ready and len(self.times) == self.profile_at and self.kernels is None:
-            activities = [ProfilerActivity.CUDA] if self.device.type == "cuda" else [ProfilerActivity.CPU]
-            if self.want_ops:
-                activities = sorted({ProfilerActivity.CPU, *activities}, key=str)
+            cuda = self.device.type == "cuda"
+            activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            if self.want_ops and cuda:  # host ops too: eager steps attribute the kernels to them
+                activities.append(ProfilerActivity.CPU)
             with profile(activities=activities) as prof:
                 plan = super()._step()
                 sync(self.device)
             self.kernels = kernel_times(prof)
             if self.want_ops:
-                key = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+                key = "self_device_time_total" if cuda else "self_cpu_time_total"
                 self.ops = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
         elif ready and self.host is not None:
             self.host.enable()

@@ -22,9 +22,7 @@ import importlib
 import torch
 from torch import Tensor
 
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+from megatron_gptoss.ops.fused_moe import _pow2
 
 
 def rotary_qkv(

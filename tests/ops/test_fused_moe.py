@@ -4,17 +4,12 @@ without tokens), bf16 on a CUDA GPU (`gpu`). Errors per tensor are ||ours - ref|
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_cpu import needs_triton
 
 from megatron_gptoss.ops import fused_moe
 
-needs_triton = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
 LIMIT, ALPHA = 7.0, 1.702
 
 

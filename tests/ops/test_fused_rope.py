@@ -4,19 +4,14 @@ a CUDA GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_cpu import needs_triton
 
 from megatron_gptoss.config import gpt_oss_20b
 from megatron_gptoss.model.rope import RotaryEmbedding, apply_rotary
 from megatron_gptoss.ops.fused_rope import rotary_qkv
 
-needs_triton = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 

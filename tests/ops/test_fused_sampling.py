@@ -4,20 +4,14 @@ at the vocabulary's width (`gpu`)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_cpu import needs_triton
 
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.ops import fused_sampling
 from megatron_gptoss.rollout import sampling
 from megatron_gptoss.rollout.sampling import counter_uniform, sample_from_logits
-
-needs_triton = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
 
 
 def draws(rows: int, vocab: int, temperature: float, device: str, seed: int = 0):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.config.lora import LoRAConfig
@@ -26,11 +27,6 @@ from tests.rollout.helpers_engine import engine_of, perturbed_learner
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
-)
-# Kernel launches on CPU tensors run under the interpreter only (with a GPU present, tests/ops/conftest.py
-# leaves TRITON_INTERPRET unset and the CUDA tests below take over)
-interpreted = pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton tests need TRITON_INTERPRET=1"
 )
 LIMIT, ALPHA = 7.0, 1.702
 ROOT = Path(__file__).resolve().parents[2]
