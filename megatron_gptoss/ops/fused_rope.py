@@ -11,7 +11,8 @@ written to each token's slot of the pools (the paged cache's write, in the same 
 Bitwise equal to the PyTorch path (`split_qkv` then `apply_rotary`) in every dtype: each product, then the
 difference or sum, is rounded to the dtype as the elementwise ops round them, and the launch turns off
 fused multiply-adds. Where autograd records (the learner), the backward is the rotation transposed in one
-launch (fp32, one rounding: within rounding of PyTorch's autograd of `apply_rotary`, whose every op rounds).
+launch (fp32, one rounding: within rounding of PyTorch's autograd of `apply_rotary`, whose every op rounds)
+that also writes the values' gradient (the values are then a copy, not a view of qkv).
 CUDA, or the CPU under TRITON_INTERPRET=1.
 """
 
@@ -45,18 +46,21 @@ def rotary_qkv(
     if cos2.dtype != qkv.dtype or sin2.dtype != qkv.dtype:
         raise ValueError(f"cos / sin must be in the activations' dtype {qkv.dtype}, got {cos2.dtype}")
     cos2, sin2 = cos2.contiguous(), sin2.contiguous()
-    v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
     heads = (groups, heads_per_group, head_dim)
     if kv_cache is None and torch.is_grad_enabled() and qkv.requires_grad:
-        q, k = _RotaryQK.apply(qkv, cos2.detach(), sin2.detach(), heads)
+        # the value copied out too: the backward writes the whole QKV gradient at once (a view's backward
+        # would add a zero-filled full-width gradient to it)
+        q, k, v = _RotaryQKV.apply(qkv, cos2.detach(), sin2.detach(), heads)
+        v = v.view(*lead, groups, head_dim)
     else:
-        q, k = _forward(qkv.detach(), cos2, sin2, heads, kv_cache)
+        q, k, _ = _forward(qkv.detach(), cos2, sin2, heads, kv_cache, False)
+        v = qkv.view(*lead, groups, heads_per_group + 2, head_dim)[..., heads_per_group + 1, :]
     return q.view(*lead, groups * heads_per_group, head_dim), k.view(*lead, groups, head_dim), v
 
 
 def _forward(
-    qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], kv_cache
-) -> tuple[Tensor, Tensor]:
+    qkv: Tensor, cos: Tensor, sin: Tensor, heads: tuple[int, int, int], kv_cache, copy_v: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
     groups, per_group, head_dim = heads
     tokens = cos.shape[0]
     flat = qkv.reshape(tokens, -1)
@@ -64,6 +68,7 @@ def _forward(
         flat = flat.contiguous()
     q = torch.empty(tokens, groups * per_group, head_dim, dtype=qkv.dtype, device=qkv.device)
     k = torch.empty(tokens, groups, head_dim, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty_like(k) if copy_v else None
     k_pool = v_pool = slots = k  # placeholders where nothing is written to a cache
     if kv_cache is not None:
         k_pool, v_pool, slots = kv_cache
@@ -80,34 +85,34 @@ def _forward(
     if tokens:
         kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
         kernels.rotary_qkv_kernel[(tokens, groups)](
-            flat, cos, sin, q, k, k_pool, v_pool, slots, groups, flat.stride(0), cos.stride(0),
-            R=per_group, HEADS=_pow2(per_group + 1), HALF=head_dim // 2, WRITE_KV=kv_cache is not None,
-            num_warps=4, enable_fp_fusion=False,
+            flat, cos, sin, q, k, k if v is None else v, k_pool, v_pool, slots, groups, flat.stride(0),
+            cos.stride(0), R=per_group, HEADS=_pow2(per_group + 1), HALF=head_dim // 2, WRITE_V=copy_v,
+            WRITE_KV=kv_cache is not None, num_warps=4, enable_fp_fusion=False,
         )  # fmt: skip
-    return q, k
+    return q, k, v
 
 
-class _RotaryQK(torch.autograd.Function):
-    """The rotated queries and keys of the learner's forward; backward: the rotation transposed, into the
-    QKV gradient's query and key places (zeros in the value's)."""
+class _RotaryQKV(torch.autograd.Function):
+    """The rotated queries and keys and a copy of the values, of the learner's forward; backward: the
+    rotation transposed and the values' gradient, written into the QKV gradient in one launch."""
 
     @staticmethod
     def forward(ctx, qkv, cos, sin, heads):
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.shape = heads, qkv.shape
-        return _forward(qkv, cos, sin, heads, None)
+        return _forward(qkv, cos, sin, heads, None, True)
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k):
+    def backward(ctx, grad_q, grad_k, grad_v):
         cos, sin = ctx.saved_tensors
         groups, per_group, head_dim = ctx.heads
         tokens = cos.shape[0]
         grad = torch.empty(ctx.shape, dtype=grad_q.dtype, device=grad_q.device)
         if tokens:
             kernels = importlib.import_module("megatron_gptoss.ops.rope_kernels")
-            gq, gk = grad_q.contiguous(), grad_k.contiguous()
+            gq, gk, gv = (g.contiguous() for g in (grad_q, grad_k, grad_v))
             kernels.rotary_qkv_bwd_kernel[(tokens, groups)](
-                gq, gk, cos, sin, grad, groups, grad.shape[-1], cos.stride(0), R=per_group,
+                gq, gk, gv, cos, sin, grad, groups, grad.shape[-1], cos.stride(0), R=per_group,
                 HEADS=_pow2(per_group + 2), HALF=head_dim // 2, num_warps=4,
             )  # fmt: skip
         return grad, None, None, None

@@ -9,13 +9,14 @@ import triton.language as tl
 
 @triton.jit
 def rotary_qkv_kernel(
-    qkv, cos, sin, q_out, k_out, k_pool, v_pool, slots, groups, stride_token, stride_cos, R: tl.constexpr,
-    HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_KV: tl.constexpr,
+    qkv, cos, sin, q_out, k_out, v_out, k_pool, v_pool, slots, groups, stride_token, stride_cos,
+    R: tl.constexpr, HEADS: tl.constexpr, HALF: tl.constexpr, WRITE_V: tl.constexpr, WRITE_KV: tl.constexpr,
 ):  # fmt: skip
     """One program per (token, KV group): the group's R query heads and its key head (rows of a [HEADS, HALF]
     tile, HEADS = R + 1 rounded up to a power of two) rotated by the token's cos / sin. Each product, then
     the difference or sum, is rounded to the output dtype as PyTorch's elementwise ops round them. With
-    WRITE_KV the rotated key and the value also go to the token's slot of the KV pools [slots, groups, D]."""
+    WRITE_KV the rotated key and the value also go to the token's slot of the KV pools [slots, groups, D];
+    with WRITE_V the value is copied to v_out [tokens, groups, D]."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     head = tl.arange(0, HEADS)
@@ -37,6 +38,11 @@ def rotary_qkv_kernel(
     is_k = (head == R)[:, None]
     tl.store(k_dst, out_first, mask=is_k)
     tl.store(k_dst + HALF, out_second, mask=is_k)
+    if WRITE_V:
+        v_src = qkv + token * stride_token + (group * (R + 2) + R + 1) * (2 * HALF) + col
+        v_dst = v_out + (token * groups + group) * (2 * HALF) + col
+        tl.store(v_dst, tl.load(v_src))
+        tl.store(v_dst + HALF, tl.load(v_src + HALF))
     if WRITE_KV:
         slot = tl.load(slots + token).to(tl.int64)
         at = (slot * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
@@ -49,13 +55,12 @@ def rotary_qkv_kernel(
 
 @triton.jit
 def rotary_qkv_bwd_kernel(
-    grad_q, grad_k, cos, sin, grad_qkv, groups, stride_token, stride_cos, R: tl.constexpr,
+    grad_q, grad_k, grad_v, cos, sin, grad_qkv, groups, stride_token, stride_cos, R: tl.constexpr,
     HEADS: tl.constexpr, HALF: tl.constexpr,
 ):  # fmt: skip
     """The forward's transpose, one program per (token, KV group): the gradients of the group's query heads
-    and key head rotated back (d first = g1 c + g2 s, d second = g2 c - g1 s, in fp32, one rounding) into
-    their places of the QKV gradient; the value head's place gets zeros (its gradient arrives through the
-    value's view)."""
+    and key head rotated back (d first = g1 c + g2 s, d second = g2 c - g1 s, in fp32, one rounding) and the
+    value head's gradient as it is, each into its place of the QKV gradient."""
     token = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     head = tl.arange(0, HEADS)
@@ -64,14 +69,18 @@ def rotary_qkv_bwd_kernel(
     is_k = head == R
     q_src = grad_q + (token * groups * R + group * R + head)[:, None] * (2 * HALF) + col[None, :]
     k_src = grad_k + (token * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
+    is_v = (head == R + 1)[:, None]
+    v_src = grad_v + (token * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
     g1 = tl.load(q_src, mask=is_q[:, None], other=0.0).to(tl.float32)
     g1 += tl.load(k_src, mask=is_k[:, None], other=0.0).to(tl.float32)
     g2 = tl.load(q_src + HALF, mask=is_q[:, None], other=0.0).to(tl.float32)
     g2 += tl.load(k_src + HALF, mask=is_k[:, None], other=0.0).to(tl.float32)
+    v1 = tl.load(v_src, mask=is_v, other=0.0)
+    v2 = tl.load(v_src + HALF, mask=is_v, other=0.0)
     c = tl.load(cos + token * stride_cos + col).to(tl.float32)[None, :]
     s = tl.load(sin + token * stride_cos + col).to(tl.float32)[None, :]
     dtype = grad_qkv.dtype.element_ty
     dst = grad_qkv + token * stride_token + (group * (R + 2) + head)[:, None] * (2 * HALF) + col[None, :]
-    keep = (head < R + 2)[:, None]  # the value head (R + 1) writes its zeros
-    tl.store(dst, (g1 * c + g2 * s).to(dtype), mask=keep)
-    tl.store(dst + HALF, (g2 * c - g1 * s).to(dtype), mask=keep)
+    keep = (head < R + 2)[:, None]
+    tl.store(dst, tl.where(is_v, v1.to(dtype), (g1 * c + g2 * s).to(dtype)), mask=keep)
+    tl.store(dst + HALF, tl.where(is_v, v2.to(dtype), (g2 * c - g1 * s).to(dtype)), mask=keep)
