@@ -227,11 +227,12 @@ def main() -> None:
     def fwd_bwd_step() -> None:
         runner.forward_backward(packed, loss_fn)
 
-    ours = timing_summary(time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero))
+    step_times = time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero)
+    ours = timing_summary(step_times)
     fwd_bwd = world_max(ours["median_s"], dims, device)
 
     # (3) optimizer step, gradients from one more backward before each
-    step_times = []
+    opt_times = []
     if opt is not None:
         for it in range(1 + max(args.iters // 2, 2)):
             zero()
@@ -241,9 +242,9 @@ def main() -> None:
             metrics = opt.step()
             sync(device)
             if it >= 1:
-                step_times.append(time.perf_counter() - start)
+                opt_times.append(time.perf_counter() - start)
         assert metrics["train/skipped"] == 0.0, metrics
-    opt_step = world_max(statistics.median(step_times), dims, device) if step_times else float("nan")
+    opt_step = world_max(statistics.median(opt_times), dims, device) if opt_times else float("nan")
     peak = world_max(torch.cuda.max_memory_allocated(device) if cuda else 0.0, dims, device)
 
     if args.profile and cuda:
@@ -274,10 +275,11 @@ def main() -> None:
         "doc_len": args.doc_len,
         "fwd_bwd_ms": fwd_bwd * 1e3,
         "fwd_bwd_spread_pct": ours["spread_pct"],
+        "fwd_bwd_steps_ms": [round(t * 1e3, 2) for t in step_times],
         "optimizer_ms": opt_step * 1e3,
         "tokens_per_s_per_gpu": args.tokens / args.tp / fwd_bwd,
         "model_tflops_per_gpu": flops / fwd_bwd / 1e12,
-        "model_tflops_per_gpu_with_optimizer": flops / (fwd_bwd + (opt_step if step_times else 0.0)) / 1e12,
+        "model_tflops_per_gpu_with_optimizer": flops / (fwd_bwd + (opt_step if opt_times else 0.0)) / 1e12,
         "peak_gib": peak / GIB,
         "estimated_gib": predicted["total"] / GIB,
         "loss_bf16": loss_bf16,

@@ -8,6 +8,10 @@ GEMMs of bf16/fp16 hidden states and weights on CUDA run on the half-precision t
 accumulation and fp32 output: the logits are those of the fp32 GEMM (products of half values are exact
 in fp32). The backward's fp32 logit gradient is split into two half-precision terms (hi + lo, relative
 residual below 2^-17) for its two GEMMs; elsewhere every GEMM runs in fp32.
+
+On CUDA (with Triton, outside the batch-invariant mode) the elementwise work of a chunk is two kernels
+(`ops.fused_logprobs`: the rows' statistics in the forward, the logits' gradient in the backward) and a chunk
+holds up to `GPU_CHUNK_ELEMENTS` logits, so a small vocabulary takes the whole batch in one chunk.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 
 import torch
 
-from megatron_gptoss.ops import batch_invariant
+from megatron_gptoss.ops import batch_invariant, fused_logprobs, fused_moe
 
 
 @functools.cache
@@ -104,29 +108,47 @@ def _cpu_buffers(hidden: torch.Tensor, vocab: int, chunk: int) -> tuple[torch.Te
     return tuple(torch.empty(rows, vocab, dtype=torch.float32) for _ in range(2))  # type: ignore[return-value]
 
 
-def _chunk_rows(chunk: int, hidden: torch.Tensor, vocab: int) -> int:
+# Logits per chunk of the fused path (512 MB in fp32; the backward holds a second block of that size).
+GPU_CHUNK_ELEMENTS = 1 << 27
+
+
+def _chunk_rows(chunk: int, hidden: torch.Tensor, vocab: int, fused: bool) -> int:
+    if fused:
+        return max(chunk, GPU_CHUNK_ELEMENTS // max(vocab, 1))
     if hidden.device.type != "cpu":
         return chunk
     return max(1, min(chunk, CPU_CHUNK_ELEMENTS // max(vocab, 1)))
 
 
+def fused_available(hidden: torch.Tensor) -> bool:
+    """Whether the head's chunks run `ops.fused_logprobs` by default: CUDA with Triton, outside the
+    batch-invariant mode (whose reductions are its own)."""
+    return hidden.is_cuda and not batch_invariant.active() and fused_moe.triton_available()
+
+
 class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, chunk):
+    def forward(ctx, hidden, weight, targets, inv_temp, chunk, fused):
         n = hidden.shape[0]
-        chunk = _chunk_rows(chunk, hidden, weight.shape[0])
+        chunk = _chunk_rows(chunk, hidden, weight.shape[0], fused)
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, 1, dtype=torch.float32)
-        buffers = _cpu_buffers(hidden, weight.shape[0], chunk)
+        buffers = None if fused else _cpu_buffers(hidden, weight.shape[0], chunk)
         for s in range(0, n, chunk):
+            if fused:
+                z = fp32_logits(hidden[s : s + chunk], weight)
+                stats = fused_logprobs.row_stats(z, targets[s : s + chunk], inv_temp)
+                for out, value in zip((logprobs, entropy, lse), stats):
+                    out[s : s + chunk] = value.view(out[s : s + chunk].shape)
+                continue
             logp, lse[s : s + chunk], scratch = _chunk_logp(
                 hidden[s : s + chunk], weight, inv_temp, None, buffers
             )
             logprobs[s : s + chunk] = logp.gather(1, targets[s : s + chunk, None]).squeeze(1)
             entropy[s : s + chunk] = _entropy(logp, scratch)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.inv_temp, ctx.chunk = inv_temp, chunk
+        ctx.inv_temp, ctx.chunk, ctx.fused = inv_temp, chunk, fused
         ctx.mark_non_differentiable(targets)
         ctx.set_materialize_grads(False)  # an output the loss does not read gets None: its term is skipped
         return logprobs, entropy
@@ -136,16 +158,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
         if grad_logprobs is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         half = _half_gemms(hidden) and weight.dtype == hidden.dtype
         wf = torch.cat([weight, weight]) if half else weight.float()
-        buffers = _cpu_buffers(hidden, weight.shape[0], chunk)
+        buffers = None if ctx.fused else _cpu_buffers(hidden, weight.shape[0], chunk)
+        vocab = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk):
-            dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
-            dz.mul_(inv_temp)
             h = hidden[s : s + chunk]
+            if (
+                ctx.fused
+            ):  # dz (inv_temp applied) as hi | lo [rows, 2V] for the half GEMMs, else fp32 in place
+                dz = _fused_chunk_grad(
+                    ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, half
+                )
+                if half:
+                    if grad_hidden is not None:  # fp32 accumulation, one rounding to the hidden dtype
+                        torch.mm(dz, wf, out=grad_hidden[s : s + chunk])
+                    both = torch.mm(dz.t(), h, out_dtype=torch.float32)
+                    grad_weight += both[:vocab]
+                    grad_weight += both[vocab:]
+                    continue
+            else:
+                dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
+                dz.mul_(inv_temp)
             if half:  # dz @ W = [hi, lo] @ [W; W] and dz^T @ h = [hi; lo]^T @ [h; h]: fp32 accumulation
                 hi, lo = _split(dz, hidden.dtype)
                 if grad_hidden is not None:
@@ -156,7 +193,20 @@ class _ChunkedLogprobs(torch.autograd.Function):
                 grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
             grad_weight.addmm_(dz.t(), h.float())
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _fused_chunk_grad(saved, s, chunk, inv_temp, grad_logprobs, grad_entropy, half):
+    """The fused path's gradient w.r.t. the raw logits of one chunk (`fused_logprobs.logit_grad`): as hi | lo
+    [rows, 2V] in the hidden states' dtype where `half`, else fp32 [rows, V] over the recomputed logits."""
+    hidden, weight, targets, lse, entropy = saved
+    z = fp32_logits(hidden[s : s + chunk], weight)
+    out = torch.empty(z.shape[0], 2 * z.shape[1], dtype=hidden.dtype, device=z.device) if half else z
+    grads = [None if g is None else g[s : s + chunk] for g in (grad_logprobs, grad_entropy)]
+    rows = slice(s, s + chunk)
+    return fused_logprobs.logit_grad(
+        z, targets[rows], lse[rows].view(-1), entropy[rows], grads[0], grads[1], inv_temp, out
+    )
 
 
 def _chunk_grad(saved, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers):
@@ -189,9 +239,11 @@ def token_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    fused: bool | None = None,
 ):
     """hidden [..., H], weight [V, H] (real vocabulary rows), targets [...] int64 ->
-    logprobs [...] fp32 (and entropy [...] fp32 when `with_entropy`). Differentiable in hidden and weight."""
+    logprobs [...] fp32 (and entropy [...] fp32 when `with_entropy`). Differentiable in hidden and weight.
+    `fused`: the chunks' elementwise work as `ops.fused_logprobs`' kernels (None: `fused_available`)."""
     lead = targets.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
@@ -201,6 +253,8 @@ def token_logprobs(
         torch._assert_async(((t >= 0) & (t < weight.shape[0])).all(), "targets outside the vocabulary")
     elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
         raise ValueError(f"targets outside the vocabulary [0, {weight.shape[0]})")
-    logprobs, entropy = _ChunkedLogprobs.apply(h, weight, t, 1.0 / temperature, chunk_size)
+    if fused is None:
+        fused = fused_available(h)
+    logprobs, entropy = _ChunkedLogprobs.apply(h, weight, t, 1.0 / temperature, chunk_size, fused)
     logprobs = logprobs.view(lead)
     return (logprobs, entropy.view(lead)) if with_entropy else logprobs
