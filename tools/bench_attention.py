@@ -7,7 +7,8 @@
 Times are medians of `triton.testing.do_bench` (L2 flushed between repeats): forward with autograd
 recording, backward from the kept graph for a given dO (loss on the output only). FLOPs count the
 visible (query, key) pairs exactly: forward 4 * head_dim * q_heads * pairs, backward 2.5x that.
-Backends: triton (ours), fa4 (flash-attn-4 + learnable_sink, when installed), flex (compiled
+Backends: triton (ours), triton1 (ours with the one-pass backward: dQ summed inside the dK/dV kernel in
+key-block order, `KernelConfig.fused_dq`), fa4 (flash-attn-4 + learnable_sink, when installed), flex (compiled
 flex_attention, block mask built once outside the timing, LSE sink correction as the flex backend),
 sdpa (scaled_dot_product_attention WITHOUT sinks, KV heads expanded beforehand; causal padded cases
 only: a reference point), eager (our reference; 4k only, it materialises the scores).
@@ -134,6 +135,16 @@ def backend_fn(name, inputs, kw, config=None):
         from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention
 
         return lambda q, k, v, s: triton_sink_attention(q, k, v, s, config=config, **kw)
+    if name in ("triton1", "triton2"):  # the default tiles with the one-pass / the two-pass backward
+        from dataclasses import replace
+
+        from megatron_gptoss.ops import triton_sink_attention as tsa
+
+        q = inputs[0]
+        longest = kw.get("max_seqlen") or q.shape[1]
+        base = tsa.default_config(D, q.dtype, kw["window"] is not None, q.device, longest)
+        cfg = replace(base, fused_dq=name == "triton1")
+        return lambda q, k, v, s: tsa.triton_sink_attention(q, k, v, s, config=cfg, **kw)
     return lambda q, k, v, s: sink_attention(q, k, v, s, backend=name, **kw)
 
 
@@ -261,12 +272,17 @@ def sweep_case(case_name):
     trials.append(("dkdv-unpaired", "default", dict(dkdv_pair=False)))
     for c in SWEEP_DQ:
         trials.append(("dq", c, dict(dq_block_m=c[0], dq_block_n=c[1], dq_warps=c[2], dq_stages=c[3])))
+    for c in SWEEP_DKDV:
+        fields = dict(dkdv_block_m=c[0], dkdv_block_n=c[1], dkdv_warps=c[2], dkdv_stages=c[3], fused_dq=True)
+        trials.append(("dkdv+dq", c, fields))
     for part, c, fields in trials:
         cfg = replace(base, **fields)
         if part == "fwd":
             fn, args = tsa._forward, (q, k, v, s, cu, ms, window, scale, cfg)
         elif part == "dq":
             fn, args = tsa._bwd_dq, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+        elif part == "dkdv+dq":
+            fn, args = tsa._bwd_fused, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
         else:
             fn, args = tsa._bwd_dkdv, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
         try:

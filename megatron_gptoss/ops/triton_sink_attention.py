@@ -52,6 +52,8 @@ class KernelConfig:
     dq_warps: int
     dq_stages: int
     dkdv_pair: bool = True  # causal: a dK/dV program takes key blocks p and last - p (balanced work)
+    # dQ accumulated inside the dK/dV kernel in key-block order (ordered counters per query tile), no dQ pass
+    fused_dq: bool = False
 
 
 def default_config(
@@ -207,11 +209,35 @@ def _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cf
     return dq
 
 
+def _bwd_fused(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
+    """dK, dV and dQ from one kernel: dQ summed in fp32 in key-block order, then cast."""
+    batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    hq, hkv = q.shape[-2], k.shape[-2]
+    tiles = triton.cdiv(seqlen, cfg.dkdv_block_m)
+    locks = torch.zeros((batch, hq, tiles), dtype=torch.int32, device=q.device)
+    kernels.sink_attn_bwd_fused_kernel[(hkv * batch, triton.cdiv(seqlen, cfg.dkdv_block_n))](
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, locks, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
+        *_seq_strides(dv), *_seq_strides(dq_acc), *_lse_strides(lse), hq * tiles, tiles, seqlen,
+        window or 0, scale * math.log2(math.e), scale, group, hkv,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+    )  # fmt: skip
+    return dq_acc.to(q.dtype), dk, dv
+
+
 def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
     dout = _last_dim_contiguous(dout)
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
     delta, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
+    if cfg.fused_dq:
+        dq, dk, dv = _bwd_fused(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
+        return dq, dk, dv, dsinks
     dk, dv = _bwd_dkdv(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
     dq = _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
     return dq, dk, dv, dsinks

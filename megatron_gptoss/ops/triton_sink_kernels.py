@@ -388,3 +388,130 @@ def sink_attn_bwd_dq_kernel(
     dq = dq * sm_scale
     dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + (start + offs_m[:, None]) * stride_dqt
     tl.store(dq_ptrs + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward in one pass: dK/dV as above, and dQ accumulated into fp32 in a fixed key-block order
+@triton.jit
+def _fused_tiles(
+    dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
+    stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
+    stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Query tiles [lo, hi) last-first, the group's query heads inside. Each (head, tile) takes this key
+    block's dQ term after the lower key blocks' (its lock counts them), so dQ sums in key-block order."""
+    count = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    for jj in range(0, count):
+        start_m = lo + (count - 1 - jj) * BLOCK_M
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seq_len
+        tile = start_m // BLOCK_M
+        first = tl.maximum(start_m - window + 1, 0) // BLOCK_N if HAS_WINDOW else 0
+        for i in range(0, group):
+            h = kvh * group + i
+            rows = start + offs_m[:, None]
+            q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows * stride_qt
+            do_ptrs = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dot
+            stat = b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m
+            if MASK:
+                q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                do = tl.load(do_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
+                delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
+            else:
+                q = tl.load(q_ptrs + offs_d[None, :])
+                do = tl.load(do_ptrs + offs_d[None, :])
+                lse = tl.load(Lse + stat)
+                delta = tl.load(Delta + stat)
+            qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+            pt = tl.math.exp2(qkt * qk_scale - (lse * LOG2E)[None, :])
+            if MASK:
+                ok = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] < seq_len)
+                if HAS_WINDOW:
+                    ok = ok & (offs_n[:, None] > offs_m[None, :] - window)
+                pt = tl.where(ok, pt, 0.0)
+            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+            dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
+            dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * sm_scale
+            lock = Locks + b * lock_b + h * lock_h + tile
+            while tl.atomic_add(lock, 0, sem="acquire") != n_block - first:
+                pass
+            acc_ptrs = DQacc + b.to(tl.int64) * stride_ab + h * stride_ah + rows * stride_at
+            tl.atomic_add(acc_ptrs + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+            tl.debug_barrier()
+            tl.atomic_add(lock, 1, sem="release")
+    return dk, dv
+
+
+@triton.jit
+def sink_attn_bwd_fused_kernel(
+    Q, K, V, dOut, Lse, Delta, dK, dV, DQacc, Locks, cu_seqlens,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
+    stride_dvb, stride_dvt, stride_dvh, stride_ab, stride_at, stride_ah, stride_lb, stride_lh,
+    lock_b, lock_h, seqlen, window, qk_scale, sm_scale, group, kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Grid (kv heads x sequences, key blocks): program (c, n) owns dK/dV of key block n of KV head / sequence
+    c, as `sink_attn_bwd_dkdv_kernel`, and adds its dQ terms to the fp32 DQacc. Every (query head, query
+    tile) has a counter in Locks: block n adds its term once the counter reads the number of lower key
+    blocks that reach the tile, then increments it, so each dQ element is summed in key-block order
+    (bitwise repeatable). A block waits only on lower blocks of the same (kv head, sequence), launched
+    before it (programs start in launch order): no deadlock. Tiles run last-first, so the programs of one
+    wave meet each tile about one step apart."""
+    c = tl.program_id(0)
+    n_block = tl.program_id(1)
+    kvh = c % kv_heads
+    b = c // kv_heads
+    start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
+    start_n = n_block * BLOCK_N
+    if start_n >= seq_len:
+        return
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_ok = offs_n[:, None] < seq_len
+    k_ptrs = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + (start + offs_n[:, None]) * stride_kt
+    v_ptrs = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + (start + offs_n[:, None]) * stride_vt
+    k = tl.load(k_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+    v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    m_lo = start_n // BLOCK_M * BLOCK_M
+    full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_hi = seq_len // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
+        full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
+    else:
+        m_hi = seq_len
+    full_lo = tl.minimum(full_lo, m_hi)
+    full_hi = tl.maximum(full_hi, full_lo)
+    # last-first: the masked tail, the unmasked middle, the masked diagonal
+    dk, dv = _fused_tiles(
+        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, full_hi, m_hi,
+        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
+        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
+        BLOCK_M, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    dk, dv = _fused_tiles(
+        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, full_lo, full_hi,
+        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
+        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
+        BLOCK_M, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    dk, dv = _fused_tiles(
+        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, m_lo, full_lo,
+        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
+        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
+        BLOCK_M, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
+    )  # fmt: skip
+    dk = dk * sm_scale
+    dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt
+    dv_ptrs = dV + b.to(tl.int64) * stride_dvb + kvh * stride_dvh + (start + offs_n[:, None]) * stride_dvt
+    tl.store(dk_ptrs + offs_d[None, :], dk.to(dK.dtype.element_ty), mask=key_ok)
+    tl.store(dv_ptrs + offs_d[None, :], dv.to(dV.dtype.element_ty), mask=key_ok)

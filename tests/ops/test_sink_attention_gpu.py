@@ -74,10 +74,26 @@ def run(fn, inputs, dtype, **kwargs):
 
 
 def backend(name):
+    if name == "triton1":
+        return triton_one_pass
+
     def fn(*args, **kwargs):
         return sink_attention(*args, backend=name, **kwargs)
 
     return fn
+
+
+def triton_one_pass(q, *args, **kwargs):
+    """Triton with the default tiles and the one-pass backward (dQ inside the dK/dV kernel)."""
+    from dataclasses import replace
+
+    from megatron_gptoss.ops import triton_sink_attention as tsa
+
+    cu = kwargs.get("cu_seqlens")
+    longest = int((cu[1:] - cu[:-1]).max()) if cu is not None else q.shape[1]
+    windowed = kwargs.get("window") is not None
+    cfg = replace(tsa.default_config(q.shape[-1], q.dtype, windowed, q.device, longest), fused_dq=True)
+    return tsa.triton_sink_attention(q, *args, config=cfg, **kwargs)
 
 
 CASES = {
@@ -88,7 +104,7 @@ CASES = {
     "packed-gqa8": (None, 16, 2, 64, None, [300, 0, 517, 183]),
     "packed-window128": (None, 16, 2, 64, 128, [300, 0, 517, 183]),
 }
-BF16_RUNS = [(b, c) for b in ("triton", "fa4") for c in CASES] + [
+BF16_RUNS = [(b, c) for b in ("triton", "triton1", "fa4") for c in CASES] + [
     ("flex", "causal-gqa8"),
     ("flex", "window128-gqa8"),
 ]
@@ -104,7 +120,7 @@ def case_inputs(name, dtype, seed=0):
 @pytest.mark.parametrize("name,case", BF16_RUNS)
 def test_bf16_error_within_twice_eager_bf16(name, case):
     inputs, kw = case_inputs(case, torch.bfloat16)
-    if not backend_available(name, inputs[0]):
+    if not backend_available(name.rstrip("1"), inputs[0]):
         pytest.skip(f"{name} not available here")
     ref = run(eager_sink_attention, inputs, torch.float64, **kw)
     base = run(eager_low_precision, inputs, torch.bfloat16, **kw)
@@ -116,20 +132,22 @@ def test_bf16_error_within_twice_eager_bf16(name, case):
     assert all(o <= 2 * b for o, b in report.values()), report
 
 
+@pytest.mark.parametrize("name", ["triton", "triton1"])
 @pytest.mark.parametrize("case", ["causal-gqa8", "window128-gqa8", "packed-window128"])
-def test_triton_fp32_within_1e5(case):
+def test_triton_fp32_within_1e5(case, name):
     inputs, kw = case_inputs(case, torch.float32)
     ref = run(eager_sink_attention, inputs, torch.float64, **kw)
-    ours = run(backend("triton"), inputs, torch.float32, **kw)
+    ours = run(backend(name), inputs, torch.float32, **kw)
     errors = {n: rel_err(a, r) for n, a, r in zip(NAMES, ours, ref)}
     assert all(e <= 1e-5 for e in errors.values()), errors
 
 
+@pytest.mark.parametrize("name", ["triton", "triton1"])
 @pytest.mark.parametrize("case", ["causal-gqa8", "packed-window128"])
-def test_triton_gradients_bitwise_deterministic(case):
+def test_triton_gradients_bitwise_deterministic(case, name):
     inputs, kw = case_inputs(case, torch.bfloat16, seed=4)
-    first = run(backend("triton"), inputs, torch.bfloat16, **kw)
-    second = run(backend("triton"), inputs, torch.bfloat16, **kw)
+    first = run(backend(name), inputs, torch.bfloat16, **kw)
+    second = run(backend(name), inputs, torch.bfloat16, **kw)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
