@@ -182,14 +182,15 @@ def swiglu_bwd_kernel(
     h, bias, grad_out, grad_h, grad_bias, bounds, I, stride_h, stride_go, stride_gh, stride_b, limit, alpha,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
 ):  # fmt: skip
-    """grad_h [M, 2I] and, with a bias, grad_bias [E, 2I] fp32 (the expert's rows summed in order)."""
+    """grad_h [M, 2I] and, with a bias, grad_bias [E, 2I] fp32: the expert's rows summed per row slot of the
+    tile (rows r0 + i, in row order) and the slots summed once at the end (a fixed order)."""
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     col_ok = cols < I
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
-    acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
     if HAS_BIAS:
         bg = tl.load(bias + e * stride_b + cols, mask=col_ok, other=0.0).to(tl.float32)
         bu = tl.load(bias + e * stride_b + I + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -212,11 +213,11 @@ def swiglu_bwd_kernel(
         tl.store(out_ptrs, d_gate.to(grad_h.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + I, d_up.to(grad_h.dtype.element_ty), mask=mask)
         if HAS_BIAS:
-            acc_g += tl.sum(d_gate, axis=0)
-            acc_u += tl.sum(d_up, axis=0)
+            acc_g += d_gate
+            acc_u += d_up
     if HAS_BIAS:
-        tl.store(grad_bias + e * 2 * I + cols, acc_g, mask=col_ok)
-        tl.store(grad_bias + e * 2 * I + I + cols, acc_u, mask=col_ok)
+        tl.store(grad_bias + e * 2 * I + cols, tl.sum(acc_g, axis=0), mask=col_ok)
+        tl.store(grad_bias + e * 2 * I + I + cols, tl.sum(acc_u, axis=0), mask=col_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -243,17 +244,16 @@ def expert_bias_fwd_kernel(
 def expert_row_sum_kernel(
     g, out, bounds, C, stride_g, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr
 ):  # fmt: skip
-    """out [E, C] fp32: the sum of each expert's rows of g, in row order (tile by tile)."""
+    """out [E, C] fp32: the sum of each expert's rows of g, per row slot of the tile (in row order), the slots
+    summed once at the end (a fixed order)."""
     e = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < C
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     for r0 in range(start, end, BLOCK_M):
         rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         mask = (rows < end)[:, None] & col_ok[None, :]
-        acc += tl.sum(
-            tl.load(g + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32), 0
-        )
-    tl.store(out + e * C + cols, acc, mask=col_ok)
+        acc += tl.load(g + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out + e * C + cols, tl.sum(acc, axis=0), mask=col_ok)
