@@ -122,6 +122,9 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=0, help="expert parallel size (0: the world size)")
+    parser.add_argument(
+        "--dispatch-chunks", type=int, default=1, help="expert parallel: tokens per layer in this many chunks"
+    )
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--no-optimizer", action="store_true")
@@ -152,6 +155,7 @@ def main() -> None:
         expert_model_parallel_size=args.ep or world,
         sequence_parallel=args.tp > 1,
         use_distributed_optimizer=True,
+        expert_dispatch_chunks=args.dispatch_chunks,
     )
     dims = ParallelDims.build(pcfg, config)
     plan = StagePlan(0, 1, range(config.num_layers))
@@ -271,6 +275,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "gpus": world,
         "layout": f"tp{args.tp} ep{args.ep or world} dp{dims.dp}",
+        "dispatch_chunks": args.dispatch_chunks,
         "tokens_per_gpu": args.tokens // args.tp,
         "doc_len": args.doc_len,
         "fwd_bwd_ms": fwd_bwd * 1e3,

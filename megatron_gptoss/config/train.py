@@ -50,6 +50,9 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     # Shard norm/residual activations along the sequence over the tensor-parallel ranks.
     sequence_parallel: bool = False
+    # Expert parallel: each MoE layer's tokens in this many chunks, whose all-to-alls overlap the other
+    # chunks' expert GEMMs (forward and backward); 1 exchanges all tokens at once.
+    expert_dispatch_chunks: int = 1
     # Shard optimizer state over data-parallel ranks (Megatron's distributed optimizer / ZeRO-1).
     use_distributed_optimizer: bool = False
     # Layers per (virtual) pipeline stage in stage order, e.g. [8, 10, 10, 8] (the first and last stages
@@ -65,6 +68,7 @@ class ParallelConfig:
             "pipeline_model_parallel_size",
             "virtual_pipeline_model_parallel_size",
             "expert_model_parallel_size",
+            "expert_dispatch_chunks",
         )
         if any(count < 0 for count in self.pipeline_layers):
             raise ConfigError(f"parallel.pipeline_layers={self.pipeline_layers} has a negative count")

@@ -62,7 +62,7 @@ def parallelize(
     apply_tensor_parallel(model, config, dims)
     apply_vocab_parallel(model, config.padded_vocab_size(dims.tp), dims)
     # 2. expert parallel
-    apply_expert_parallel(model, config, dims)
+    apply_expert_parallel(model, config, dims, cfg.expert_dispatch_chunks)
     # 3. activation checkpointing
     apply_activation_checkpointing(model, config.activation_checkpointing)
     # 4. compile

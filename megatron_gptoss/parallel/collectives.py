@@ -176,6 +176,83 @@ class AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+class Pending:
+    """The work handle of an asynchronous collective, from the autograd node that starts it to the one that
+    waits for it."""
+
+    def __init__(self) -> None:
+        self.work: dist.Work | None = None
+
+    def wait(self) -> None:
+        if self.work is None:
+            raise RuntimeError("no collective pending: its start did not run before its wait")
+        self.work.wait()  # on NCCL the current stream waits; the host does not
+        self.work = None
+
+
+class _StartAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits, forward: Pending, backward: Pending):
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        ctx.pending = backward
+        out = x.new_empty(sum(output_splits), *x.shape[1:])
+        forward.work = dist.all_to_all_single(
+            out, x.contiguous(), output_splits, input_splits, group=group, async_op=True
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        back = grad.new_empty(sum(ctx.input_splits), *grad.shape[1:])
+        ctx.pending.work = dist.all_to_all_single(
+            back, grad.contiguous(), ctx.input_splits, ctx.output_splits, group=ctx.group, async_op=True
+        )
+        return back, None, None, None, None, None
+
+
+class _Wait(torch.autograd.Function):
+    """Identity; the forward waits for `forward`'s collective, the backward for `backward`'s (either may be
+    None)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, forward: Pending | None, backward: Pending | None) -> Tensor:
+        if forward is not None:
+            forward.wait()
+        ctx.pending = backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        if ctx.pending is not None:
+            ctx.pending.wait()
+        return grad, None, None
+
+
+class AsyncAllToAll:
+    """`all_to_all` split in two so that other work runs while the rows travel, forward and backward:
+
+        handle = AsyncAllToAll(group, output_splits, input_splits)
+        out = handle.start(x)     # the exchange is under way; do not read `out` yet
+        ...                       # other work (on NCCL it overlaps the exchange on the GPU)
+        out = handle.finish(out)  # now `out` holds the rows received
+
+    In the backward the gradient's exchange starts where `finish` was and is waited for where `start` was,
+    so the autograd nodes recorded between the two (other chunks' work) run while it travels."""
+
+    def __init__(self, group: ProcessGroup, output_splits: list[int], input_splits: list[int]):
+        self.group, self.output_splits, self.input_splits = group, output_splits, input_splits
+        self.forward, self.backward = Pending(), Pending()
+
+    def start(self, x: Tensor) -> Tensor:
+        x = _Wait.apply(x, None, self.backward)
+        return _StartAllToAll.apply(
+            x, self.group, self.output_splits, self.input_splits, self.forward, self.backward
+        )
+
+    def finish(self, out: Tensor) -> Tensor:
+        return _Wait.apply(out, self.forward, None)
+
+
 def copy_to_tensor_parallel(x: Tensor, group: ProcessGroup) -> Tensor:
     """Replicated input of a tensor-parallel computation: identity; the backward sums the ranks'
     partial input gradients (all-reduce)."""

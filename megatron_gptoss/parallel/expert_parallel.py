@@ -35,6 +35,7 @@ from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.moe import Experts, MoE, Router
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.parallel.collectives import (
+    AsyncAllToAll,
     all_to_all,
     chunk_sizes,
     gather_to_replicated,
@@ -70,8 +71,9 @@ class ExpertParallelExperts(Experts):
     """This ep rank's `num_experts / ep` experts (global ids [r * E/ep, (r+1) * E/ep) on ep rank r) and
     the token dispatch over the ep group. forward: x [N, H], probs/indices [N, k] -> [N, H]."""
 
-    def __init__(self, full: Experts, config: ModelConfig, dims: ParallelDims):
+    def __init__(self, full: Experts, config: ModelConfig, dims: ParallelDims, dispatch_chunks: int = 1):
         super().__init__(config, device="meta", num_experts=full.num_experts // dims.ep)
+        self.dispatch_chunks = dispatch_chunks
         self.backend = full.backend
         self.group, self.ep, self.total_experts = dims.group("ep"), dims.ep, full.num_experts
         spec = ShardSpec(0, "ep")
@@ -85,6 +87,8 @@ class ExpertParallelExperts(Experts):
                     setattr(self.get_submodule(owner), attr, param)
 
     def forward(self, x: Tensor, probs: Tensor, indices: Tensor) -> Tensor:
+        if self.dispatch_chunks > 1 and x.shape[0] >= self.dispatch_chunks:
+            return self._chunked(x, probs, indices)
         k, local = indices.shape[1], self.num_experts
         slot_rows, bounds, order = fused_moe.sort_by_expert(indices, self.total_experts)
         send = (bounds[1:] - bounds[:-1]).view(self.ep, local)
@@ -98,27 +102,87 @@ class ExpertParallelExperts(Experts):
         else:
             rows = x.index_select(0, order // k)  # deterministic backward (see Experts.compute)
         rows = all_to_all(rows, self.group, recv_splits, send_splits)
-        # received rows are grouped by (source rank, local expert); compute wants (local expert, source)
-        segment = (
-            torch.arange(local, device=x.device)[None, :] * self.ep
-            + torch.arange(self.ep, device=x.device)[:, None]
-        )
-        received = sum(recv_splits)
-        perm = torch.argsort(
-            torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1), output_size=received), stable=True
-        )
-        inverse = torch.empty_like(perm)
-        inverse[perm] = torch.arange(received, device=x.device)
-        local_bounds = torch.zeros(local + 1, dtype=torch.int32, device=x.device)
-        local_bounds[1:] = recv.sum(0).cumsum(0)
-        y = _GatherRows.apply(
-            self.compute(_GatherRows.apply(rows, perm, inverse), local_bounds), inverse, perm
-        )
-        y = all_to_all(y, self.group, send_splits, recv_splits)
+        y = all_to_all(self._local(rows, recv), self.group, send_splits, recv_splits)
         if fused:
             return fused_moe.unpermute(y, probs, slot_rows)
         y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, order // k, y)
+
+    def _local(self, rows: Tensor, recv: Tensor) -> Tensor:
+        """The received rows, grouped by (source rank, local expert) with counts recv [ep, local], through
+        this rank's experts (which want them grouped by (local expert, source)); outputs in received order."""
+        local = self.num_experts
+        segment = (
+            torch.arange(local, device=rows.device)[None, :] * self.ep
+            + torch.arange(self.ep, device=rows.device)[:, None]
+        )
+        received = rows.shape[0]
+        perm = torch.argsort(
+            torch.repeat_interleave(segment.reshape(-1), recv.reshape(-1), output_size=received), stable=True
+        )
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(received, device=rows.device)
+        local_bounds = torch.zeros(local + 1, dtype=torch.int32, device=rows.device)
+        local_bounds[1:] = recv.sum(0).cumsum(0)
+        y = self.compute(_GatherRows.apply(rows, perm, inverse), local_bounds)
+        return _GatherRows.apply(y, inverse, perm)
+
+    def _chunked(self, x: Tensor, probs: Tensor, indices: Tensor) -> Tensor:
+        """The tokens in `dispatch_chunks` consecutive chunks, software-pipelined: chunk c + 1's rows travel
+        while chunk c's experts run, and chunk c's outputs travel back while chunk c + 1's run (forward and
+        backward, `AsyncAllToAll`). One host sync reads every chunk's split sizes. Each output row is the one
+        unchunked dispatch gives (the experts see fewer rows per GEMM)."""
+        k, local, ep = indices.shape[1], self.num_experts, self.ep
+        cuts = chunk_sizes(x.shape[0], self.dispatch_chunks)
+        starts = [sum(cuts[:c]) for c in range(len(cuts))]
+        plans = [
+            fused_moe.sort_by_expert(indices[a : a + n], self.total_experts) for a, n in zip(starts, cuts)
+        ]
+        send = torch.stack([(bounds[1:] - bounds[:-1]).view(ep, local) for _, bounds, _ in plans], 1)
+        recv = torch.empty_like(send)  # [ep (destination / source), chunk, local]
+        dist.all_to_all_single(recv, send.contiguous(), group=self.group)
+        sizes = torch.cat([send.sum(2), recv.sum(2)]).tolist()  # the one host sync of the layer
+        fused = self.fused(x)
+        exchanges = []
+        for c in range(len(cuts)):
+            send_splits = [sizes[r][c] for r in range(ep)]
+            recv_splits = [sizes[ep + r][c] for r in range(ep)]
+            exchanges.append(
+                (
+                    AsyncAllToAll(self.group, recv_splits, send_splits),
+                    AsyncAllToAll(self.group, send_splits, recv_splits),
+                )
+            )
+
+        def dispatch(c: int) -> Tensor:
+            slot_rows, _, order = plans[c]
+            xc = x[starts[c] : starts[c] + cuts[c]]
+            rows = fused_moe.permute(xc, slot_rows, k) if fused else xc.index_select(0, order // k)
+            return exchanges[c][0].start(rows)
+
+        def combine(c: int, y: Tensor) -> Tensor:
+            slot_rows, _, order = plans[c]
+            y = exchanges[c][1].finish(y)
+            pc = probs[starts[c] : starts[c] + cuts[c]]
+            if fused:
+                return fused_moe.unpermute(y, pc, slot_rows)
+            y = (y.float() * pc.reshape(-1)[order, None]).to(x.dtype)
+            return x.new_zeros(cuts[c], x.shape[1]).index_add_(0, order // k, y)
+
+        outs: list[Tensor] = []
+        travelling = dispatch(0)
+        returning: Tensor | None = None
+        for c in range(len(cuts)):
+            arrived = exchanges[c][0].finish(travelling)
+            if c + 1 < len(cuts):
+                travelling = dispatch(c + 1)
+            y = exchanges[c][1].start(self._local(arrived, recv[:, c]))
+            if returning is not None:
+                outs.append(combine(c - 1, returning))
+            returning = y
+        assert returning is not None
+        outs.append(combine(len(cuts) - 1, returning))
+        return torch.cat(outs)
 
 
 def _has(module: nn.Module, path: str) -> bool:
@@ -191,14 +255,22 @@ def set_load_balancing_loss(model: nn.Module, coeff: float) -> None:
             module.aux_loss_coeff = coeff
 
 
-def apply_expert_parallel(model: nn.Module, config: ModelConfig, dims: ParallelDims) -> None:
+def apply_expert_parallel(
+    model: nn.Module, config: ModelConfig, dims: ParallelDims, dispatch_chunks: int = 1
+) -> None:
     """Swap, in place, every `MoE` of `model` for a `ParallelMoE`: experts sharded over ep (kept whole
     and only tagged when ep == 1), tokens split over tp when tp > 1 without SP, router gradients tagged
-    partial over tp when tp > 1. Weights already in the model are kept as this rank's shards."""
+    partial over tp when tp > 1. Weights already in the model are kept as this rank's shards.
+    `dispatch_chunks` > 1: each layer's tokens go in that many chunks whose exchanges overlap the other
+    chunks' expert GEMMs (`ExpertParallelExperts._chunked`)."""
     for name, module in list(model.named_modules()):
         if not isinstance(module, MoE):
             continue
-        experts = module.experts if dims.ep == 1 else ExpertParallelExperts(module.experts, config, dims)
+        experts = (
+            module.experts
+            if dims.ep == 1
+            else ExpertParallelExperts(module.experts, config, dims, dispatch_chunks)
+        )
         for p in experts.parameters():
             set_shard(p, ShardSpec(0, "ep"))
         if dims.tp > 1:

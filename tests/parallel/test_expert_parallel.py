@@ -33,16 +33,18 @@ from megatron_gptoss.parallel.expert_parallel import (
 from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard
 
 
-def test_ep2_training_equals_single_process():
-    # ep2 on 2 ranks is dp2 for the dense part: each replica trains on its own micro-batch.
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_ep2_training_equals_single_process(chunks):
+    """ep2 on 2 ranks is dp2 for the dense part: each replica trains on its own micro-batch. chunks 3: the
+    tokens dispatched in three chunks whose exchanges overlap the other chunks' experts."""
     per_rank = pool(2).run(
         training_errors,
-        {"expert_model_parallel_size": 2},
+        {"expert_model_parallel_size": 2, "expert_dispatch_chunks": chunks},
         training_steps(2, [5, 11, 7]),
         timeout=POOL_TIMEOUT,
     )
     worst = assert_all_close(per_rank)
-    print(f"ep2: {len(per_rank[0])} tensors, worst error {worst:.2e}")
+    print(f"ep2 chunks {chunks}: {len(per_rank[0])} tensors, worst error {worst:.2e}")
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -54,9 +56,10 @@ def test_tp2_ep2_training_equals_single_process(sp):
     print(f"tp2 x ep2 sp={sp}: {len(per_rank[0])} tensors, worst error {worst:.2e}")
 
 
-def _dispatch_to_one_rank_errors(backend: str) -> dict[str, float]:
+def _dispatch_to_one_rank_errors(backend: str, chunks: int = 1) -> dict[str, float]:
     """One MoE block whose router sends every token to experts 0 and 1 (both on ep rank 0), against the
-    single-process eager block; `backend` is the sharded block's expert backend."""
+    single-process eager block; `backend` is the sharded block's expert backend, `chunks` its dispatch
+    chunks."""
     config = tiny_config()
     _, dims = build_dims(config, expert_model_parallel_size=2)
     torch.manual_seed(0)
@@ -68,7 +71,7 @@ def _dispatch_to_one_rank_errors(backend: str) -> dict[str, float]:
     xs = [torch.randn(2, 7, config.hidden_size, generator=torch.Generator().manual_seed(d)) for d in range(2)]
     sharded = tiny_config(expert_backend=backend)
     wrapper = nn.ModuleDict({"mlp": MoE(sharded)})
-    apply_expert_parallel(wrapper, sharded, dims)
+    apply_expert_parallel(wrapper, sharded, dims, chunks)
     full = dict(ref.named_parameters())
     with torch.no_grad():
         for name, p in wrapper["mlp"].named_parameters():
@@ -85,10 +88,11 @@ def _dispatch_to_one_rank_errors(backend: str) -> dict[str, float]:
     return result
 
 
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
-def test_ep2_dispatch_with_a_rank_that_receives_no_token(backend):
-    """`grouped_mm` on the CPU: device-side dispatch and the fused kernels under the Triton interpreter."""
-    assert_all_close(pool(2).run(_dispatch_to_one_rank_errors, backend, timeout=POOL_TIMEOUT))
+@pytest.mark.parametrize("backend,chunks", [("loop", 1), ("grouped_mm", 1), ("grouped_mm", 4)])
+def test_ep2_dispatch_with_a_rank_that_receives_no_token(backend, chunks):
+    """`grouped_mm` on the CPU: device-side dispatch and the fused kernels under the Triton interpreter; 4
+    chunks of 7 tokens: chunks that send nothing to a rank, forward and backward."""
+    assert_all_close(pool(2).run(_dispatch_to_one_rank_errors, backend, chunks, timeout=POOL_TIMEOUT))
 
 
 def _load_balancing_errors(coeff: float) -> dict[str, float]:
