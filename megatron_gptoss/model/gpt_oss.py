@@ -38,8 +38,8 @@ class TransformerLayer(nn.Module):
         self.mlp = MoE(config, dtype, device)
 
     def forward(self, x, cos, sin, cu_seqlens=None, max_seqlen=None, cache=None, positions=None, replay=None):
-        attended = self.self_attention(x, cos, sin, cu_seqlens, max_seqlen, cache, positions)
-        x, mlp_in = self.pre_mlp_layernorm.add_forward(x, attended)  # x + attended and its norm, one kernel
+        x = x + self.self_attention(x, cos, sin, cu_seqlens, max_seqlen, cache, positions)
+        mlp_in = self.pre_mlp_layernorm(x)
         return x + (self.mlp(mlp_in) if replay is None else self.mlp(mlp_in, replay))
 
 

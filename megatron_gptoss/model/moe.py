@@ -84,10 +84,13 @@ class Router(nn.Module):
 
     @staticmethod
     def _fused_topk(logits: torch.Tensor) -> bool:
-        """Whether the top-k and its softmax run as one kernel forward and one backward
-        (`fused_moe.topk_softmax`): CUDA with Triton, the batch-invariant mode off (the learner's steps and
-        the rollout engine's)."""
-        return logits.is_cuda and not batch_invariant.active() and fused_moe.triton_available()
+        """Whether the top-k and its softmax run as one kernel (`fused_moe.topk_softmax`): the rollout
+        engine's steps (`moe_decode.decode_scope`) on CUDA, nothing for autograd to record, the
+        batch-invariant mode off."""
+        grad = torch.is_grad_enabled() and logits.requires_grad
+        if grad or not logits.is_cuda or batch_invariant.active() or not moe_decode.in_decode_scope():
+            return False
+        return fused_moe.triton_available()
 
 
 def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

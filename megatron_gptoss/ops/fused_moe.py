@@ -106,57 +106,21 @@ def sort_small(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
 def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """logits [N, E] -> (probs [N, k] fp32: the softmax over the k largest logits, largest first; indices
     [N, k] int64, the lowest expert first among equal logits) in one Triton launch: `torch.topk` then
-    `torch.softmax(top.float())`. Where autograd records (the learner's router), the backward is one launch
-    too: whole rows of the logits' gradient, p_j (g_j - sum_i p_i g_i) at the chosen experts and 0
-    elsewhere. CUDA, or the CPU under TRITON_INTERPRET=1."""
+    `torch.softmax(top.float())` (the rollout engine's router; forward only). CUDA, or the CPU under
+    TRITON_INTERPRET=1."""
     n, e = logits.shape
     if not 0 < k <= e:
         raise ValueError(f"top-{k} of {e} experts")
-    if torch.is_grad_enabled() and logits.requires_grad:
-        probs, indices = _TopkSoftmax.apply(logits, k)
-        return probs, indices
-    return _topk_softmax(logits.detach(), k)
-
-
-def _topk_block(experts: int) -> int:
-    return max(1, min(64, 4096 // _pow2(experts)))
-
-
-def _topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    n, e = logits.shape
     probs = torch.empty(n, k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     if n:
         logits = logits if logits.stride(1) == 1 else logits.contiguous()
-        _kernels().topk_softmax_kernel[(_cdiv(n, _topk_block(e)),)](
+        block_t = max(1, min(64, 4096 // _pow2(e)))
+        _kernels().topk_softmax_kernel[(_cdiv(n, block_t),)](
             logits, probs, indices, n, e, logits.stride(0), K=k, K_PAD=_k_pad(k), E_PAD=_pow2(e),
-            BLOCK_T=_topk_block(e), num_warps=4,
+            BLOCK_T=block_t, num_warps=4,
         )  # fmt: skip
     return probs, indices
-
-
-class _TopkSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, k):
-        probs, indices = _topk_softmax(logits, k)
-        ctx.save_for_backward(probs, indices)
-        ctx.shape, ctx.dtype = logits.shape, logits.dtype
-        ctx.mark_non_differentiable(indices)
-        return probs, indices
-
-    @staticmethod
-    def backward(ctx, grad_probs, _grad_indices):
-        probs, indices = ctx.saved_tensors
-        n, e = ctx.shape
-        k = probs.shape[1]
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=probs.device)
-        if n:
-            block = max(1, min(64, 4096 // (_k_pad(k) * _pow2(e))))
-            _kernels().topk_softmax_bwd_kernel[(_cdiv(n, block),)](
-                probs, indices, grad_probs.contiguous(), grad, n, e, grad.stride(0), K=k, K_PAD=_k_pad(k),
-                E_PAD=_pow2(e), BLOCK_T=block, num_warps=4,
-            )  # fmt: skip
-        return grad, None
 
 
 def expert_of_rows(bounds: Tensor, rows: int) -> Tensor:

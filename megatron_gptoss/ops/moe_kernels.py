@@ -46,30 +46,6 @@ def topk_softmax_kernel(
     tl.store(indices + out, chosen, mask=keep)
 
 
-@triton.jit
-def topk_softmax_bwd_kernel(
-    probs, indices, grad_probs, grad_logits, N, E, stride, K: tl.constexpr, K_PAD: tl.constexpr,
-    E_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    """Whole rows of the logits' gradient: p_j (g_j - sum_i p_i g_i) at the chosen experts, 0 elsewhere (fp32,
-    one rounding)."""
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    row_ok = rows < N
-    keep = row_ok[:, None] & (slots < K)[None, :]
-    at = rows[:, None].to(tl.int64) * K + slots[None, :]
-    p = tl.load(probs + at, mask=keep, other=0.0)
-    g = tl.load(grad_probs + at, mask=keep, other=0.0).to(tl.float32)
-    chosen = tl.load(indices + at, mask=keep, other=-1)
-    d = p * (g - tl.sum(p * g, axis=1)[:, None])
-    hit = chosen[:, :, None] == cols[None, None, :]
-    dense = tl.sum(tl.where(hit, d[:, :, None], 0.0), axis=1)
-    mask = row_ok[:, None] & (cols < E)[None, :]
-    dst = grad_logits + rows[:, None].to(tl.int64) * stride + cols[None, :]
-    tl.store(dst, dense.to(grad_logits.dtype.element_ty), mask=mask)
-
-
 # ------------------------------------------------------------------------------------------------
 # Routing sort of few slots: one program sorts (expert, slot) keys, then counts the rows below each expert
 @triton.jit

@@ -8,20 +8,11 @@ import triton.language as tl
 
 
 @triton.jit
-def rms_norm_fwd_kernel(
-    x, residual, total, weight, out, rstd, H, stride_x, stride_out, eps, BLOCK: tl.constexpr,
-    ADD: tl.constexpr,
-):  # fmt: skip
-    """ADD: the row is x + residual rounded to x's dtype (PyTorch's add), also written to `total`."""
+def rms_norm_fwd_kernel(x, weight, out, rstd, H, stride_x, stride_out, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
-    v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0)
-    if ADD:
-        v = v.to(tl.float32) + tl.load(residual + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-        v = v.to(total.dtype.element_ty)
-        tl.store(total + row * stride_x + cols, v, mask=ok)
-    v = v.to(tl.float32)
+    v = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / H + eps)
     w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out + row * stride_out + cols, (w * (v * r)).to(out.dtype.element_ty), mask=ok)
@@ -30,11 +21,9 @@ def rms_norm_fwd_kernel(
 
 @triton.jit
 def rms_norm_bwd_kernel(
-    x, weight, grad, grad_total, rstd, grad_x, partial, N, H, stride_x, stride_g, stride_gx, rows_per_program,
-    BLOCK: tl.constexpr, ADD: tl.constexpr,
+    x, weight, grad, rstd, grad_x, partial, N, H, stride_x, stride_g, stride_gx, rows_per_program,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """ADD: grad_total (the gradient reaching x + residual from its other uses, same strides as grad_x) is
-    added to the row's dx before its one rounding."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -49,8 +38,6 @@ def rms_norm_bwd_kernel(
         xhat = v * r
         wg = w * g
         dx = r * (wg - xhat * (tl.sum(xhat * wg, axis=0) / H))
-        if ADD:
-            dx += tl.load(grad_total + row * stride_gx + cols, mask=ok, other=0.0).to(tl.float32)
         tl.store(grad_x + row * stride_gx + cols, dx.to(grad_x.dtype.element_ty), mask=ok)
         acc += g * xhat
     tl.store(partial + pid * H + cols, acc, mask=ok)

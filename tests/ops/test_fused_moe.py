@@ -120,28 +120,6 @@ def test_topk_softmax_equals_torch(tokens, experts, k):
     assert order.cpu()[1].tolist() == [experts - 1, *range(k - 1)]
 
 
-@needs_triton
-@pytest.mark.parametrize("tokens,experts,k", [(37, 8, 2), (5, 128, 4), (64, 32, 4)])
-def test_topk_softmax_backward_equals_autograd_of_torch(tokens, experts, k):
-    """The learner's router: the one-launch backward (whole rows of the logits' gradient) against autograd
-    through torch.topk + softmax, on fresh random logits (bf16 on a GPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(tokens * experts)
-    rows = [torch.randperm(experts, generator=g) for _ in range(tokens)]
-    logits = (torch.stack(rows).float() / 4 - 8).to(dtype).to(device).requires_grad_()
-    weight = torch.randn(tokens, k, generator=g).to(device)
-    probs, indices = fused_moe.topk_softmax(logits, k)
-    (grad,) = torch.autograd.grad((probs * weight).sum(), logits)
-    ref_logits = logits.detach().clone().requires_grad_()
-    top, ref_indices = torch.topk(ref_logits, k, dim=-1)
-    (ref,) = torch.autograd.grad((torch.softmax(top.float(), dim=-1) * weight).sum(), ref_logits)
-    assert torch.equal(indices, ref_indices)
-    assert grad.dtype == ref.dtype and grad.shape == ref.shape
-    assert rel_err(grad, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
-    assert bool((grad.float().abs().sum(-1) > 0).all())  # every row has a gradient at its chosen experts
-
-
 def test_sort_small_refuses_too_many_slots():
     with pytest.raises(ValueError, match="at most 4096 slots"):
         fused_moe.sort_small(torch.zeros(1025, 4, dtype=torch.long), 8)
