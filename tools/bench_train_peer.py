@@ -28,6 +28,7 @@ rescale, the boundaries from positions) runs on the CPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import math
 import re
@@ -77,19 +78,30 @@ def time_steps(
     prepare: Callable[[], None] | None = None,
 ) -> list[float]:
     """Wall time of `iters` calls of `step` after `warmup` untimed ones, the device synchronized around
-    each; `prepare` (zeroing gradients) runs before each step, untimed."""
+    each; `prepare` (zeroing gradients) runs before each step, untimed. Python's garbage collector runs
+    between steps, untimed, and is off during them (as trainers do: a collection inside a step stalls the
+    host that feeds the GPU)."""
     times = []
-    for it in range(warmup + iters):
-        if prepare is not None:
-            prepare()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if it >= warmup:
-            times.append(time.perf_counter() - start)
+    enabled = gc.isenabled()
+    try:
+        for it in range(warmup + iters):
+            if prepare is not None:
+                prepare()
+            gc.collect()
+            gc.disable()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if it >= warmup:
+                times.append(time.perf_counter() - start)
+            if enabled:
+                gc.enable()
+    finally:
+        if enabled:
+            gc.enable()
     return times
 
 
