@@ -201,6 +201,25 @@ def sink_attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _query_ranges(
+    start_n, seq_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr
+):
+    """Query tiles seeing the key block [start_n, start_n + BLOCK_N): [m_lo, full_lo) masked (diagonal),
+    [full_lo, full_hi) unmasked, [full_hi, m_hi) masked (window edge, sequence end)."""
+    m_lo = start_n // BLOCK_M * BLOCK_M
+    full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    full_hi = seq_len // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
+        full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
+    else:
+        m_hi = seq_len
+    full_lo = tl.minimum(full_lo, m_hi)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return m_lo, full_lo, full_hi, m_hi
+
+
+@triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
     seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -273,19 +292,7 @@ def sink_attn_bwd_dkdv_kernel(
         v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-        # Query blocks seeing these keys: [m_lo, full_lo) masked, [full_lo, full_hi) not, [full_hi, m_hi)
-        # masked.
-        m_lo = start_n // BLOCK_M * BLOCK_M
-        full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        full_hi = seq_len // BLOCK_M * BLOCK_M
-        if HAS_WINDOW:
-            m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
-            full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
-        else:
-            m_hi = seq_len
-        full_lo = tl.minimum(full_lo, m_hi)
-        full_hi = tl.maximum(full_hi, full_lo)
+        m_lo, full_lo, full_hi, m_hi = _query_ranges(start_n, seq_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
 
         for i in range(0, group):
             h = kvh * group + i
@@ -481,35 +488,20 @@ def sink_attn_bwd_fused_kernel(
     v = tl.load(v_ptrs + offs_d[None, :], mask=key_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    m_lo = start_n // BLOCK_M * BLOCK_M
-    full_lo = (start_n + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    full_hi = seq_len // BLOCK_M * BLOCK_M
-    if HAS_WINDOW:
-        m_hi = tl.minimum(seq_len, start_n + BLOCK_N - 1 + window)
-        full_hi = tl.minimum(full_hi, (start_n + window) // BLOCK_M * BLOCK_M)
-    else:
-        m_hi = seq_len
-    full_lo = tl.minimum(full_lo, m_hi)
-    full_hi = tl.maximum(full_hi, full_lo)
-    # last-first: the masked tail, the unmasked middle, the masked diagonal
-    dk, dv = _fused_tiles(
-        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, full_hi, m_hi,
-        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
-        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
-        BLOCK_M, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
-    )  # fmt: skip
-    dk, dv = _fused_tiles(
-        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, full_lo, full_hi,
-        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
-        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
-        BLOCK_M, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION,
-    )  # fmt: skip
-    dk, dv = _fused_tiles(
-        dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, m_lo, full_lo,
-        stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
-        stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
-        BLOCK_M, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
-    )  # fmt: skip
+    m_lo, full_lo, full_hi, m_hi = _query_ranges(start_n, seq_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
+    for part in tl.static_range(3):  # last-first: the masked tail, the unmasked middle, the masked diagonal
+        if part == 0:
+            lo, hi = full_hi, m_hi
+        elif part == 1:
+            lo, hi = full_lo, full_hi
+        else:
+            lo, hi = m_lo, full_lo
+        dk, dv = _fused_tiles(
+            dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
+            stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at,
+            stride_ah, stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale,
+            sm_scale, BLOCK_M, BLOCK_N, part != 1, HAS_WINDOW, DOT_PRECISION,
+        )  # fmt: skip
     dk = dk * sm_scale
     dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt
     dv_ptrs = dV + b.to(tl.int64) * stride_dvb + kvh * stride_dvh + (start + offs_n[:, None]) * stride_dvt
