@@ -361,6 +361,9 @@ class RunConfig:
     init_from_hf: str = ""
     # Torch intra-op threads on the CPU (0 leaves torch's default).
     num_threads: int = 0
+    # Python's garbage collector: off during the steps and a full collection every this many steps, between
+    # them (a collection inside a step stalls the host that feeds the GPU); 0 leaves it to Python.
+    gc_every: int = 10
     # Write TensorBoard events beside the JSONL log.
     tensorboard: bool = True
     # Show a progress bar.
@@ -393,7 +396,7 @@ class RunConfig:
 
     def validate(self) -> None:
         check_positive("run", self, "steps")
-        check_at_least("run", self, 0, "eval_every", "num_threads")
+        check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every")
         check_at_least("run", self, 1, "keep_last")
         if self.mode not in RUN_MODES:
             raise ConfigError(f"run.mode={self.mode!r} not in {RUN_MODES}")

@@ -19,9 +19,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,6 +56,26 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
+
+
+def collect_between_steps(steps: Iterable[int], every: int) -> Iterator[int]:
+    """`steps`, with Python's automatic garbage collection off while the caller runs a step and a full
+    collection after every `every`-th step (`run.gc_every`); `every` 0: the collector as Python runs it. The
+    collector is on again once the iteration ends, however it ends."""
+    if every <= 0:
+        yield from steps
+        return
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for step in steps:
+            yield step
+            if step % every == 0:
+                gc.collect()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class Cadence:
@@ -116,7 +137,7 @@ class Cadence:
         self._bar = tqdm(
             range(self.start + 1, self.cfg.run.steps + 1), disable=disable, desc=self.cfg.run.mode
         )
-        for step in self._bar:
+        for step in collect_between_steps(self._bar, self.cfg.run.gc_every):
             self.session.beat(step)
             yield step
             if self.stopping:
