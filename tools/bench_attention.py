@@ -135,7 +135,7 @@ def backend_fn(name, inputs, kw, config=None):
         from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention
 
         return lambda q, k, v, s: triton_sink_attention(q, k, v, s, config=config, **kw)
-    if name in ("triton1", "triton2"):  # the default tiles with the one-pass / the two-pass backward
+    if name == "triton1":  # the default tiles with the one-pass backward
         from dataclasses import replace
 
         from megatron_gptoss.ops import triton_sink_attention as tsa
@@ -143,7 +143,7 @@ def backend_fn(name, inputs, kw, config=None):
         q = inputs[0]
         longest = kw.get("max_seqlen") or q.shape[1]
         base = tsa.default_config(D, q.dtype, kw["window"] is not None, q.device, longest)
-        cfg = replace(base, fused_dq=name == "triton1")
+        cfg = replace(base, fused_dq=True)
         return lambda q, k, v, s: tsa.triton_sink_attention(q, k, v, s, config=cfg, **kw)
     return lambda q, k, v, s: sink_attention(q, k, v, s, backend=name, **kw)
 
