@@ -68,6 +68,41 @@ def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     return hi, (dz - hi.float()).to(dtype)
 
 
+def half_gemms(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the backward's GEMMs of these hidden states and weight run in half precision (CUDA, both in one
+    16-bit dtype), the fp32 logit gradient split in two terms."""
+    return _half_gemms(hidden) and weight.dtype == hidden.dtype
+
+
+def backward_weight(weight: torch.Tensor, half: bool) -> torch.Tensor:
+    """The weight as the backward's hidden-gradient GEMM reads it: [W; W] for the two half terms, else
+    fp32."""
+    return torch.cat([weight, weight]) if half else weight.float()
+
+
+def accumulate_logit_grads(
+    dz: torch.Tensor,
+    h: torch.Tensor,
+    wf: torch.Tensor,
+    half: bool,
+    grad_hidden: torch.Tensor | None,
+    grad_weight: torch.Tensor,
+) -> None:
+    """From one chunk's fp32 logit gradient dz [n, V]: write dz @ W into `grad_hidden` [n, H] (when given) and
+    add dz^T @ h to the fp32 `grad_weight` [V, H]. With `half`, dz @ W = [hi, lo] @ [W; W] and dz^T @ h =
+    [hi; lo]^T @ [h; h] on the half-precision tensor cores with fp32 accumulation (`wf` from
+    `backward_weight`)."""
+    if half:
+        hi, lo = _split(dz, h.dtype)
+        if grad_hidden is not None:
+            grad_hidden.copy_(torch.mm(torch.cat([hi, lo], 1), wf, out_dtype=torch.float32))
+        grad_weight += torch.mm(torch.cat([hi, lo]).t(), torch.cat([h, h]), out_dtype=torch.float32)
+        return
+    if grad_hidden is not None:
+        grad_hidden.copy_(dz @ wf)
+    grad_weight.addmm_(dz.t(), h.float())
+
+
 def _chunk_logp(
     h: torch.Tensor,
     weight: torch.Tensor,
@@ -161,8 +196,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        half = _half_gemms(hidden) and weight.dtype == hidden.dtype
-        wf = torch.cat([weight, weight]) if half else weight.float()
+        half = half_gemms(hidden, weight)
+        wf = backward_weight(weight, half)
         buffers = None if ctx.fused else _cpu_buffers(hidden, weight.shape[0], chunk)
         vocab = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk):
@@ -183,15 +218,8 @@ class _ChunkedLogprobs(torch.autograd.Function):
             else:
                 dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
                 dz.mul_(inv_temp)
-            if half:  # dz @ W = [hi, lo] @ [W; W] and dz^T @ h = [hi; lo]^T @ [h; h]: fp32 accumulation
-                hi, lo = _split(dz, hidden.dtype)
-                if grad_hidden is not None:
-                    grad_hidden[s : s + chunk] = torch.mm(torch.cat([hi, lo], 1), wf, out_dtype=torch.float32)
-                grad_weight += torch.mm(torch.cat([hi, lo]).t(), torch.cat([h, h]), out_dtype=torch.float32)
-                continue
-            if grad_hidden is not None:
-                grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
-            grad_weight.addmm_(dz.t(), h.float())
+            rows = None if grad_hidden is None else grad_hidden[s : s + chunk]
+            accumulate_logit_grads(dz, h, wf, half, rows, grad_weight)
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None
 

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from megatron_gptoss.model.gpt_oss import OutputLayer
+from megatron_gptoss.model.logprobs import accumulate_logit_grads, backward_weight, fp32_logits, half_gemms
 from megatron_gptoss.parallel.collectives import copy_to_tensor_parallel, gather_from_tensor_parallel
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import ShardSpec, local_shard, set_shard
@@ -30,8 +31,9 @@ from megatron_gptoss.parallel.tensor_parallel import swap_module
 
 
 def _chunk_logits(h: Tensor, weight: Tensor, inv_temp: float) -> Tensor:
-    """Tempered fp32 logits [n, real] of this rank's real vocabulary rows."""
-    return (h.float() @ weight.float().t()).mul_(inv_temp)
+    """Tempered fp32 logits [n, real] of this rank's real vocabulary rows (the fp32 GEMM's values; on CUDA
+    half-precision inputs run on the tensor cores with fp32 output, as the single-device head)."""
+    return fp32_logits(h, weight).mul_(inv_temp)
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
@@ -74,7 +76,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         inv_temp, chunk, rows = ctx.inv_temp, ctx.chunk, weight.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        wf = weight.float()
+        half = half_gemms(hidden, weight)
+        wf = backward_weight(weight, half)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
             logp = _chunk_logits(h, weight, inv_temp) - lse_all[s : s + chunk, None]
@@ -88,9 +91,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             if rows:
                 dz.scatter_add_(1, local_t.clamp(0, rows - 1)[:, None], torch.where(mine, g_lp, 0.0)[:, None])
             dz.mul_(inv_temp)
-            if grad_hidden is not None:
-                grad_hidden[s : s + chunk] = (dz @ wf).to(hidden.dtype)
-            grad_weight.addmm_(dz.t(), h.float())
+            rows_out = None if grad_hidden is None else grad_hidden[s : s + chunk]
+            accumulate_logit_grads(dz, h, wf, half, rows_out, grad_weight)
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
@@ -124,7 +126,9 @@ class VocabParallelOutputLayer(nn.Module):
         t = targets.reshape(-1)
         if h.shape[0] != t.shape[0]:
             raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
+        if t.numel() and t.is_cuda:  # checked on the device: no host sync (a violation fails the assert)
+            torch._assert_async(((t >= 0) & (t < self.vocab_size)).all(), "targets outside the vocabulary")
+        elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
             raise ValueError(f"targets outside the vocabulary [0, {self.vocab_size})")
         lp, ent = _VocabParallelLogprobs.apply(
             h, self.weight[: self.real_rows], t, self.vocab_start, self.group, 1.0 / temperature, chunk_size
