@@ -97,16 +97,9 @@ class ExpertParallelExperts(Experts):
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the one host sync of the layer
         send_splits, recv_splits = sizes[: self.ep], sizes[self.ep :]
         fused = self.fused(x)
-        if fused:
-            rows = fused_moe.permute(x, slot_rows, k)
-        else:
-            rows = x.index_select(0, order // k)  # deterministic backward (see Experts.compute)
-        rows = all_to_all(rows, self.group, recv_splits, send_splits)
+        rows = all_to_all(_sorted_rows(x, slot_rows, order, k, fused), self.group, recv_splits, send_splits)
         y = all_to_all(self._local(rows, recv), self.group, send_splits, recv_splits)
-        if fused:
-            return fused_moe.unpermute(y, probs, slot_rows)
-        y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, order // k, y)
+        return _combined(y, x, probs, slot_rows, order, k, fused)
 
     def _local(self, rows: Tensor, recv: Tensor) -> Tensor:
         """The received rows, grouped by (source rank, local expert) with counts recv [ep, local], through
@@ -157,17 +150,12 @@ class ExpertParallelExperts(Experts):
         def dispatch(c: int) -> Tensor:
             slot_rows, _, order = plans[c]
             xc = x[starts[c] : starts[c] + cuts[c]]
-            rows = fused_moe.permute(xc, slot_rows, k) if fused else xc.index_select(0, order // k)
-            return exchanges[c][0].start(rows)
+            return exchanges[c][0].start(_sorted_rows(xc, slot_rows, order, k, fused))
 
         def combine(c: int, y: Tensor) -> Tensor:
             slot_rows, _, order = plans[c]
-            y = exchanges[c][1].finish(y)
-            pc = probs[starts[c] : starts[c] + cuts[c]]
-            if fused:
-                return fused_moe.unpermute(y, pc, slot_rows)
-            y = (y.float() * pc.reshape(-1)[order, None]).to(x.dtype)
-            return x.new_zeros(cuts[c], x.shape[1]).index_add_(0, order // k, y)
+            xc, pc = (t[starts[c] : starts[c] + cuts[c]] for t in (x, probs))
+            return _combined(exchanges[c][1].finish(y), xc, pc, slot_rows, order, k, fused)
 
         outs: list[Tensor] = []
         travelling = dispatch(0)
@@ -183,6 +171,24 @@ class ExpertParallelExperts(Experts):
         assert returning is not None
         outs.append(combine(len(cuts) - 1, returning))
         return torch.cat(outs)
+
+
+def _sorted_rows(x: Tensor, slot_rows: Tensor, order: Tensor, k: int, fused: bool) -> Tensor:
+    """Token rows x [N, H] -> their N * k copies sorted by expert (`sort_by_expert`'s slot_rows / order)."""
+    if fused:
+        return fused_moe.permute(x, slot_rows, k)
+    return x.index_select(0, order // k)  # deterministic backward (see Experts.compute)
+
+
+def _combined(
+    y: Tensor, x: Tensor, probs: Tensor, slot_rows: Tensor, order: Tensor, k: int, fused: bool
+) -> Tensor:
+    """The experts' sorted outputs y [N * k, H] weighted by the router probabilities and summed per token:
+    [N, H] in x's dtype (fp32 weighting)."""
+    if fused:
+        return fused_moe.unpermute(y, probs, slot_rows)
+    y = (y.float() * probs.reshape(-1)[order, None]).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, order // k, y)
 
 
 def _has(module: nn.Module, path: str) -> bool:
