@@ -202,24 +202,21 @@ class _ChunkedLogprobs(torch.autograd.Function):
         vocab = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            if (
-                ctx.fused
-            ):  # dz (inv_temp applied) as hi | lo [rows, 2V] for the half GEMMs, else fp32 in place
-                dz = _fused_chunk_grad(
-                    ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, half
-                )
-                if half:
-                    if grad_hidden is not None:  # fp32 accumulation, one rounding to the hidden dtype
-                        torch.mm(dz, wf, out=grad_hidden[s : s + chunk])
-                    both = torch.mm(dz.t(), h, out_dtype=torch.float32)
-                    grad_weight += both[:vocab]
-                    grad_weight += both[vocab:]
-                    continue
-            else:
-                dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
-                dz.mul_(inv_temp)
             rows = None if grad_hidden is None else grad_hidden[s : s + chunk]
-            accumulate_logit_grads(dz, h, wf, half, rows, grad_weight)
+            if not ctx.fused:
+                dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
+                accumulate_logit_grads(dz.mul_(inv_temp), h, wf, half, rows, grad_weight)
+                continue
+            # inv_temp applied; hi | lo [rows, 2V] for the half GEMMs, else fp32 over the logits' buffer
+            dz = _fused_chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, half)
+            if not half:
+                accumulate_logit_grads(dz, h, wf, half, rows, grad_weight)
+                continue
+            if rows is not None:  # fp32 accumulation, one rounding to the hidden dtype
+                torch.mm(dz, wf, out=rows)
+            both = torch.mm(dz.t(), h, out_dtype=torch.float32)
+            grad_weight += both[:vocab]
+            grad_weight += both[vocab:]
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_hidden, grad_weight, None, None, None, None
 
@@ -259,6 +256,17 @@ def _chunk_grad(saved, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
     return dz
 
 
+def check_targets(targets: torch.Tensor, vocab: int) -> None:
+    """Targets must lie in [0, vocab): checked on the device for CUDA tensors (no host sync; a violation
+    fails the asynchronous assert), else on the host with a ValueError."""
+    if not targets.numel():
+        return
+    if targets.is_cuda:
+        torch._assert_async(((targets >= 0) & (targets < vocab)).all(), "targets outside the vocabulary")
+    elif int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        raise ValueError(f"targets outside the vocabulary [0, {vocab})")
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -277,10 +285,7 @@ def token_logprobs(
     t = targets.reshape(-1)
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
-    if t.numel() and t.is_cuda:  # checked on the device: no host sync (a violation fails the assert)
-        torch._assert_async(((t >= 0) & (t < weight.shape[0])).all(), "targets outside the vocabulary")
-    elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= weight.shape[0]):
-        raise ValueError(f"targets outside the vocabulary [0, {weight.shape[0]})")
+    check_targets(t, weight.shape[0])
     if fused is None:
         fused = fused_available(h)
     logprobs, entropy = _ChunkedLogprobs.apply(h, weight, t, 1.0 / temperature, chunk_size, fused)

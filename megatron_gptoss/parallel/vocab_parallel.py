@@ -23,7 +23,13 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 from megatron_gptoss.model.gpt_oss import OutputLayer
-from megatron_gptoss.model.logprobs import accumulate_logit_grads, backward_weight, fp32_logits, half_gemms
+from megatron_gptoss.model.logprobs import (
+    accumulate_logit_grads,
+    backward_weight,
+    check_targets,
+    fp32_logits,
+    half_gemms,
+)
 from megatron_gptoss.parallel.collectives import copy_to_tensor_parallel, gather_from_tensor_parallel
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import ShardSpec, local_shard, set_shard
@@ -126,10 +132,7 @@ class VocabParallelOutputLayer(nn.Module):
         t = targets.reshape(-1)
         if h.shape[0] != t.shape[0]:
             raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
-        if t.numel() and t.is_cuda:  # checked on the device: no host sync (a violation fails the assert)
-            torch._assert_async(((t >= 0) & (t < self.vocab_size)).all(), "targets outside the vocabulary")
-        elif t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.vocab_size):
-            raise ValueError(f"targets outside the vocabulary [0, {self.vocab_size})")
+        check_targets(t, self.vocab_size)
         lp, ent = _VocabParallelLogprobs.apply(
             h, self.weight[: self.real_rows], t, self.vocab_start, self.group, 1.0 / temperature, chunk_size
         )
