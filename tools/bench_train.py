@@ -155,7 +155,7 @@ def main() -> None:
         expert_model_parallel_size=args.ep or world,
         sequence_parallel=args.tp > 1,
         use_distributed_optimizer=True,
-        **({"expert_dispatch_chunks": args.dispatch_chunks} if args.dispatch_chunks != 1 else {}),
+        expert_dispatch_chunks=args.dispatch_chunks,
     )
     dims = ParallelDims.build(pcfg, config)
     plan = StagePlan(0, 1, range(config.num_layers))

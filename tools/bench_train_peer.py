@@ -28,7 +28,6 @@ rescale, the boundaries from positions) runs on the CPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import math
 import re
@@ -40,6 +39,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from megatron_gptoss.utils.host import collect_between_steps
 
 TORCHTITAN_VERSION = "0.3.0"
 # the peer and what its model code imports beyond torch: package -> pinned version (pure Python wheels)
@@ -82,26 +83,17 @@ def time_steps(
     between steps, untimed, and is off during them (as trainers do: a collection inside a step stalls the
     host that feeds the GPU)."""
     times = []
-    enabled = gc.isenabled()
-    try:
-        for it in range(warmup + iters):
-            if prepare is not None:
-                prepare()
-            gc.collect()
-            gc.disable()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if it >= warmup:
-                times.append(time.perf_counter() - start)
-            if enabled:
-                gc.enable()
-    finally:
-        if enabled:
-            gc.enable()
+    for it in collect_between_steps(range(warmup + iters), every=1):
+        if prepare is not None:
+            prepare()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if it >= warmup:
+            times.append(time.perf_counter() - start)
     return times
 
 

@@ -19,10 +19,9 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,6 +39,7 @@ from megatron_gptoss.rl.guards import DivergenceGuard
 from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.session import Session, from_rank0
+from megatron_gptoss.utils.host import collect_between_steps
 from megatron_gptoss.utils.metrics import MetricsLogger
 from megatron_gptoss.utils.plot import plot_metrics
 
@@ -56,26 +56,6 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def collect_between_steps(steps: Iterable[int], every: int) -> Iterator[int]:
-    """`steps`, with Python's automatic garbage collection off while the caller runs a step and a full
-    collection after every `every`-th step (`run.gc_every`); `every` 0: the collector as Python runs it. The
-    collector is on again once the iteration ends, however it ends."""
-    if every <= 0:
-        yield from steps
-        return
-    enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
-    try:
-        for step in steps:
-            yield step
-            if step % every == 0:
-                gc.collect()
-    finally:
-        if enabled:
-            gc.enable()
 
 
 class Cadence:

@@ -8,7 +8,7 @@ import gc
 import pytest
 
 from megatron_gptoss.config import ConfigError, RunConfig
-from megatron_gptoss.trainer.cadence import collect_between_steps
+from megatron_gptoss.utils.host import collect_between_steps
 
 
 @pytest.fixture
