@@ -32,6 +32,7 @@ from megatron_gptoss.ops import triton_sink_kernels as kernels
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SINK_CHUNK = 1024  # d_sink partials summed per step by the one program of a KV head that sums them
 
 
 @dataclass(frozen=True)
@@ -161,56 +162,75 @@ def _geometry(q, k, cu_seqlens, max_seqlen):
     return batch, seqlen, q.shape[-2] // k.shape[-2]
 
 
-def _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen):
-    """Delta = rowsum(dO * O) - dLSE in LSE's layout, and d_sink (deterministic, in sinks' dtype)."""
-    batch, seqlen, _ = _geometry(q, k, cu_seqlens, max_seqlen)
-    hq = q.shape[-2]
+def _sink_grads(q, sinks, lse, batch, tiles):
+    """Delta (LSE's layout), the d_sink partials [Hq, sequences * tiles] and d_sink, unfilled: the first
+    backward kernel writes Delta and the partials, the second sums the partials into d_sink."""
     delta = torch.empty_like(lse)
+    partials = torch.empty((q.shape[-2], batch * tiles), dtype=torch.float32, device=q.device)
+    return delta, partials, torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+
+
+def _dlse_args(dlse):
+    """(dLse, its batch and head strides), a dummy pointer with zero strides when the loss ignores the LSE."""
+    return (dlse, *_lse_strides(dlse)) if dlse is not None else (None, 0, 0)
+
+
+def _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen):
+    """Delta = rowsum(dO * O) - dLSE and the d_sink partials, for the one-pass backward (the two-pass
+    backward takes them in its dQ kernel)."""
+    batch, seqlen, _ = _geometry(q, k, cu_seqlens, max_seqlen)
     blocks = triton.cdiv(seqlen, 64)
-    partials = torch.empty((hq, batch, blocks), dtype=torch.float32, device=q.device)
-    kernels.sink_attn_bwd_preprocess_kernel[(blocks, hq, batch)](
+    delta, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
+    dlse, *dlse_strides = _dlse_args(dlse)
+    kernels.sink_attn_bwd_preprocess_kernel[(blocks, q.shape[-2], batch)](
         out, dout, lse, dlse, sinks, delta, partials, cu_seqlens,
-        *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse),
-        *(_lse_strides(dlse) if dlse is not None else (0, 0)), seqlen, blocks,
+        *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse), *dlse_strides, seqlen, blocks,
         HEAD_DIM=q.shape[-1], BLOCK_M=64, VARLEN=cu_seqlens is not None, HAS_DLSE=dlse is not None,
     )  # fmt: skip
-    return delta, (-partials.sum(dim=(1, 2))).to(sinks.dtype)
+    return delta, partials, dsinks
 
 
-def _bwd_dkdv(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
+def _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
+    """dQ, and on the way Delta and the d_sink partials (read by the dK/dV kernel)."""
+    batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
+    blocks = triton.cdiv(seqlen, cfg.dq_block_m)
+    delta, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
+    dlse, *dlse_strides = _dlse_args(dlse)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    kernels.sink_attn_bwd_dq_kernel[(blocks, q.shape[-2], batch)](
+        q, k, v, out, dout, lse, dlse, sinks, delta, partials, dq, cu_seqlens,
+        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(out), *_seq_strides(dout),
+        *_seq_strides(dq), *_lse_strides(lse), *dlse_strides, seqlen, window or 0,
+        scale * math.log2(math.e), scale, group, blocks,
+        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, HAS_DLSE=dlse is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+    )  # fmt: skip
+    return dq, delta, partials, dsinks
+
+
+def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
+    """dK, dV, and d_sink from the partials."""
     batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     pair = window is None and cfg.dkdv_pair
     blocks = triton.cdiv(seqlen, cfg.dkdv_block_n)
     kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(blocks, 2) if pair else blocks, k.shape[-2], batch)](
-        q, k, v, dout, lse, delta, dk, dv, cu_seqlens,
+        q, k, v, dout, lse, delta, dk, dv, partials, dsinks, cu_seqlens,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
         *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group,
+        partials.shape[1],
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, PAIR=pair,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, PAIR=pair, SINK_CHUNK=SINK_CHUNK,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dk, dv
 
 
-def _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
-    batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    blocks = triton.cdiv(seqlen, cfg.dq_block_m)
-    kernels.sink_attn_bwd_dq_kernel[(blocks, q.shape[-2], batch)](
-        q, k, v, dout, lse, delta, dq, cu_seqlens,
-        *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dq),
-        *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group, blocks,
-        HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
-        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
-    )  # fmt: skip
-    return dq
-
-
-def _bwd_fused(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg):
-    """dK, dV and dQ from one kernel: dQ summed in fp32 in key-block order, then cast."""
+def _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
+    """dK, dV and dQ from one kernel: dQ summed in fp32 in key-block order, then cast; d_sink from the
+    partials."""
     batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
@@ -219,27 +239,30 @@ def _bwd_fused(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale,
     tiles = triton.cdiv(seqlen, cfg.dkdv_block_m)
     locks = torch.zeros((batch, hq, tiles), dtype=torch.int32, device=q.device)
     kernels.sink_attn_bwd_fused_kernel[(hkv * batch, triton.cdiv(seqlen, cfg.dkdv_block_n))](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, locks, cu_seqlens,
+        q, k, v, dout, lse, delta, dk, dv, dq_acc, locks, partials, dsinks, cu_seqlens,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
         *_seq_strides(dv), *_seq_strides(dq_acc), *_lse_strides(lse), hq * tiles, tiles, seqlen,
-        window or 0, scale * math.log2(math.e), scale, group, hkv,
+        window or 0, scale * math.log2(math.e), scale, group, hkv, partials.shape[1],
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
-        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None,
+        VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, SINK_CHUNK=SINK_CHUNK,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dq_acc.to(q.dtype), dk, dv
 
 
 def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
+    """Two launches: dQ (with Delta and the d_sink partials), then dK/dV (with d_sink). The one-pass
+    backward (`cfg.fused_dq`) takes Delta from a preprocess kernel instead."""
     dout = _last_dim_contiguous(dout)
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
-    delta, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
+    geometry = (cu_seqlens, max_seqlen, window, scale, cfg)
     if cfg.fused_dq:
-        dq, dk, dv = _bwd_fused(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
+        delta, partials, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
+        dq, dk, dv = _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, *geometry)
         return dq, dk, dv, dsinks
-    dk, dv = _bwd_dkdv(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
-    dq = _bwd_dq(q, k, v, dout, lse, delta, cu_seqlens, max_seqlen, window, scale, cfg)
+    dq, delta, partials, dsinks = _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, *geometry)
+    dk, dv = _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, *geometry)
     return dq, dk, dv, dsinks
 
 

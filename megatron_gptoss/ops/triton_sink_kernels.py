@@ -1,4 +1,5 @@
-"""Triton kernels of the sink attention: forward (also the decode path), backward preprocess, dK/dV, dQ.
+"""Triton kernels of the sink attention: forward (also the decode path), dQ (with Delta and the d_sink
+partials), dK/dV (with d_sink), and the one-pass backward with its preprocess.
 
 Launched only from `megatron_gptoss.ops.triton_sink_attention`, which states the public contract.
 
@@ -161,15 +162,45 @@ def sink_attn_fwd_kernel(
 # ------------------------------------------------------------------------------------------------
 # Backward
 @triton.jit
+def _delta_rows(
+    o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, row_ok, h, part, HAS_DLSE: tl.constexpr
+):  # fmt: skip
+    """Delta_i = rowsum(dO_i * O_i) - dLSE_i of a tile's rows, stored in LSE's layout, and the tile's d_sink
+    partial sum of exp(sink - LSE_i) * Delta_i into DsinkPart[part]. Returns (Delta, LSE) of the rows."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta = delta - tl.load(dLse + dlse_off, mask=row_ok, other=0.0).to(tl.float32)
+    lse = tl.load(Lse + lse_off, mask=row_ok, other=0.0)
+    tl.store(Delta + lse_off, delta, mask=row_ok)
+    sink = tl.load(Sinks + h).to(tl.float32)
+    tl.store(DsinkPart + part, tl.sum(tl.where(row_ok, tl.exp(sink - lse) * delta, 0.0), 0))
+    return delta, lse
+
+
+@triton.jit
+def _sum_dsink(DsinkPart, dSinks, kvh, group, n_parts, BLOCK: tl.constexpr):
+    """d_sink_h = -sum of head h's n_parts partials (DsinkPart[h, :]) for the group's query heads, summed
+    in a fixed order (bitwise repeatable) and stored in the sinks' dtype. Run by one program per KV head of
+    the kernel launched after the partials' writer."""
+    for i in range(0, group):
+        h = kvh * group + i
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for first in range(0, n_parts, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            acc += tl.load(DsinkPart + h.to(tl.int64) * n_parts + offs, mask=offs < n_parts, other=0.0)
+        tl.store(dSinks + h, (-tl.sum(acc, 0)).to(dSinks.dtype.element_ty))
+
+
+@triton.jit
 def sink_attn_bwd_preprocess_kernel(
     Out, dOut, Lse, dLse, Sinks, Delta, DsinkPart, cu_seqlens,
     stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
     stride_dlb, stride_dlh, seqlen, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
-    """Delta_i = rowsum(dO_i * O_i) - dLSE_i (stored in LSE's layout) and, per (head, tile), the partial
-    sum of exp(sink - LSE_i) * Delta_i into DsinkPart[h, b * num_m_blocks + tile]; the host sums those
-    partials in a fixed order, so d_sink = -sum is deterministic."""
+    """Delta and the d_sink partials alone (`_delta_rows`), for the one-pass backward; the two-pass backward
+    computes them in its dQ kernel. Partial of (head, sequence, tile) at DsinkPart[h, b * num_m_blocks +
+    tile]."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -188,16 +219,10 @@ def sink_attn_bwd_preprocess_kernel(
         mask=row_ok[:, None],
         other=0.0,
     )
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    if HAS_DLSE:
-        dlse = tl.load(dLse + b.to(tl.int64) * stride_dlb + h * stride_dlh + rows, mask=row_ok, other=0.0)
-        delta = delta - dlse.to(tl.float32)
+    part = (h * tl.num_programs(2) + b) * num_m_blocks + pid_m
     lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows
-    lse = tl.load(Lse + lse_off, mask=row_ok, other=0.0)
-    tl.store(Delta + lse_off, delta, mask=row_ok)
-    sink = tl.load(Sinks + h).to(tl.float32)
-    part = tl.sum(tl.where(row_ok, tl.exp(sink - lse) * delta, 0.0), 0)
-    tl.store(DsinkPart + (h * tl.num_programs(2) + b) * num_m_blocks + pid_m, part)
+    dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + rows
+    _delta_rows(o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, row_ok, h, part, HAS_DLSE)
 
 
 @triton.jit
@@ -256,20 +281,24 @@ def _dkdv_blocks(
 
 @triton.jit
 def sink_attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, cu_seqlens,
+    Q, K, V, dOut, Lse, Delta, dK, dV, DsinkPart, dSinks, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
+    n_parts,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAIR: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAIR: tl.constexpr, SINK_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (key blocks, kv heads, sequences). A program owns dK/dV of BLOCK_N keys of one KV head and loops
     over the `group` query heads sharing it, so every element is written once (no atomics). With PAIR
     (causal), program p owns key blocks p and n_blocks - 1 - p, which evens out the causal triangle's
-    work across programs (grid axis 0: half the key blocks)."""
+    work across programs (grid axis 0: half the key blocks). Program (0, kvh, 0) also sums the group's
+    d_sink partials (`_sum_dsink`), written by the dQ kernel before it."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
+    if pid == 0 and b == 0:
+        _sum_dsink(DsinkPart, dSinks, kvh, group, n_parts, SINK_CHUNK)
     start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
     if PAIR:
         partner = (seq_len + BLOCK_N - 1) // BLOCK_N - 1 - pid
@@ -348,32 +377,43 @@ def _dq_blocks(
 
 @triton.jit
 def sink_attn_bwd_dq_kernel(
-    Q, K, V, dOut, Lse, Delta, dQ, cu_seqlens,
+    Q, K, V, Out, dOut, Lse, dLse, Sinks, Delta, DsinkPart, dQ, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-    stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
-    stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group, num_m_blocks,
+    stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
+    stride_lb, stride_lh, stride_dlb, stride_dlh, seqlen, window, qk_scale, sm_scale, group, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, q heads, sequences), tiles last-first; the key loop is the forward's."""
+    """Grid (query tiles, q heads, sequences), tiles last-first; the key loop is the forward's. A program
+    first takes its rows' Delta and the tile's d_sink partial (`_delta_rows`, DsinkPart[h, b *
+    num_m_blocks + tile]; 0 for a tile past the sequence end), which the dK/dV kernel launched after it
+    reads."""
     pid_m = num_m_blocks - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
+    part = (h * tl.num_programs(2) + b) * num_m_blocks + pid_m
     start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
     start_m = pid_m * BLOCK_M
     if start_m >= seq_len:
+        tl.store(DsinkPart + part, 0.0)
         return
     kvh = h // group
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
-    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + (start + offs_m[:, None]) * stride_qt
-    do_ptrs = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + (start + offs_m[:, None]) * stride_dot
+    rows = start + offs_m
+    q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows[:, None] * stride_qt
+    o_ptrs = Out + b.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None] * stride_ot
+    do_ptrs = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows[:, None] * stride_dot
     q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    o = tl.load(o_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m
-    lse2 = tl.load(Lse + lse_off, mask=row_ok, other=0.0) * LOG2E
-    delta = tl.load(Delta + lse_off, mask=row_ok, other=0.0)
+    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + rows
+    dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + rows
+    delta, lse = _delta_rows(
+        o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, row_ok, h, part, HAS_DLSE
+    )
+    lse2 = lse * LOG2E
     k_base = K + b.to(tl.int64) * stride_kb + kvh * stride_kh + start * stride_kt
     v_base = V + b.to(tl.int64) * stride_vb + kvh * stride_vh + start * stride_vt
 
@@ -393,7 +433,7 @@ def sink_attn_bwd_dq_kernel(
         seq_len, window, qk_scale, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION,
     )  # fmt: skip
     dq = dq * sm_scale
-    dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + (start + offs_m[:, None]) * stride_dqt
+    dq_ptrs = dQ + b.to(tl.int64) * stride_dqb + h * stride_dqh + rows[:, None] * stride_dqt
     tl.store(dq_ptrs + offs_d[None, :], dq.to(dQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -456,13 +496,13 @@ def _fused_tiles(
 
 @triton.jit
 def sink_attn_bwd_fused_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, DQacc, Locks, cu_seqlens,
+    Q, K, V, dOut, Lse, Delta, dK, dV, DQacc, Locks, DsinkPart, dSinks, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_ab, stride_at, stride_ah, stride_lb, stride_lh,
-    lock_b, lock_h, seqlen, window, qk_scale, sm_scale, group, kv_heads,
+    lock_b, lock_h, seqlen, window, qk_scale, sm_scale, group, kv_heads, n_parts,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, SINK_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (kv heads x sequences, key blocks): program (c, n) owns dK/dV of key block n of KV head / sequence
     c, as `sink_attn_bwd_dkdv_kernel`, and adds its dQ terms to the fp32 DQacc. Every (query head, query
@@ -470,11 +510,14 @@ def sink_attn_bwd_fused_kernel(
     blocks that reach the tile, then increments it, so each dQ element is summed in key-block order
     (bitwise repeatable). A block waits only on lower blocks of the same (kv head, sequence), launched
     before it (programs start in launch order): no deadlock. Tiles run last-first, so the programs of one
-    wave meet each tile about one step apart."""
+    wave meet each tile about one step apart. Program (kvh, 0) of sequence 0 also sums the group's d_sink
+    partials (`_sum_dsink`)."""
     c = tl.program_id(0)
     n_block = tl.program_id(1)
     kvh = c % kv_heads
     b = c // kv_heads
+    if n_block == 0 and b == 0:
+        _sum_dsink(DsinkPart, dSinks, kvh, group, n_parts, SINK_CHUNK)
     start, seq_len, _ = _sequence(cu_seqlens, cu_seqlens, b, seqlen, VARLEN, False)
     start_n = n_block * BLOCK_N
     if start_n >= seq_len:

@@ -8,6 +8,7 @@ Shapes are tiny and the interpreter's tiles are 16 x 16, so lengths like 37 cove
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -178,6 +179,30 @@ def test_triton_packed_matches_fp64_and_each_document_alone(window):
     assert torch.equal(leaves[1].grad[a:b], doc_leaves[1].grad[0])
     assert torch.equal(leaves[2].grad[a:b], doc_leaves[2].grad[0])
     assert rel_err(leaves[3].grad, doc_leaves[3].grad) <= TOL
+
+
+@needs_interpreter
+@pytest.mark.parametrize("fused_dq", [False, True], ids=["two-pass", "one-pass"])
+def test_triton_dsink_summed_over_many_partials(monkeypatch, fused_dq):
+    """d_sink is summed from one partial per (head, sequence, query tile) by one program per KV head, in
+    chunks of SINK_CHUNK: with a chunk of 4 the sum loops over several chunks (7 documents x 3 tiles), and
+    the loss with and without the LSE term still matches float64."""
+    from megatron_gptoss.ops import triton_sink_attention as tsa
+
+    monkeypatch.setattr(tsa, "SINK_CHUNK", 4)
+    cfg = replace(tsa.default_config(16, torch.float32, False, torch.device("cpu")), fused_dq=fused_dq)
+    lengths = [0, 5, 19, 0, 33, 1, 12]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    inputs = make_inputs(int(cu[-1]), 4, 2, 16, seed=11, sink_scale=3.0)
+    fn = triton_backend_with_config(cfg)
+    ref = run_with_grads(eager_sink_attention, inputs, torch.float64, cu_seqlens=cu)
+    assert_close_to_reference(run_with_grads(fn, inputs, torch.float32, cu_seqlens=cu), ref)
+    grads = []
+    for attention, dtype in ((eager_sink_attention, torch.float64), (fn, torch.float32)):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        (attention(*leaves, cu_seqlens=cu) * torch.arange(4, dtype=dtype).view(1, 4, 1)).sum().backward()
+        grads.append(leaves[3].grad)
+    assert rel_err(grads[1], grads[0]) <= TOL
 
 
 @needs_interpreter
