@@ -244,7 +244,8 @@ SWEEP_DQ = [(128, 64, 8, 3), (64, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (1
 
 
 def sweep_case(case_name):
-    """Time each Triton kernel (forward, backward preprocess, dK/dV, dQ) over tile configs."""
+    """Time each Triton kernel (forward, dQ, dK/dV, the one-pass backward and its preprocess) over tile
+    configs."""
     from dataclasses import replace
     from functools import partial
 
@@ -260,8 +261,9 @@ def sweep_case(case_name):
     print(f"\n{case_name} default {base}", flush=True)
     out, lse = tsa._forward(q, k, v, s, cu, ms, window, scale, base)
     dout = torch.randn_like(out)
-    delta, _ = tsa._bwd_preprocess(q, k, s, out, lse, dout, None, cu, ms)
-    print(f"  preprocess: {bench(tsa._bwd_preprocess, q, k, s, out, lse, dout, None, cu, ms):.3f} ms")
+    sink_state = tsa._bwd_preprocess(q, k, s, out, lse, dout, None, cu, ms)  # delta, partials, d_sink
+    pre_ms = bench(tsa._bwd_preprocess, q, k, s, out, lse, dout, None, cu, ms)
+    print(f"  preprocess (one-pass only): {pre_ms:.3f} ms")
     trials = [
         ("fwd", c, dict(block_m=c[0], block_n=c[1], fwd_warps=c[2], fwd_stages=c[3])) for c in SWEEP_FWD
     ]
@@ -279,12 +281,12 @@ def sweep_case(case_name):
         cfg = replace(base, **fields)
         if part == "fwd":
             fn, args = tsa._forward, (q, k, v, s, cu, ms, window, scale, cfg)
-        elif part == "dq":
-            fn, args = tsa._bwd_dq, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+        elif part == "dq":  # dQ with Delta and the d_sink partials
+            fn, args = tsa._bwd_dq, (q, k, v, s, out, dout, lse, None, cu, ms, window, scale, cfg)
         elif part == "dkdv+dq":
-            fn, args = tsa._bwd_fused, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+            fn, args = tsa._bwd_fused, (q, k, v, dout, lse, *sink_state, cu, ms, window, scale, cfg)
         else:
-            fn, args = tsa._bwd_dkdv, (q, k, v, dout, lse, delta, cu, ms, window, scale, cfg)
+            fn, args = tsa._bwd_dkdv, (q, k, v, dout, lse, *sink_state, cu, ms, window, scale, cfg)
         try:
             print(f"  {part} {c}: {bench(fn, *args):.3f} ms", flush=True)
         except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
