@@ -142,7 +142,7 @@ def _forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg, seqused
         num_m_blocks = triton.cdiv(seqlen, cfg.block_m)
     else:  # the new rows may straddle one more tile boundary than their count suggests
         num_m_blocks = triton.cdiv(seqlen, cfg.block_m) + 1
-    grid = (num_m_blocks, hq, batch)
+    grid = (hq, num_m_blocks, batch)  # grid axis 1 takes up to 65,535 tiles: 8.4M tokens at 128 rows
     kernels.sink_attn_fwd_kernel[grid](
         q, k, v, sinks, out, lse, cu_seqlens, seqused_k,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(out), *_lse_strides(lse),

@@ -111,9 +111,11 @@ def sink_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
     SEQUSED_K: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Grid (query tiles, q heads, sequences); tiles are launched last-first (the longest key loops first)."""
-    pid_m = num_m_blocks - 1 - tl.program_id(0)
-    h = tl.program_id(1)
+    """Grid (q heads, query tiles, sequences); tiles are launched last-first and the heads inside, so every
+    head's longest key loop starts before any shorter one (a causal sequence's tail of short tiles packs
+    the last wave)."""
+    h = tl.program_id(0)
+    pid_m = num_m_blocks - 1 - tl.program_id(1)
     b = tl.program_id(2)
     start, q_len, k_len = _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN, SEQUSED_K)
     pos0 = k_len - q_len
