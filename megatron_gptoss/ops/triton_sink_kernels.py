@@ -247,6 +247,43 @@ def _query_ranges(
 
 
 @triton.jit
+def _dkdv_rows(q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
+    """Q, dO, LSE and Delta of a query tile; rows past the sequence end read as zeros under MASK."""
+    if MASK:
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+        do = tl.load(do_ptrs)
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    return q, do, lse, delta
+
+
+@triton.jit
+def _dkdv_step(
+    dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, seq_len, window, qk_scale, MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One (key block, query tile) step: P^T and dS^T of the block's keys against the tile's queries, added
+    into dV and dK. Returns (dK, dV, dS^T in the inputs' dtype)."""
+    qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+    pt = tl.math.exp2(qkt * qk_scale - (lse * LOG2E)[None, :])
+    if MASK:
+        ok = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] < seq_len)
+        if HAS_WINDOW:
+            ok = ok & (offs_n[:, None] > offs_m[None, :] - window)
+        pt = tl.where(ok, pt, 0.0)
+    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dst = (pt * (dpt - delta[None, :])).to(q.dtype)
+    dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
+    return dk, dv, dst
+
+
+@triton.jit
 def _dkdv_blocks(
     dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
     seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -254,30 +291,18 @@ def _dkdv_blocks(
 ):  # fmt: skip
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q_ptrs = q_base + offs_m[:, None] * stride_qt + offs_d[None, :]
-        do_ptrs = do_base + offs_m[:, None] * stride_dot + offs_d[None, :]
-        if MASK:
-            row_ok = offs_m < seq_len
-            q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
-            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-            lse = tl.load(lse_base + offs_m, mask=row_ok, other=0.0)
-            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        else:
-            q = tl.load(q_ptrs)
-            do = tl.load(do_ptrs)
-            lse = tl.load(lse_base + offs_m)
-            delta = tl.load(delta_base + offs_m)
-        qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-        pt = tl.math.exp2(qkt * qk_scale - (lse * LOG2E)[None, :])
-        if MASK:
-            ok = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] < seq_len)
-            if HAS_WINDOW:
-                ok = ok & (offs_n[:, None] > offs_m[None, :] - window)
-            pt = tl.where(ok, pt, 0.0)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-        dst = pt * (dpt - delta[None, :])
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        q, do, lse, delta = _dkdv_rows(
+            q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+            do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+            lse_base + offs_m,
+            delta_base + offs_m,
+            offs_m < seq_len,
+            MASK,
+        )
+        dk, dv, _ = _dkdv_step(
+            dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, seq_len, window, qk_scale, MASK, HAS_WINDOW,
+            DOT_PRECISION,
+        )  # fmt: skip
     return dk, dv
 
 
@@ -461,30 +486,19 @@ def _fused_tiles(
         for i in range(0, group):
             h = kvh * group + i
             rows = start + offs_m[:, None]
-            q_ptrs = Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows * stride_qt
-            do_ptrs = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dot
             stat = b.to(tl.int64) * stride_lb + h * stride_lh + start + offs_m
-            if MASK:
-                q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                do = tl.load(do_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                lse = tl.load(Lse + stat, mask=row_ok, other=0.0)
-                delta = tl.load(Delta + stat, mask=row_ok, other=0.0)
-            else:
-                q = tl.load(q_ptrs + offs_d[None, :])
-                do = tl.load(do_ptrs + offs_d[None, :])
-                lse = tl.load(Lse + stat)
-                delta = tl.load(Delta + stat)
-            qkt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
-            pt = tl.math.exp2(qkt * qk_scale - (lse * LOG2E)[None, :])
-            if MASK:
-                ok = (offs_m[None, :] >= offs_n[:, None]) & (offs_m[None, :] < seq_len)
-                if HAS_WINDOW:
-                    ok = ok & (offs_n[:, None] > offs_m[None, :] - window)
-                pt = tl.where(ok, pt, 0.0)
-            dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            dst = (pt * (dpt - delta[None, :])).to(q.dtype)
-            dk = tl.dot(dst, q, dk, input_precision=DOT_PRECISION)
+            q, do, lse, delta = _dkdv_rows(
+                Q + b.to(tl.int64) * stride_qb + h * stride_qh + rows * stride_qt + offs_d[None, :],
+                dOut + b.to(tl.int64) * stride_dob + h * stride_doh + rows * stride_dot + offs_d[None, :],
+                Lse + stat,
+                Delta + stat,
+                row_ok,
+                MASK,
+            )
+            dk, dv, dst = _dkdv_step(
+                dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, seq_len, window, qk_scale, MASK, HAS_WINDOW,
+                DOT_PRECISION,
+            )  # fmt: skip
             dq = tl.dot(tl.trans(dst), k, input_precision=DOT_PRECISION) * sm_scale
             lock = Locks + b * lock_b + h * lock_h + tile
             while tl.atomic_add(lock, 0, sem="acquire") != n_block - first:
