@@ -38,19 +38,22 @@ def rotary_qkv_kernel(
     is_k = (head == R)[:, None]
     tl.store(k_dst, out_first, mask=is_k)
     tl.store(k_dst + HALF, out_second, mask=is_k)
-    if WRITE_V:
+    if WRITE_V or WRITE_KV:  # the value head, read once for either copy
         v_src = qkv + token * stride_token + (group * (R + 2) + R + 1) * (2 * HALF) + col
+        v_first = tl.load(v_src)
+        v_second = tl.load(v_src + HALF)
+    if WRITE_V:
         v_dst = v_out + (token * groups + group) * (2 * HALF) + col
-        tl.store(v_dst, tl.load(v_src))
-        tl.store(v_dst + HALF, tl.load(v_src + HALF))
+        tl.store(v_dst, v_first)
+        tl.store(v_dst + HALF, v_second)
     if WRITE_KV:
         slot = tl.load(slots + token).to(tl.int64)
         at = (slot * groups + group + 0 * head)[:, None] * (2 * HALF) + col[None, :]
         tl.store(k_pool + at, out_first, mask=is_k)
         tl.store(k_pool + at + HALF, out_second, mask=is_k)
-        v_src = qkv + token * stride_token + (group * (R + 2) + R + 1) * (2 * HALF) + col
-        tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + col, tl.load(v_src))
-        tl.store(v_pool + slot * groups * (2 * HALF) + group * (2 * HALF) + HALF + col, tl.load(v_src + HALF))
+        v_dst = v_pool + (slot * groups + group) * (2 * HALF) + col
+        tl.store(v_dst, v_first)
+        tl.store(v_dst + HALF, v_second)
 
 
 @triton.jit
