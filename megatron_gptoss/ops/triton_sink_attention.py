@@ -32,6 +32,7 @@ from megatron_gptoss.ops import triton_sink_kernels as kernels
 
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2: the forward's query tiles, every kernel's sequences
 SINK_CHUNK = 1024  # d_sink partials summed per step by the one program of a KV head that sums them
 
 
@@ -142,7 +143,7 @@ def _forward(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg, seqused
         num_m_blocks = triton.cdiv(seqlen, cfg.block_m)
     else:  # the new rows may straddle one more tile boundary than their count suggests
         num_m_blocks = triton.cdiv(seqlen, cfg.block_m) + 1
-    grid = (hq, num_m_blocks, batch)  # grid axis 1 takes up to 65,535 tiles: 8.4M tokens at 128 rows
+    grid = (hq, num_m_blocks, batch)
     kernels.sink_attn_fwd_kernel[grid](
         q, k, v, sinks, out, lse, cu_seqlens, seqused_k,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(out), *_lse_strides(lse),
@@ -321,6 +322,13 @@ def triton_sink_attention(
         given = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
         longest = max_seqlen = max(int(given), 1)
     cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
+    sequences = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+    if triton.cdiv(longest, cfg.block_m) > MAX_GRID_YZ or sequences > MAX_GRID_YZ:
+        raise AttentionInputError(
+            f"triton backend: {sequences} sequences of up to {longest} tokens exceed the launch grid "
+            f"(at most {MAX_GRID_YZ} sequences and {MAX_GRID_YZ} query tiles of {cfg.block_m} rows); "
+            "split the batch"
+        )
     out, lse = SinkAttentionFunction.apply(q, k, v, sinks, cu_seqlens, max_seqlen, window, scale, cfg)
     return (out, lse) if return_lse else out
 

@@ -206,6 +206,19 @@ def test_triton_dsink_summed_over_many_partials(monkeypatch, fused_dq):
 
 
 @needs_interpreter
+def test_triton_grid_limits_are_a_clear_error():
+    """More query tiles or sequences than CUDA's grid axes take is refused before any launch, naming both."""
+    q, k, v, sinks = (t.float() for t in make_inputs(8, 2, 1, 16))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(AttentionInputError, match="exceed the launch grid"):
+        triton_backend(q, k, v, sinks, cu_seqlens=cu, max_seqlen=16 * 65535 + 1)
+    many = torch.zeros(65537, dtype=torch.int32)
+    many[-1] = 8
+    with pytest.raises(AttentionInputError, match="65536 sequences"):
+        triton_backend(q, k, v, sinks, cu_seqlens=many, max_seqlen=8)
+
+
+@needs_interpreter
 def test_triton_rows_without_keys_are_finite():
     """Under the causal contract a query always sees itself, so rows without keys arise only in effect:
     here half the heads have scores around -1e5 (every exp underflows), which the reference also treats
