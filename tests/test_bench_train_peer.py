@@ -4,6 +4,7 @@ gradients); with torchtitan installed, the peer model builds at tiny width and t
 
 import math
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,6 +38,25 @@ def test_time_steps_prepares_each_step_untimed():
     )
     assert len(times) == 3 and all(t >= 0 for t in times)
     assert calls == ["zero", "step"] * 5
+
+
+def test_time_steps_aligns_each_step_untimed():
+    """`align` (the ranks' barrier) runs after `prepare` and before each step, outside the timed span."""
+    calls = []
+
+    def align():
+        calls.append("align")
+        time.sleep(0.05)
+
+    def step():
+        calls.append("step")
+
+    def zero():
+        calls.append("zero")
+
+    times = peer.time_steps(step, 1, 3, torch.device("cpu"), prepare=zero, align=align)
+    assert calls == ["zero", "align", "step"] * 4
+    assert len(times) == 3 and max(times) < 0.05
 
 
 def test_packed_positions_restart_per_document():

@@ -231,7 +231,8 @@ def main() -> None:
     def fwd_bwd_step() -> None:
         runner.forward_backward(packed, loss_fn)
 
-    step_times = time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero)
+    align = dist.barrier if world > 1 else None  # every rank's step starts together
+    step_times = time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero, align=align)
     ours = timing_summary(step_times)
     fwd_bwd = world_max(ours["median_s"], dims, device)
 

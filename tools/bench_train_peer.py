@@ -77,17 +77,24 @@ def time_steps(
     iters: int,
     device: torch.device,
     prepare: Callable[[], None] | None = None,
+    align: Callable[[], None] | None = None,
 ) -> list[float]:
     """Wall time of `iters` calls of `step` after `warmup` untimed ones, the device synchronized around
     each; `prepare` (zeroing gradients) runs before each step, untimed. Python's garbage collector runs
     between steps, untimed, and is off during them (as trainers do: a collection inside a step stalls the
-    host that feeds the GPU)."""
+    host that feeds the GPU). `align` (a barrier across ranks) runs last before each step, untimed, so every
+    rank's step starts together: without it a rank that starts early times its wait for the others at the
+    step's first collective."""
     times = []
     for it in collect_between_steps(range(warmup + iters), every=1):
         if prepare is not None:
             prepare()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if align is not None:
+            align()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         start = time.perf_counter()
         step()
         if device.type == "cuda":
