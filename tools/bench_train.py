@@ -243,6 +243,9 @@ def main() -> None:
             zero()
             runner.forward_backward(packed, loss_fn)
             sync(device)
+            if align is not None:
+                align()
+                sync(device)
             start = time.perf_counter()
             metrics = opt.step()
             sync(device)
