@@ -322,7 +322,7 @@ def triton_sink_attention(
         given = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
         longest = max_seqlen = max(int(given), 1)
     cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
-    sequences = cu_seqlens.numel() - 1 if cu_seqlens is not None else q.shape[0]
+    sequences, longest, _ = _geometry(q, k, cu_seqlens, max_seqlen)
     if triton.cdiv(longest, cfg.block_m) > MAX_GRID_YZ or sequences > MAX_GRID_YZ:
         raise AttentionInputError(
             f"triton backend: {sequences} sequences of up to {longest} tokens exceed the launch grid "
