@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from megatron_gptoss.errors import AttentionInputError
 from megatron_gptoss.ops import triton_sink_kernels as kernels
@@ -56,6 +57,9 @@ class KernelConfig:
     dkdv_pair: bool = True  # causal: a dK/dV program takes key blocks p and last - p (balanced work)
     # dQ accumulated inside the dK/dV kernel in key-block order (ordered counters per query tile), no dQ pass
     fused_dq: bool = False
+    # the dK/dV kernel's query tiles (Q and dO) loaded through TMA tensor descriptors where the layout
+    # allows (`_row_descriptor`): the same values, so the same bits
+    tma: bool = False
 
 
 def default_config(
@@ -67,16 +71,17 @@ def default_config(
     64 q heads, 8 kv heads, bf16; tools/bench_attention.py --sweep)."""
     long = max_seqlen is not None and max_seqlen > 4096
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and multi-block
-        return KernelConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1)
+        return KernelConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1, tma=True)
     if dtype == torch.float32:  # tests only: IEEE fp32 dots, modest tiles
         return KernelConfig(32, 32, 4, 2, 32, 32, 4, 2, 32, 32, 4, 2)
     if head_dim > 64:
         return KernelConfig(128, 64, 8, 3, 32, 64, 4, 3, 64, 64, 4, 3)
     if windowed:
         return KernelConfig(64, 32, 4, 3, 32, 64, 4, 3, 64, 32, 4, 3)
-    dkdv = (32, 128, 4, 3) if long else (32, 64, 4, 3)
     dq = (128, 64, 8, 3) if long else (64, 64, 4, 3)
-    return KernelConfig(128, 64, 8, 3, *dkdv, *dq)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9):  # no TMA
+        return KernelConfig(128, 64, 8, 3, *((32, 128, 4, 3) if long else (32, 64, 4, 3)), *dq)
+    return KernelConfig(128, 64, 8, 3, *((32, 128, 4, 3) if long else (64, 64, 4, 3)), *dq, tma=True)
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -117,6 +122,34 @@ def _seq_strides(t: torch.Tensor) -> tuple[int, int, int]:
 def _lse_strides(lse: torch.Tensor) -> tuple[int, int]:
     """(batch, head) strides of an LSE [B, H, T] or [H, N]; the token stride must be 1."""
     return (0, lse.stride(0)) if lse.dim() == 2 else (lse.stride(0), lse.stride(1))
+
+
+def _row_descriptor(t: torch.Tensor, block_rows: int) -> tuple[TensorDescriptor, int] | None:
+    """A TMA descriptor over t ([B, T, H, D] or packed [N, H, D]) read as [rows, H * D] with blocks of
+    [block_rows, D] (one head's rows), and the rows between batch rows (0 when packed); None where the
+    layout has no such view (heads not side by side, batch stride not a whole number of rows) or breaks
+    TMA's 16-byte alignment of the base and row stride."""
+    d = t.shape[-1]
+    batch_stride, row_stride, head_stride = _seq_strides(t)
+    size = t.element_size()
+    if head_stride != d or t.stride(-1) != 1 or batch_stride % row_stride:
+        return None
+    if t.data_ptr() % 16 or (row_stride * size) % 16:
+        return None
+    rows_per_b = batch_stride // row_stride
+    rows = t.shape[0] if t.dim() == 3 else (t.shape[0] - 1) * rows_per_b + t.shape[1]
+    desc = TensorDescriptor(t, [rows, t.shape[-2] * d], [row_stride, 1], [block_rows, d])
+    return desc, rows_per_b
+
+
+def _tma_args(cfg: KernelConfig, q: torch.Tensor, dout: torch.Tensor) -> tuple:
+    """(Q's descriptor, dO's descriptor, rows per batch row, use them) for the dK/dV kernel: descriptors when
+    `cfg.tma` and both layouts allow them, else (None, None, 0, False) and pointer loads."""
+    if cfg.tma:
+        dq, ddo = _row_descriptor(q, cfg.dkdv_block_m), _row_descriptor(dout, cfg.dkdv_block_m)
+        if dq is not None and ddo is not None and dq[1] == ddo[1]:
+            return dq[0], ddo[0], dq[1], True
+    return None, None, 0, False
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
@@ -217,14 +250,15 @@ def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqle
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     pair = window is None and cfg.dkdv_pair
     blocks = triton.cdiv(seqlen, cfg.dkdv_block_n)
+    q_desc, do_desc, rows_per_b, tma = _tma_args(cfg, q, dout)
     kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(blocks, 2) if pair else blocks, k.shape[-2], batch)](
-        q, k, v, dout, lse, delta, dk, dv, partials, dsinks, cu_seqlens,
+        q, k, v, dout, lse, delta, dk, dv, partials, dsinks, cu_seqlens, q_desc, do_desc, rows_per_b,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
         *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group,
         partials.shape[1],
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, PAIR=pair, SINK_CHUNK=SINK_CHUNK,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        TMA=tma, DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dk, dv
 

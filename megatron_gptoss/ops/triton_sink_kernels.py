@@ -247,18 +247,27 @@ def _query_ranges(
 
 
 @triton.jit
+def _row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
+    """LSE and Delta of a query tile's rows; rows past the sequence end read as zeros under MASK."""
+    if MASK:
+        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
+        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
+    else:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    return lse, delta
+
+
+@triton.jit
 def _dkdv_rows(q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
     """Q, dO, LSE and Delta of a query tile; rows past the sequence end read as zeros under MASK."""
     if MASK:
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
         do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
     else:
         q = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
-        lse = tl.load(lse_ptrs)
-        delta = tl.load(delta_ptrs)
+    lse, delta = _row_stats(lse_ptrs, delta_ptrs, row_ok, MASK)
     return q, do, lse, delta
 
 
@@ -285,20 +294,28 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_blocks(
-    dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d, lo, hi,
-    seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, tma_col, lse_base, delta_base, stride_qt, stride_dot,
+    offs_n, offs_d, lo, hi, seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
+    """Query tiles [lo, hi) against one key block. With TMA, Q and dO come through the descriptors Qd and
+    dOd at rows tma_row + start_m (rows past the sequence end hold the next sequence's or zeros; the
+    masked step zeroes their terms)."""
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q, do, lse, delta = _dkdv_rows(
-            q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
-            do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
-            lse_base + offs_m,
-            delta_base + offs_m,
-            offs_m < seq_len,
-            MASK,
-        )
+        if TMA:
+            q = Qd.load([tma_row + start_m, tma_col])
+            do = dOd.load([tma_row + start_m, tma_col])
+            lse, delta = _row_stats(lse_base + offs_m, delta_base + offs_m, offs_m < seq_len, MASK)
+        else:
+            q, do, lse, delta = _dkdv_rows(
+                q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
+                do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+                lse_base + offs_m,
+                delta_base + offs_m,
+                offs_m < seq_len,
+                MASK,
+            )
         dk, dv, _ = _dkdv_step(
             dk, dv, k, v, q, do, lse, delta, offs_m, offs_n, seq_len, window, qk_scale, MASK, HAS_WINDOW,
             DOT_PRECISION,
@@ -308,19 +325,22 @@ def _dkdv_blocks(
 
 @triton.jit
 def sink_attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, DsinkPart, dSinks, cu_seqlens,
+    Q, K, V, dOut, Lse, Delta, dK, dV, DsinkPart, dSinks, cu_seqlens, Qd, dOd, tma_rows_per_b,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
     n_parts,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, VARLEN: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PAIR: tl.constexpr, SINK_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PAIR: tl.constexpr, SINK_CHUNK: tl.constexpr, TMA: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Grid (key blocks, kv heads, sequences). A program owns dK/dV of BLOCK_N keys of one KV head and loops
     over the `group` query heads sharing it, so every element is written once (no atomics). With PAIR
     (causal), program p owns key blocks p and n_blocks - 1 - p, which evens out the causal triangle's
     work across programs (grid axis 0: half the key blocks). Program (0, kvh, 0) also sums the group's
-    d_sink partials (`_sum_dsink`), written by the dQ kernel before it."""
+    d_sink partials (`_sum_dsink`), written by the dQ kernel before it. With TMA, Q and dO are read through
+    the descriptors Qd, dOd over [rows, q heads * HEAD_DIM], sequence b's first row at b * tma_rows_per_b +
+    its start."""
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -338,6 +358,7 @@ def sink_attn_bwd_dkdv_kernel(
         partner = pid
         count = 1
     offs_d = tl.arange(0, HEAD_DIM)
+    tma_row = (b * tma_rows_per_b + start).to(tl.int32)
     for j in range(0, count):
         start_n = tl.where(j == 0, pid, partner) * BLOCK_N
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -356,18 +377,18 @@ def sink_attn_bwd_dkdv_kernel(
             do_base = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + start * stride_dot
             lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
             delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                m_lo, full_lo, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
-            )  # fmt: skip
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                full_lo, full_hi, seq_len, window, qk_scale, BLOCK_M, False, HAS_WINDOW, DOT_PRECISION,
-            )  # fmt: skip
-            dk, dv = _dkdv_blocks(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qt, stride_dot, offs_n, offs_d,
-                full_hi, m_hi, seq_len, window, qk_scale, BLOCK_M, True, HAS_WINDOW, DOT_PRECISION,
-            )  # fmt: skip
+            for band in tl.static_range(3):  # the masked diagonal, the unmasked middle, the masked tail
+                if band == 0:
+                    lo, hi = m_lo, full_lo
+                elif band == 1:
+                    lo, hi = full_lo, full_hi
+                else:
+                    lo, hi = full_hi, m_hi
+                dk, dv = _dkdv_blocks(
+                    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, h * HEAD_DIM, lse_base, delta_base,
+                    stride_qt, stride_dot, offs_n, offs_d, lo, hi, seq_len, window, qk_scale, BLOCK_M,
+                    band != 1, HAS_WINDOW, TMA, DOT_PRECISION,
+                )  # fmt: skip
 
         dk = dk * sm_scale
         dk_ptrs = dK + b.to(tl.int64) * stride_dkb + kvh * stride_dkh + (start + offs_n[:, None]) * stride_dkt

@@ -120,15 +120,17 @@ def test_triton_matches_fp64(batch, tokens, hq, hkv, d, window):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("tiles", [(32, 16, 16, 32, 32, 16), (16, 32, 32, 16, 16, 32)], ids=["m>n", "m<n"])
 @pytest.mark.parametrize("window", [None, 9])
-def test_triton_unequal_tiles(tiles, window):
+def test_triton_unequal_tiles(tiles, window, tma):
     """Query tiles larger and smaller than key blocks (forward, dK/dV and dQ each); causal dK/dV with and
-    without the pairing of key blocks p and last - p."""
+    without the pairing of key blocks p and last - p; the backward's looped tiles through pointers and
+    through tensor descriptors."""
     from megatron_gptoss.ops.triton_sink_attention import KernelConfig
 
     fm, fn, km, kn, qm, qn = tiles
-    cfg = KernelConfig(fm, fn, 1, 1, km, kn, 1, 1, qm, qn, 1, 1, dkdv_pair=fm > fn)
+    cfg = KernelConfig(fm, fn, 1, 1, km, kn, 1, 1, qm, qn, 1, 1, dkdv_pair=fm > fn, tma=tma)
     inputs = make_inputs(43, 2, 1, 16, batch=1)
     ref = run_with_grads(eager_sink_attention, inputs, torch.float64, window=window)
     ours = run_with_grads(triton_backend_with_config(cfg), inputs, torch.float32, window=window)
@@ -142,6 +144,30 @@ def triton_backend_with_config(cfg):
         return triton_sink_attention(*args, config=cfg, **kwargs)
 
     return fn
+
+
+@needs_interpreter
+@pytest.mark.parametrize("layout", ["heads-apart", "rows-between-batch-rows"])
+def test_triton_backward_layouts_with_and_without_a_descriptor_view(layout):
+    """The backward reads Q, dO, K and V through tensor descriptors over [rows, heads * head_dim] where the
+    layout has that view, pointer loads where not: q, k, v with the heads apart ([B, H, T, D] transposed:
+    no view) and padded rows sliced out of longer batch rows (a view with rows_per_b = T + 3 > T)."""
+    from megatron_gptoss.ops import triton_sink_attention as tsa
+
+    base = make_inputs(29, 4, 2, 16, batch=2, seed=5)
+    q, k, v = (t.float() for t in base[:3])
+    if layout == "heads-apart":
+        views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    else:
+        views = [torch.cat([t, torch.zeros_like(t[:, :3])], dim=1)[:, :29] for t in (q, k, v)]
+    descriptor = tsa._row_descriptor(views[0], 16)
+    if layout == "heads-apart":
+        assert descriptor is None
+    else:
+        assert descriptor is not None and descriptor[1] == 32
+    ref = run_with_grads(eager_sink_attention, base, torch.float64)
+    ours = run_with_grads(triton_backend, [*views, base[3].float()], torch.float32)
+    assert_close_to_reference(ours, ref)
 
 
 @needs_interpreter

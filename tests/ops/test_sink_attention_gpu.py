@@ -151,6 +151,28 @@ def test_triton_gradients_bitwise_deterministic(case, name):
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("case", ["causal-gqa8", "window128-gqa8", "packed-gqa8", "packed-window128"])
+def test_triton_tma_loads_give_the_same_bits(case):
+    """The backward's tiles read through tensor descriptors (`KernelConfig.tma`) or through pointers: the
+    same values, so bitwise the same gradients (bf16)."""
+    from dataclasses import replace
+
+    from megatron_gptoss.ops import triton_sink_attention as tsa
+
+    inputs, kw = case_inputs(case, torch.bfloat16, seed=6)
+    q = inputs[0]
+    base = tsa.default_config(q.shape[-1], q.dtype, kw["window"] is not None, q.device)
+    runs = []
+    for tma in (False, True):
+        cfg = replace(base, tma=tma)
+
+        def fn(*args, cfg=cfg, **kwargs):
+            return tsa.triton_sink_attention(*args, config=cfg, **kwargs)
+
+        runs.append(run(fn, inputs, torch.bfloat16, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), case
+
+
 @pytest.mark.parametrize("window", [None, 128])
 def test_triton_packed_rows_equal_each_document_alone(window):
     lengths = [300, 0, 517, 183]
