@@ -62,10 +62,11 @@ def normaliser(z: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Te
     return scratch.sum(dim=-1, keepdim=True).log_().add_(top)
 
 
-def _split(dz: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 dz -> (hi, lo) in dtype with hi + lo = dz up to a relative 2^-17."""
+def split_logit_grad(dz: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 dz [n, V] -> hi | lo [n, 2V] in dtype, hi + lo = dz up to a relative 2^-17: the half GEMMs'
+    operand (`ops.fused_logprobs.logit_grad` writes the same layout)."""
     hi = dz.to(dtype)
-    return hi, (dz - hi.float()).to(dtype)
+    return torch.cat([hi, (dz - hi.float()).to(dtype)], 1)
 
 
 def half_gemms(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -84,23 +85,26 @@ def accumulate_logit_grads(
     dz: torch.Tensor,
     h: torch.Tensor,
     wf: torch.Tensor,
-    half: bool,
     grad_hidden: torch.Tensor | None,
-    grad_weight: torch.Tensor,
+    grad_weight: torch.Tensor | None,
 ) -> None:
-    """From one chunk's fp32 logit gradient dz [n, V]: write dz @ W into `grad_hidden` [n, H] (when given) and
-    add dz^T @ h to the fp32 `grad_weight` [V, H]. With `half`, dz @ W = [hi, lo] @ [W; W] and dz^T @ h =
-    [hi; lo]^T @ [h; h] on the half-precision tensor cores with fp32 accumulation (`wf` from
-    `backward_weight`)."""
-    if half:
-        hi, lo = _split(dz, h.dtype)
+    """From one chunk's logit gradient, fp32 dz [n, V] or, for the half GEMMs, hi | lo [n, 2V] in h's dtype
+    (`split_logit_grad`): write dz @ W into `grad_hidden` [n, H] and add dz^T @ h to the fp32 `grad_weight`
+    [V, H], each when given (a frozen weight's GEMM is skipped). The half terms run on the half-precision
+    tensor cores with fp32 accumulation: dz @ W = [hi, lo] @ [W; W] (`wf` from `backward_weight`) and
+    dz^T @ h = [hi; lo]^T @ [h; h], one GEMM each."""
+    if dz.dtype == torch.float32:
         if grad_hidden is not None:
-            grad_hidden.copy_(torch.mm(torch.cat([hi, lo], 1), wf, out_dtype=torch.float32))
-        grad_weight += torch.mm(torch.cat([hi, lo]).t(), torch.cat([h, h]), out_dtype=torch.float32)
+            grad_hidden.copy_(dz @ wf)
+        if grad_weight is not None:
+            grad_weight.addmm_(dz.t(), h.float())
         return
     if grad_hidden is not None:
-        grad_hidden.copy_(dz @ wf)
-    grad_weight.addmm_(dz.t(), h.float())
+        grad_hidden.copy_(torch.mm(dz, wf, out_dtype=torch.float32))
+    if grad_weight is not None:
+        vocab = dz.shape[1] // 2
+        stacked = torch.cat([dz[:, :vocab], dz[:, vocab:]])
+        grad_weight += torch.mm(stacked.t(), torch.cat([h, h]), out_dtype=torch.float32)
 
 
 def _chunk_logp(
@@ -195,29 +199,23 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if grad_logprobs is None and grad_entropy is None:
             return None, None, None, None, None, None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None  # a frozen head (LoRA) skips the weight's GEMM and its fp32 buffer
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         half = half_gemms(hidden, weight)
         wf = backward_weight(weight, half)
         buffers = None if ctx.fused else _cpu_buffers(hidden, weight.shape[0], chunk)
-        vocab = weight.shape[0]
         for s in range(0, hidden.shape[0], chunk):
-            h = hidden[s : s + chunk]
             rows = None if grad_hidden is None else grad_hidden[s : s + chunk]
-            if not ctx.fused:
+            if ctx.fused:  # inv_temp applied; hi | lo [rows, 2V] for the half GEMMs, else fp32
+                dz = _fused_chunk_grad(
+                    ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, half
+                )
+            else:
                 dz = _chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, buffers)
-                accumulate_logit_grads(dz.mul_(inv_temp), h, wf, half, rows, grad_weight)
-                continue
-            # inv_temp applied; hi | lo [rows, 2V] for the half GEMMs, else fp32 over the logits' buffer
-            dz = _fused_chunk_grad(ctx.saved_tensors, s, chunk, inv_temp, grad_logprobs, grad_entropy, half)
-            if not half:
-                accumulate_logit_grads(dz, h, wf, half, rows, grad_weight)
-                continue
-            if rows is not None:  # fp32 accumulation, one rounding to the hidden dtype
-                torch.mm(dz, wf, out=rows)
-            both = torch.mm(dz.t(), h, out_dtype=torch.float32)
-            grad_weight += both[:vocab]
-            grad_weight += both[vocab:]
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+                dz = split_logit_grad(dz.mul_(inv_temp), hidden.dtype) if half else dz.mul_(inv_temp)
+            accumulate_logit_grads(dz, hidden[s : s + chunk], wf, rows, grad_weight)
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None
 
 

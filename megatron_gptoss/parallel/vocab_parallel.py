@@ -29,6 +29,7 @@ from megatron_gptoss.model.logprobs import (
     check_targets,
     fp32_logits,
     half_gemms,
+    split_logit_grad,
 )
 from megatron_gptoss.parallel.collectives import copy_to_tensor_parallel, gather_from_tensor_parallel
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -81,7 +82,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse_all, entropy = ctx.saved_tensors
         inv_temp, chunk, rows = ctx.inv_temp, ctx.chunk, weight.shape[0]
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_weight = None  # a frozen head (LoRA) skips the weight's GEMM and its fp32 buffer
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         half = half_gemms(hidden, weight)
         wf = backward_weight(weight, half)
         for s in range(0, hidden.shape[0], chunk):
@@ -98,8 +101,10 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 dz.scatter_add_(1, local_t.clamp(0, rows - 1)[:, None], torch.where(mine, g_lp, 0.0)[:, None])
             dz.mul_(inv_temp)
             rows_out = None if grad_hidden is None else grad_hidden[s : s + chunk]
-            accumulate_logit_grads(dz, h, wf, half, rows_out, grad_weight)
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+            accumulate_logit_grads(
+                split_logit_grad(dz, h.dtype) if half else dz, h, wf, rows_out, grad_weight
+            )
+        grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None
 
 

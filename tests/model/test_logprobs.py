@@ -144,12 +144,38 @@ def test_bad_targets_are_named():
         token_logprobs(torch.randn(4, 8), torch.randn(10, 8), torch.tensor([0, 1, 2, 10]))
 
 
+def test_a_frozen_head_skips_its_weight_gradient():
+    """With the weight frozen (LoRA) the backward gives the same hidden-state gradient and runs no
+    weight-gradient GEMM (no addmm in its profile; the trainable weight's run has one per chunk)."""
+    from torch.profiler import profile
+
+    gen = torch.Generator().manual_seed(4)
+    hidden = torch.randn(12, 16, generator=gen)
+    weight = torch.randn(50, 16, generator=gen)
+    targets = torch.randint(0, 50, (12,), generator=gen)
+    g_lp, g_ent = torch.randn(12, generator=gen), torch.randn(12, generator=gen)
+    runs = []
+    for trainable in (True, False):
+        h = hidden.clone().requires_grad_()
+        w = weight.clone().requires_grad_(trainable)
+        lp, ent = token_logprobs(h, w, targets, chunk_size=5, with_entropy=True)
+        with profile() as prof:
+            ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
+        addmm = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::addmm"))
+        runs.append((h.grad, w.grad, addmm))
+    (h_train, w_train, addmm_train), (h_frozen, w_frozen, addmm_frozen) = runs
+    assert torch.equal(h_frozen, h_train)
+    assert w_train is not None and w_frozen is None
+    assert addmm_train == 3 and addmm_frozen == 0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_bf16_half_gemms_match_fp32_gemms_gpu():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "pytorch-chunks"])
+def test_bf16_half_gemms_match_fp32_gemms_gpu(fused):
     """bf16 hidden states and weights on CUDA (half-precision GEMMs, fp32 accumulation, split logit
-    gradient) against the same bf16 values computed with fp32 GEMMs: log-probs and entropy to fp32
-    rounding, gradients well inside their bf16 rounding."""
+    gradient: from the fused kernel or from the PyTorch chunks) against the same bf16 values computed with
+    fp32 GEMMs: log-probs and entropy to fp32 rounding, gradients well inside their bf16 rounding."""
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2048, 2880, generator=gen).cuda().bfloat16().requires_grad_()
     weight = (0.02 * torch.randn(4096, 2880, generator=gen)).cuda().bfloat16().requires_grad_()
@@ -157,7 +183,7 @@ def test_bf16_half_gemms_match_fp32_gemms_gpu():
     g_lp, g_ent = torch.randn(2048, generator=gen).cuda(), torch.randn(2048, generator=gen).cuda()
     results = []
     for h, w in ((hidden, weight), (hidden.float(), weight.float())):
-        lp, ent = token_logprobs(h, w, targets, chunk_size=512, with_entropy=True)
+        lp, ent = token_logprobs(h, w, targets, chunk_size=512, with_entropy=True, fused=fused)
         grads = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), (h, w))
         results.append((lp, ent, *grads))
     ours, ref = results

@@ -1,0 +1,21 @@
+"""tools/bench_head.py's CPU smoke test: each variant's log-probs, entropy and gradients agree with the
+unchunked peer in the same run, and a frozen head's weight gets no gradient."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_head_small():
+    spec = importlib.util.spec_from_file_location("bench_head", ROOT / "tools" / "bench_head.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = bench.main(["--small", "--tolerance", "1e-5"])
+    rows = {(r["variant"], r["head"]): r for r in out["rows"]}
+    assert set(rows) == {
+        (v, h) for v in ("peer: unchunked", "pytorch chunks") for h in ("trainable", "frozen")
+    }
+    assert rows[("peer: unchunked", "trainable")]["max_rel_err"] == 0.0
+    assert all(r["max_rel_err"] <= 1e-5 and r["ms"] > 0 for r in rows.values())
