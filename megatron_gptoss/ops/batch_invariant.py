@@ -126,10 +126,12 @@ class _Grouped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, bounds = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:2]  # a frozen weight (LoRA) gets no gradient GEMM
         with torch.enable_grad():
-            xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()
-            y = ctx.backward_fn(xs, ws, bounds)
-            grad_x, grad_w = torch.autograd.grad(y, (xs, ws), grad)
+            leaves = [t.detach().requires_grad_(n) for t, n in zip((x, weight), needs)]
+            y = ctx.backward_fn(*leaves, bounds)
+            grads = iter(torch.autograd.grad(y, [t for t in leaves if t.requires_grad], grad))
+        grad_x, grad_w = (next(grads) if n else None for n in needs)
         return grad_x, grad_w, None, None
 
 

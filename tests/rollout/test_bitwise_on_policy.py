@@ -58,6 +58,34 @@ def test_invariant_linear_gradients_are_the_library_ones():
         assert rel(ours.grad, ref.grad) < 1e-6
 
 
+def test_invariant_grouped_linear_gradients_are_the_library_ones_and_skip_a_frozen_weight():
+    """The grouped product's backward is the library grouped GEMM's (`backward_fn`), for the rows and the
+    weight; with the weight frozen (LoRA) only the rows' gradient is asked of it."""
+    from megatron_gptoss.model.moe import grouped_linear
+
+    gen = torch.Generator().manual_seed(2)
+    x, experts = torch.randn(45, 40, generator=gen), torch.randn(3, 24, 40, generator=gen)
+    bounds = torch.tensor([0, 20, 20, 45], dtype=torch.int32)
+    g = torch.randn(45, 24, generator=gen)
+    asked = []
+
+    def library(rows, weight, b):
+        asked.append((rows.requires_grad, weight.requires_grad))
+        return grouped_linear(rows, weight, b, "loop")
+
+    results = []
+    for trainable in (True, False):
+        xs, ws = x.clone().requires_grad_(), experts.clone().requires_grad_(trainable)
+        (batch_invariant.invariant_grouped_linear(xs, ws, bounds, library) * g).sum().backward()
+        results.append((xs.grad, ws.grad))
+    xr, wr = x.clone().requires_grad_(), experts.clone().requires_grad_()
+    (grouped_linear(xr, wr, bounds, "loop") * g).sum().backward()
+    (x_train, w_train), (x_frozen, w_frozen) = results
+    assert rel(x_train, xr.grad) < 1e-6 and rel(w_train, wr.grad) < 1e-6
+    assert torch.equal(x_frozen, x_train) and w_frozen is None
+    assert asked == [(True, True), (True, False)]
+
+
 def make_learner(device="cpu", dtype=torch.float32):
     """The tiny model with larger weights than the init (peaked routing and logits hide less), built in
     `dtype` on `device` (its rotary frequencies stay fp32, as in every model built in a dtype)."""
