@@ -247,6 +247,19 @@ def _query_ranges(
 
 
 @triton.jit
+def _query_band(band: tl.constexpr, m_lo, full_lo, full_hi, m_hi):
+    """[lo, hi) of `_query_ranges`' band 0 (the masked diagonal), 1 (the unmasked middle) or 2 (the masked
+    tail)."""
+    if band == 0:
+        lo, hi = m_lo, full_lo
+    elif band == 1:
+        lo, hi = full_lo, full_hi
+    else:
+        lo, hi = full_hi, m_hi
+    return lo, hi
+
+
+@triton.jit
 def _row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
     """LSE and Delta of a query tile's rows; rows past the sequence end read as zeros under MASK."""
     if MASK:
@@ -377,13 +390,8 @@ def sink_attn_bwd_dkdv_kernel(
             do_base = dOut + b.to(tl.int64) * stride_dob + h * stride_doh + start * stride_dot
             lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
             delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
-            for band in tl.static_range(3):  # the masked diagonal, the unmasked middle, the masked tail
-                if band == 0:
-                    lo, hi = m_lo, full_lo
-                elif band == 1:
-                    lo, hi = full_lo, full_hi
-                else:
-                    lo, hi = full_hi, m_hi
+            for band in tl.static_range(3):
+                lo, hi = _query_band(band, m_lo, full_lo, full_hi, m_hi)
                 dk, dv = _dkdv_blocks(
                     dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, h * HEAD_DIM, lse_base, delta_base,
                     stride_qt, stride_dot, offs_n, offs_d, lo, hi, seq_len, window, qk_scale, BLOCK_M,
@@ -570,12 +578,7 @@ def sink_attn_bwd_fused_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     m_lo, full_lo, full_hi, m_hi = _query_ranges(start_n, seq_len, window, BLOCK_M, BLOCK_N, HAS_WINDOW)
     for part in tl.static_range(3):  # last-first: the masked tail, the unmasked middle, the masked diagonal
-        if part == 0:
-            lo, hi = full_hi, m_hi
-        elif part == 1:
-            lo, hi = full_lo, full_hi
-        else:
-            lo, hi = m_lo, full_lo
+        lo, hi = _query_band(2 - part, m_lo, full_lo, full_hi, m_hi)
         dk, dv = _fused_tiles(
             dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
             stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at,
