@@ -7,8 +7,11 @@ time (the merged export a separate engine needs, against the adapter copy of an 
     python tools/bench_lora.py --small               # a CPU smoke test
 
 Checks first (both must hold, else it exits non-zero): with B = 0 the LoRA model's logits equal the base
-model's bit for bit; with trained-looking adapters (B random) its logits equal those of the base model
-holding the merged weights W + scale * B A to bf16 rounding (relative error printed, bound 2e-2).
+model's bit for bit; with trained-looking adapters (B random) the base model holding the merged weights
+W + scale * B A computes the LoRA model's function: its logits are at most twice as far from the same LoRA
+model's in fp32 (the exact function) as the LoRA model's own logits in the run's dtype, plus 1e-5 (both
+relative errors printed). In fp32 that is a bound of 1e-5; in bf16 both errors are several percent, as a
+rounding difference flips some tokens' top-4 experts of these random-weight layers.
 
 Step: forward (hidden states, token log-probs of packed documents) + backward + AdamW (fp32 state) over the
 trainable parameters: every parameter for "full", the adapters for "lora". Peak memory is the device's
@@ -78,9 +81,17 @@ def check(args, device, dtype) -> dict[str, float]:
         merged = dict(WeightExporter([lora], lora.config, None, EngineLayout(), 1 << 30).pairs())
         target = build(base_config(lora.config), device, dtype, seed=5)
         load_hf_tensors(target, target.config, merged.items())
+        del merged, plain
+        exact = build(lora.config, device, torch.float32)
+        exact.load_state_dict(lora.state_dict())
+        ref = exact(ids).double()
+        del exact
         ours, theirs = lora(ids).double(), target(ids).double()
-        err = float((ours - theirs).norm() / theirs.norm())
-    return {"zero_b_bitwise": float(zero_b), "merged_rel_err": err}
+    return {
+        "zero_b_bitwise": float(zero_b),
+        "merged_rel_err": float((theirs - ref).norm() / ref.norm()),
+        "lora_rel_err": float((ours - ref).norm() / ref.norm()),
+    }
 
 
 def bench_step(args, device, dtype, rank: int) -> dict[str, float]:
@@ -163,9 +174,10 @@ def main(argv: list[str] | None = None) -> dict:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     checks = check(args, device, dtype)
-    print(f"checks: B = 0 logits bitwise equal the base's: {bool(checks['zero_b_bitwise'])}; "
-          f"LoRA vs merged weights: relative error {checks['merged_rel_err']:.2e}")  # fmt: skip
-    if not checks["zero_b_bitwise"] or checks["merged_rel_err"] > 2e-2:
+    print(f"checks: B = 0 logits bitwise equal the base's: {bool(checks['zero_b_bitwise'])}; relative errors "
+          f"to the fp32 LoRA model: merged weights {checks['merged_rel_err']:.2e}, LoRA in {dtype} "
+          f"{checks['lora_rel_err']:.2e}")  # fmt: skip
+    if not checks["zero_b_bitwise"] or checks["merged_rel_err"] > 2 * checks["lora_rel_err"] + 1e-5:
         raise SystemExit("correctness check failed")
     rows = {"full": bench_step(args, device, dtype, 0), "lora": bench_step(args, device, dtype, args.rank)}
     print(f"{'':6} {'step ms':>9} {'trainable':>12} {'peak GiB':>9}")
