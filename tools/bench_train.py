@@ -239,18 +239,18 @@ def main() -> None:
     # (3) optimizer step, gradients from one more backward before each
     opt_times = []
     if opt is not None:
-        for it in range(1 + max(args.iters // 2, 2)):
+        metrics: dict[str, float] = {}
+
+        def fresh_grads() -> None:
             zero()
             runner.forward_backward(packed, loss_fn)
-            sync(device)
-            if align is not None:
-                align()
-                sync(device)
-            start = time.perf_counter()
-            metrics = opt.step()
-            sync(device)
-            if it >= 1:
-                opt_times.append(time.perf_counter() - start)
+
+        def opt_step_timed() -> None:
+            metrics.update(opt.step())
+
+        opt_times = time_steps(
+            opt_step_timed, 1, max(args.iters // 2, 2), device, prepare=fresh_grads, align=align
+        )
         assert metrics["train/skipped"] == 0.0, metrics
     opt_step = world_max(statistics.median(opt_times), dims, device) if opt_times else float("nan")
     peak = world_max(torch.cuda.max_memory_allocated(device) if cuda else 0.0, dims, device)

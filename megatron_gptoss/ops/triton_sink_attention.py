@@ -78,10 +78,10 @@ def default_config(
         return KernelConfig(128, 64, 8, 3, 32, 64, 4, 3, 64, 64, 4, 3)
     if windowed:
         return KernelConfig(64, 32, 4, 3, 32, 64, 4, 3, 64, 32, 4, 3)
+    tma = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9  # Hopper and later
+    dkdv = (32, 128, 4, 3) if long else (64, 64, 4, 3) if tma else (32, 64, 4, 3)
     dq = (128, 64, 8, 3) if long else (64, 64, 4, 3)
-    if not (torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9):  # no TMA
-        return KernelConfig(128, 64, 8, 3, *((32, 128, 4, 3) if long else (32, 64, 4, 3)), *dq)
-    return KernelConfig(128, 64, 8, 3, *((32, 128, 4, 3) if long else (64, 64, 4, 3)), *dq, tma=True)
+    return KernelConfig(128, 64, 8, 3, *dkdv, *dq, tma=tma)
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -146,9 +146,9 @@ def _tma_args(cfg: KernelConfig, q: torch.Tensor, dout: torch.Tensor) -> tuple:
     """(Q's descriptor, dO's descriptor, rows per batch row, use them) for the dK/dV kernel: descriptors when
     `cfg.tma` and both layouts allow them, else (None, None, 0, False) and pointer loads."""
     if cfg.tma:
-        dq, ddo = _row_descriptor(q, cfg.dkdv_block_m), _row_descriptor(dout, cfg.dkdv_block_m)
-        if dq is not None and ddo is not None and dq[1] == ddo[1]:
-            return dq[0], ddo[0], dq[1], True
+        q_view, do_view = _row_descriptor(q, cfg.dkdv_block_m), _row_descriptor(dout, cfg.dkdv_block_m)
+        if q_view is not None and do_view is not None and q_view[1] == do_view[1]:
+            return q_view[0], do_view[0], q_view[1], True
     return None, None, 0, False
 
 
@@ -349,14 +349,13 @@ def triton_sink_attention(
     equal training rows only under the same config)."""
     _check(q, k, v, softmax_scale)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    longest = q.shape[1]
     if cu_seqlens is not None:
         if cu_seqlens.device != q.device:
             raise AttentionInputError(f"cu_seqlens on {cu_seqlens.device}, q on {q.device}")
         given = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
-        longest = max_seqlen = max(int(given), 1)
-    cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
+        max_seqlen = max(int(given), 1)
     sequences, longest, _ = _geometry(q, k, cu_seqlens, max_seqlen)
+    cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
     if triton.cdiv(longest, cfg.block_m) > MAX_GRID_YZ or sequences > MAX_GRID_YZ:
         raise AttentionInputError(
             f"triton backend: {sequences} sequences of up to {longest} tokens exceed the launch grid "
