@@ -10,7 +10,9 @@ time of one forward + backward's kernels (torch.profiler over 10 passes, L2 not 
 below the total, the host's launches bound the case. FLOPs count the
 visible (query, key) pairs exactly: forward 4 * head_dim * q_heads * pairs, backward 2.5x that.
 Backends: triton (ours), triton1 (ours with the one-pass backward: dQ summed inside the dK/dV kernel in
-key-block order, `KernelConfig.fused_dq`), fa4 (flash-attn-4 + learnable_sink, when installed), flex (compiled
+key-block order, `KernelConfig.fused_dq`), fa4 (flash-attn-4 + learnable_sink, when installed; its dQ summed
+by atomics, not repeatable), fa4det (flash-attn-4 with its deterministic backward: semaphore-ordered sums,
+bitwise repeatable as ours is, so the like-for-like peer), flex (compiled
 flex_attention, block mask built once outside the timing, LSE sink correction as the flex backend),
 sdpa (scaled_dot_product_attention WITHOUT sinks, KV heads expanded beforehand; causal padded cases
 only: a reference point), eager (our reference; 4k only, it materialises the scores).
@@ -137,6 +139,10 @@ def backend_fn(name, inputs, kw, config=None):
         from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention
 
         return lambda q, k, v, s: triton_sink_attention(q, k, v, s, config=config, **kw)
+    if name == "fa4det":
+        from megatron_gptoss.ops.fa4_sink_attention import fa4_sink_attention
+
+        return lambda q, k, v, s: fa4_sink_attention(q, k, v, s, deterministic=True, **kw)
     if name == "triton1":  # the default tiles with the one-pass backward
         from dataclasses import replace
 
@@ -156,7 +162,7 @@ def applicable(name, case_name, q) -> bool:
         return window is None and lengths is None
     if name == "eager":
         return batch is not None and tokens is not None and batch * tokens <= 4096
-    if name == "fa4":
+    if name in ("fa4", "fa4det"):
         return backend_available("fa4", q)
     return True
 
@@ -335,7 +341,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--backends", default="triton,fa4,flex,sdpa,eager")
+    parser.add_argument("--backends", default="triton,fa4,fa4det,flex,sdpa,eager")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of --backends instead")

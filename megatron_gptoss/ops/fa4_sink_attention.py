@@ -3,7 +3,8 @@
 Its `learnable_sink` argument carries the sinks forward and backward (d_sink included), with GQA, window
 and packed sequences (`flash_attn_varlen_func`). Used on Hopper and newer (sm90+): the sink backward is
 not there on older GPUs. Contract as `megatron_gptoss.ops.sink_attention`; our `window=W` is its
-`window_size=(W - 1, 0)`. bf16 / fp16 only.
+`window_size=(W - 1, 0)`. bf16 / fp16 only. Its default backward sums dQ with atomics (not repeatable bit
+for bit); `deterministic=True` takes its semaphore-ordered backward, which is.
 """
 
 from __future__ import annotations
@@ -36,10 +37,21 @@ def is_supported(q: torch.Tensor) -> bool:
 
 
 def fa4_sink_attention(
-    q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
+    q,
+    k,
+    v,
+    sinks,
+    *,
+    window=None,
+    cu_seqlens=None,
+    max_seqlen=None,
+    softmax_scale=None,
+    return_lse=False,
+    deterministic=False,
 ):
     """Layouts as flash-attn (padded [B, T, H, D] or packed [N, H, D] + cu_seqlens); sinks [Hq], passed
-    to the kernel in fp32. LSE [B, Hq, T] or [Hq, N], natural log, sink included."""
+    to the kernel in fp32. LSE [B, Hq, T] or [Hq, N], natural log, sink included. `deterministic`: the
+    backward's dQ, dK and dV summed in a fixed order (flash-attn-4's semaphores), so repeatable."""
     if not is_supported(q):
         raise AttentionInputError(
             f"fa4 backend needs flash-attn-4 and an sm90+ GPU, dtype in {DTYPES}, head_dim in {HEAD_DIMS}; "
@@ -52,6 +64,7 @@ def fa4_sink_attention(
         window_size=window_size,
         learnable_sink=sinks.float(),
         return_lse=True,
+        deterministic=deterministic,
     )
     if cu_seqlens is None:
         out, lse = flash_attn_func(q, k, v, **kwargs)

@@ -4,7 +4,8 @@ bf16: each backend's error per tensor (output, LSE, dq, dk, dv, dsinks of a loss
 is at most 2x the error of eager attention computed in bf16: operands and matmul outputs in bf16, the
 softmax in fp32 (as flash-attn's own tests define the low-precision reference). fp32 Triton (IEEE dots):
 1e-5. Triton's gradients are bitwise identical across runs, its packed rows equal its padded rows, and
-its decode rows equal its training rows bit for bit.
+its decode rows equal its training rows bit for bit; so are flash-attn-4's with its deterministic backward
+(`fa4det`), the like-for-like peer of ours in `tools/bench_attention.py`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def run(fn, inputs, dtype, **kwargs):
 def backend(name):
     if name == "triton1":
         return triton_one_pass
+    if name == "fa4det":
+        return fa4_deterministic
 
     def fn(*args, **kwargs):
         return sink_attention(*args, backend=name, **kwargs)
@@ -96,6 +99,17 @@ def triton_one_pass(q, *args, **kwargs):
     return tsa.triton_sink_attention(q, *args, config=cfg, **kwargs)
 
 
+def fa4_deterministic(*args, **kwargs):
+    from megatron_gptoss.ops.fa4_sink_attention import fa4_sink_attention
+
+    return fa4_sink_attention(*args, deterministic=True, **kwargs)
+
+
+def available(name, q):
+    """Whether backend `name` (our aliases: triton1 runs on triton, fa4det on fa4) runs here."""
+    return backend_available({"triton1": "triton", "fa4det": "fa4"}.get(name, name), q)
+
+
 CASES = {
     # lead dims, q heads, kv heads, head_dim, window, packed lengths
     "causal-gqa8": ((2, 1000), 16, 2, 64, None, None),
@@ -104,7 +118,7 @@ CASES = {
     "packed-gqa8": (None, 16, 2, 64, None, [300, 0, 517, 183]),
     "packed-window128": (None, 16, 2, 64, 128, [300, 0, 517, 183]),
 }
-BF16_RUNS = [(b, c) for b in ("triton", "triton1", "fa4") for c in CASES] + [
+BF16_RUNS = [(b, c) for b in ("triton", "triton1", "fa4", "fa4det") for c in CASES] + [
     ("flex", "causal-gqa8"),
     ("flex", "window128-gqa8"),
 ]
@@ -120,7 +134,7 @@ def case_inputs(name, dtype, seed=0):
 @pytest.mark.parametrize("name,case", BF16_RUNS)
 def test_bf16_error_within_twice_eager_bf16(name, case):
     inputs, kw = case_inputs(case, torch.bfloat16)
-    if not backend_available(name.rstrip("1"), inputs[0]):
+    if not available(name, inputs[0]):
         pytest.skip(f"{name} not available here")
     ref = run(eager_sink_attention, inputs, torch.float64, **kw)
     base = run(eager_low_precision, inputs, torch.bfloat16, **kw)
@@ -142,10 +156,12 @@ def test_triton_fp32_within_1e5(case, name):
     assert all(e <= 1e-5 for e in errors.values()), errors
 
 
-@pytest.mark.parametrize("name", ["triton", "triton1"])
+@pytest.mark.parametrize("name", ["triton", "triton1", "fa4det"])
 @pytest.mark.parametrize("case", ["causal-gqa8", "packed-window128"])
-def test_triton_gradients_bitwise_deterministic(case, name):
+def test_gradients_bitwise_deterministic(case, name):
     inputs, kw = case_inputs(case, torch.bfloat16, seed=4)
+    if not available(name, inputs[0]):
+        pytest.skip(f"{name} not available here")
     first = run(backend(name), inputs, torch.bfloat16, **kw)
     second = run(backend(name), inputs, torch.bfloat16, **kw)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
