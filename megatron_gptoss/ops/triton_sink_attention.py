@@ -34,6 +34,9 @@ from megatron_gptoss.ops import triton_sink_kernels as kernels
 HEAD_DIMS = (16, 32, 64, 128)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_GRID_YZ = 65535  # CUDA's limit on grid axes 1 and 2: the forward's query tiles, every kernel's sequences
+# the kernels address a row inside its sequence with 32-bit offsets (row x token stride); the sequence's
+# start and the batch row go into a 64-bit base pointer
+ROW_OFFSET_LIMIT = 2**31
 SINK_CHUNK = 1024  # d_sink partials summed per step by the one program of a KV head that sums them
 
 
@@ -60,6 +63,9 @@ class KernelConfig:
     # the dK/dV kernel's query tiles (Q and dO) loaded through TMA tensor descriptors where the layout
     # allows (`_row_descriptor`): the same values, so the same bits
     tma: bool = False
+    # cap on the dQ kernel's registers per thread (ptxas): at 128 two 8-warp programs share an SM; a packed
+    # batch's sequence starts, held in registers, otherwise take it to about 140 and one program per SM
+    dq_max_registers: int | None = None
 
 
 def default_config(
@@ -81,7 +87,8 @@ def default_config(
     tma = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9  # Hopper and later
     dkdv = (32, 128, 4, 3) if long else (64, 64, 4, 3) if tma else (32, 64, 4, 3)
     dq = (128, 64, 8, 3) if long else (64, 64, 4, 3)
-    return KernelConfig(128, 64, 8, 3, *dkdv, *dq, tma=tma)
+    cap = 128 if long and torch.version.hip is None else None  # `maxnreg` is NVIDIA's
+    return KernelConfig(128, 64, 8, 3, *dkdv, *dq, tma=tma, dq_max_registers=cap)
 
 
 def is_supported(q: torch.Tensor) -> bool:
@@ -110,6 +117,22 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: flo
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _fits_row_offsets(t: torch.Tensor, rows: int) -> bool:
+    """Whether `rows` rows of t (one tile of slack past them) stay within 32-bit offsets from a
+    sequence's first row."""
+    return (rows + 256) * _seq_strides(t)[1] < ROW_OFFSET_LIMIT
+
+
+def _check_row_offsets(longest: int, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if not _fits_row_offsets(t, longest):
+            raise AttentionInputError(
+                f"triton backend: a sequence of {longest} tokens at {name}'s token stride of "
+                f"{_seq_strides(t)[1]} elements passes 32-bit row offsets ({ROW_OFFSET_LIMIT}); "
+                "split the sequence or pass a contiguous layout"
+            )
 
 
 def _seq_strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -150,6 +173,11 @@ def _tma_args(cfg: KernelConfig, q: torch.Tensor, dout: torch.Tensor) -> tuple:
         if q_view is not None and do_view is not None and q_view[1] == do_view[1]:
             return q_view[0], do_view[0], q_view[1], True
     return None, None, 0, False
+
+
+def _register_cap(max_registers: int | None) -> dict:
+    """Launch options capping a kernel's registers per thread (NVIDIA's `maxnreg`); none when uncapped."""
+    return {} if max_registers is None else {"maxnreg": max_registers}
 
 
 def _dot_precision(dtype: torch.dtype) -> str | None:
@@ -239,6 +267,7 @@ def _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, cu_seqlens, max_seqlen, window
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dq_block_m, BLOCK_N=cfg.dq_block_n,
         VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, HAS_DLSE=dlse is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
+        **_register_cap(cfg.dq_max_registers),
     )  # fmt: skip
     return dq, delta, partials, dsinks
 
@@ -258,7 +287,8 @@ def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqle
         partials.shape[1],
         HEAD_DIM=q.shape[-1], BLOCK_M=cfg.dkdv_block_m, BLOCK_N=cfg.dkdv_block_n,
         VARLEN=cu_seqlens is not None, HAS_WINDOW=window is not None, PAIR=pair, SINK_CHUNK=SINK_CHUNK,
-        TMA=tma, DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps, num_stages=cfg.dkdv_stages,
+        TMA=tma, DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dkdv_warps,
+        num_stages=cfg.dkdv_stages,
     )  # fmt: skip
     return dk, dv
 
@@ -289,6 +319,8 @@ def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, wind
     """Two launches: dQ (with Delta and the d_sink partials), then dK/dV (with d_sink). The one-pass
     backward (`cfg.fused_dq`) takes Delta from a preprocess kernel instead."""
     dout = _last_dim_contiguous(dout)
+    if not _fits_row_offsets(dout, max_seqlen if cu_seqlens is not None else dout.shape[1]):
+        dout = dout.contiguous()  # a token stride no wider than q's, which fits (checked in the forward)
     if dlse is not None and dlse.stride(-1) != 1:
         dlse = dlse.contiguous()
     geometry = (cu_seqlens, max_seqlen, window, scale, cfg)
@@ -355,6 +387,7 @@ def triton_sink_attention(
         given = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if max_seqlen is None else max_seqlen
         max_seqlen = max(int(given), 1)
     sequences, longest, _ = _geometry(q, k, cu_seqlens, max_seqlen)
+    _check_row_offsets(longest, q=q, k=k, v=v)
     cfg = config or default_config(q.shape[-1], q.dtype, window is not None, q.device, longest)
     if triton.cdiv(longest, cfg.block_m) > MAX_GRID_YZ or sequences > MAX_GRID_YZ:
         raise AttentionInputError(
@@ -411,6 +444,8 @@ def triton_sink_decode(
     if window is not None and window < 1:
         raise AttentionInputError(f"window must be >= 1 (query sees itself), got {window}")
     _check(q_new, k_cache, v_cache, softmax_scale)
+    _check_row_offsets(n_new, q_new=q_new)
+    _check_row_offsets(k_cache.shape[1], k_cache=k_cache, v_cache=v_cache)
     scale = d**-0.5 if softmax_scale is None else softmax_scale
     cfg = config or default_config(d, q_new.dtype, window is not None, q_new.device)
     q_new, k_cache, v_cache = (_last_dim_contiguous(t) for t in (q_new, k_cache, v_cache))

@@ -245,6 +245,20 @@ def test_triton_grid_limits_are_a_clear_error():
 
 
 @needs_interpreter
+def test_triton_row_offsets_past_32_bits_are_a_clear_error():
+    """A row is addressed by a 32-bit offset from its sequence's first row: a sequence whose rows pass that at
+    the inputs' token stride is refused before any launch, naming the tensor and its stride."""
+    q, k, v, sinks = (t.float() for t in make_inputs(8, 2, 1, 16))
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    longest = 2**31 // q.stride(0)  # q's token stride: 2 heads x 16
+    with pytest.raises(
+        AttentionInputError, match=r"q's token stride of 32 elements passes 32-bit row offsets"
+    ):
+        triton_backend(q, k, v, sinks, cu_seqlens=cu, max_seqlen=longest)
+    triton_backend(q, k, v, sinks, cu_seqlens=cu, max_seqlen=8)  # the same inputs at their real length run
+
+
+@needs_interpreter
 def test_triton_rows_without_keys_are_finite():
     """Under the causal contract a query always sees itself, so rows without keys arise only in effect:
     here half the heads have scores around -1e5 (every exp underflows), which the reference also treats

@@ -189,6 +189,29 @@ def test_triton_tma_loads_give_the_same_bits(case):
     assert all(torch.equal(a, b) for a, b in zip(*runs)), case
 
 
+@pytest.mark.parametrize("case", ["causal-gqa8", "packed-gqa8"])
+def test_triton_register_cap_gives_the_same_bits(case):
+    """The long-sequence config caps the dQ kernel's registers (`KernelConfig.dq_max_registers`, ptxas):
+    the same instructions, so bitwise the same gradients as uncapped (bf16)."""
+    from dataclasses import replace
+
+    from megatron_gptoss.ops import triton_sink_attention as tsa
+
+    inputs, kw = case_inputs(case, torch.bfloat16, seed=7)
+    q = inputs[0]
+    base = tsa.default_config(q.shape[-1], q.dtype, False, q.device, max_seqlen=8192)
+    assert base.dq_max_registers is not None
+    runs = []
+    for cap in (None, base.dq_max_registers):
+        cfg = replace(base, dq_max_registers=cap)
+
+        def fn(*args, cfg=cfg, **kwargs):
+            return tsa.triton_sink_attention(*args, config=cfg, **kwargs)
+
+        runs.append(run(fn, inputs, torch.bfloat16, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), case
+
+
 @pytest.mark.parametrize("window", [None, 128])
 def test_triton_packed_rows_equal_each_document_alone(window):
     lengths = [300, 0, 517, 183]
