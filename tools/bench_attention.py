@@ -274,7 +274,7 @@ def sweep_case(case_name):
     print(f"\n{case_name} default {base}", flush=True)
     out, lse = tsa._forward(q, k, v, s, cu, ms, window, scale, base)
     dout = torch.randn_like(out)
-    sink_state = tsa._bwd_preprocess(q, k, s, out, lse, dout, None, cu, ms)  # delta, partials, d_sink
+    sink_state = tsa._bwd_preprocess(q, k, s, out, lse, dout, None, cu, ms)  # row pairs, partials, d_sink
     pre_ms = bench(tsa._bwd_preprocess, q, k, s, out, lse, dout, None, cu, ms)
     print(f"  preprocess (one-pass only): {pre_ms:.3f} ms")
     trials = [

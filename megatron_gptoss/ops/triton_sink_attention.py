@@ -85,7 +85,7 @@ def default_config(
     if windowed:
         return KernelConfig(64, 32, 4, 3, 32, 64, 4, 3, 64, 32, 4, 3)
     tma = torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 9  # Hopper and later
-    dkdv = (32, 128, 4, 3) if long else (64, 64, 4, 3) if tma else (32, 64, 4, 3)
+    dkdv = (64, 64, 4, 3) if tma else (32, 64, 4, 3)
     dq = (128, 64, 8, 3) if long else (64, 64, 4, 3)
     cap = 128 if long and torch.version.hip is None else None  # `maxnreg` is NVIDIA's
     return KernelConfig(128, 64, 8, 3, *dkdv, *dq, tma=tma, dq_max_registers=cap)
@@ -225,11 +225,12 @@ def _geometry(q, k, cu_seqlens, max_seqlen):
 
 
 def _sink_grads(q, sinks, lse, batch, tiles):
-    """Delta (LSE's layout), the d_sink partials [Hq, sequences * tiles] and d_sink, unfilled: the first
-    backward kernel writes Delta and the partials, the second sums the partials into d_sink."""
-    delta = torch.empty_like(lse)
+    """The rows' (LSE, Delta) pairs (LSE's shape + 2, at twice LSE's offsets: lse must be contiguous), the
+    d_sink partials [Hq, sequences * tiles] and d_sink, unfilled: the first backward kernel writes the pairs
+    and the partials, the second reads the pairs and sums the partials into d_sink."""
+    stats = torch.empty((*lse.shape, 2), dtype=torch.float32, device=lse.device)
     partials = torch.empty((q.shape[-2], batch * tiles), dtype=torch.float32, device=q.device)
-    return delta, partials, torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+    return stats, partials, torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
 
 
 def _dlse_args(dlse):
@@ -238,29 +239,29 @@ def _dlse_args(dlse):
 
 
 def _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen):
-    """Delta = rowsum(dO * O) - dLSE and the d_sink partials, for the one-pass backward (the two-pass
-    backward takes them in its dQ kernel)."""
+    """(LSE, Delta = rowsum(dO * O) - dLSE) pairs and the d_sink partials, for the one-pass backward (the
+    two-pass backward takes them in its dQ kernel)."""
     batch, seqlen, _ = _geometry(q, k, cu_seqlens, max_seqlen)
     blocks = triton.cdiv(seqlen, 64)
-    delta, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
+    stats, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
     dlse, *dlse_strides = _dlse_args(dlse)
     kernels.sink_attn_bwd_preprocess_kernel[(blocks, q.shape[-2], batch)](
-        out, dout, lse, dlse, sinks, delta, partials, cu_seqlens,
+        out, dout, lse, dlse, sinks, stats, partials, cu_seqlens,
         *_seq_strides(out), *_seq_strides(dout), *_lse_strides(lse), *dlse_strides, seqlen, blocks,
         HEAD_DIM=q.shape[-1], BLOCK_M=64, VARLEN=cu_seqlens is not None, HAS_DLSE=dlse is not None,
     )  # fmt: skip
-    return delta, partials, dsinks
+    return stats, partials, dsinks
 
 
 def _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
-    """dQ, and on the way Delta and the d_sink partials (read by the dK/dV kernel)."""
+    """dQ, and on the way the (LSE, Delta) pairs and the d_sink partials (read by the dK/dV kernel)."""
     batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
     blocks = triton.cdiv(seqlen, cfg.dq_block_m)
-    delta, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
+    stats, partials, dsinks = _sink_grads(q, sinks, lse, batch, blocks)
     dlse, *dlse_strides = _dlse_args(dlse)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     kernels.sink_attn_bwd_dq_kernel[(blocks, q.shape[-2], batch)](
-        q, k, v, out, dout, lse, dlse, sinks, delta, partials, dq, cu_seqlens,
+        q, k, v, out, dout, lse, dlse, sinks, stats, partials, dq, cu_seqlens,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(out), *_seq_strides(dout),
         *_seq_strides(dq), *_lse_strides(lse), *dlse_strides, seqlen, window or 0,
         scale * math.log2(math.e), scale, group, blocks,
@@ -269,10 +270,10 @@ def _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, cu_seqlens, max_seqlen, window
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.dq_warps, num_stages=cfg.dq_stages,
         **_register_cap(cfg.dq_max_registers),
     )  # fmt: skip
-    return dq, delta, partials, dsinks
+    return dq, stats, partials, dsinks
 
 
-def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
+def _bwd_dkdv(q, k, v, dout, lse, stats, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
     """dK, dV, and d_sink from the partials."""
     batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
@@ -281,7 +282,7 @@ def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqle
     blocks = triton.cdiv(seqlen, cfg.dkdv_block_n)
     q_desc, do_desc, rows_per_b, tma = _tma_args(cfg, q, dout)
     kernels.sink_attn_bwd_dkdv_kernel[(triton.cdiv(blocks, 2) if pair else blocks, k.shape[-2], batch)](
-        q, k, v, dout, lse, delta, dk, dv, partials, dsinks, cu_seqlens, q_desc, do_desc, rows_per_b,
+        q, k, v, dout, stats, dk, dv, partials, dsinks, cu_seqlens, q_desc, do_desc, rows_per_b,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
         *_seq_strides(dv), *_lse_strides(lse), seqlen, window or 0, scale * math.log2(math.e), scale, group,
         partials.shape[1],
@@ -293,7 +294,7 @@ def _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqle
     return dk, dv
 
 
-def _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
+def _bwd_fused(q, k, v, dout, lse, stats, partials, dsinks, cu_seqlens, max_seqlen, window, scale, cfg):
     """dK, dV and dQ from one kernel: dQ summed in fp32 in key-block order, then cast; d_sink from the
     partials."""
     batch, seqlen, group = _geometry(q, k, cu_seqlens, max_seqlen)
@@ -304,7 +305,7 @@ def _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seql
     tiles = triton.cdiv(seqlen, cfg.dkdv_block_m)
     locks = torch.zeros((batch, hq, tiles), dtype=torch.int32, device=q.device)
     kernels.sink_attn_bwd_fused_kernel[(hkv * batch, triton.cdiv(seqlen, cfg.dkdv_block_n))](
-        q, k, v, dout, lse, delta, dk, dv, dq_acc, locks, partials, dsinks, cu_seqlens,
+        q, k, v, dout, stats, dk, dv, dq_acc, locks, partials, dsinks, cu_seqlens,
         *_seq_strides(q), *_seq_strides(k), *_seq_strides(v), *_seq_strides(dout), *_seq_strides(dk),
         *_seq_strides(dv), *_seq_strides(dq_acc), *_lse_strides(lse), hq * tiles, tiles, seqlen,
         window or 0, scale * math.log2(math.e), scale, group, hkv, partials.shape[1],
@@ -316,8 +317,9 @@ def _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, cu_seqlens, max_seql
 
 
 def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, window, scale, cfg):
-    """Two launches: dQ (with Delta and the d_sink partials), then dK/dV (with d_sink). The one-pass
-    backward (`cfg.fused_dq`) takes Delta from a preprocess kernel instead."""
+    """Two launches: dQ (with the (LSE, Delta) pairs and the d_sink partials), then dK/dV (with d_sink).
+    The one-pass backward (`cfg.fused_dq`) takes the pairs from a preprocess kernel instead."""
+    lse = lse.contiguous()  # the pairs sit at twice its offsets (`_sink_grads`); ours always is
     dout = _last_dim_contiguous(dout)
     if not _fits_row_offsets(dout, max_seqlen if cu_seqlens is not None else dout.shape[1]):
         dout = dout.contiguous()  # a token stride no wider than q's, which fits (checked in the forward)
@@ -325,11 +327,11 @@ def _backward(q, k, v, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen, wind
         dlse = dlse.contiguous()
     geometry = (cu_seqlens, max_seqlen, window, scale, cfg)
     if cfg.fused_dq:
-        delta, partials, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
-        dq, dk, dv = _bwd_fused(q, k, v, dout, lse, delta, partials, dsinks, *geometry)
+        stats, partials, dsinks = _bwd_preprocess(q, k, sinks, out, lse, dout, dlse, cu_seqlens, max_seqlen)
+        dq, dk, dv = _bwd_fused(q, k, v, dout, lse, stats, partials, dsinks, *geometry)
         return dq, dk, dv, dsinks
-    dq, delta, partials, dsinks = _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, *geometry)
-    dk, dv = _bwd_dkdv(q, k, v, dout, lse, delta, partials, dsinks, *geometry)
+    dq, stats, partials, dsinks = _bwd_dq(q, k, v, sinks, out, dout, lse, dlse, *geometry)
+    dk, dv = _bwd_dkdv(q, k, v, dout, lse, stats, partials, dsinks, *geometry)
     return dq, dk, dv, dsinks
 
 

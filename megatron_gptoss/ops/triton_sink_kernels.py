@@ -173,17 +173,18 @@ def sink_attn_fwd_kernel(
 # Backward
 @triton.jit
 def _delta_rows(
-    o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part,
+    o, do, Lse, dLse, Sinks, Stats, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part,
     HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
-    """Delta_i = rowsum(dO_i * O_i) - dLSE_i of a tile's rows, stored in LSE's layout, and the tile's d_sink
-    partial sum of exp(sink - LSE_i) * Delta_i into DsinkPart[part]. Returns (Delta, LSE) of the rows.
-    lse_off / dlse_off: the sequence's first row in LSE / dLSE (scalars); offs_m: the rows in it."""
+    """Delta_i = rowsum(dO_i * O_i) - dLSE_i of a tile's rows, stored with LSE_i as the pair Stats[row]
+    (`_stats_ptrs`), and the tile's d_sink partial sum of exp(sink - LSE_i) * Delta_i into DsinkPart[part].
+    Returns (Delta, LSE) of the rows. lse_off / dlse_off: the sequence's first row in LSE / dLSE (scalars);
+    offs_m: the rows in it."""
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta = delta - tl.load(dLse + dlse_off + offs_m, mask=row_ok, other=0.0).to(tl.float32)
     lse = tl.load(Lse + lse_off + offs_m, mask=row_ok, other=0.0)
-    tl.store(Delta + lse_off + offs_m, delta, mask=row_ok)
+    tl.store(_stats_ptrs(Stats, lse_off, offs_m), tl.join(lse, delta), mask=row_ok[:, None])
     sink = tl.load(Sinks + h).to(tl.float32)
     tl.store(DsinkPart + part, tl.sum(tl.where(row_ok, tl.exp(sink - lse) * delta, 0.0), 0))
     return delta, lse
@@ -205,14 +206,14 @@ def _sum_dsink(DsinkPart, dSinks, kvh, group, n_parts, BLOCK: tl.constexpr):
 
 @triton.jit
 def sink_attn_bwd_preprocess_kernel(
-    Out, dOut, Lse, dLse, Sinks, Delta, DsinkPart, cu_seqlens,
+    Out, dOut, Lse, dLse, Sinks, Stats, DsinkPart, cu_seqlens,
     stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_lb, stride_lh,
     stride_dlb, stride_dlh, seqlen, num_m_blocks,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, VARLEN: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):  # fmt: skip
-    """Delta and the d_sink partials alone (`_delta_rows`), for the one-pass backward; the two-pass backward
-    computes them in its dQ kernel. Partial of (head, sequence, tile) at DsinkPart[h, b * num_m_blocks +
-    tile]."""
+    """The (LSE, Delta) pairs and the d_sink partials alone (`_delta_rows`), for the one-pass backward; the
+    two-pass backward computes them in its dQ kernel. Partial of (head, sequence, tile) at DsinkPart[h, b *
+    num_m_blocks + tile]."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -228,7 +229,7 @@ def sink_attn_bwd_preprocess_kernel(
     lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start
     dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + start
     _delta_rows(
-        o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
+        o, do, Lse, dLse, Sinks, Stats, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
     )
 
 
@@ -265,19 +266,25 @@ def _query_band(band: tl.constexpr, m_lo, full_lo, full_hi, m_hi):
 
 
 @triton.jit
-def _row_stats(lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
-    """LSE and Delta of a query tile's rows; rows past the sequence end read as zeros under MASK."""
-    if MASK:
-        lse = tl.load(lse_ptrs, mask=row_ok, other=0.0)
-        delta = tl.load(delta_ptrs, mask=row_ok, other=0.0)
-    else:
-        lse = tl.load(lse_ptrs)
-        delta = tl.load(delta_ptrs)
-    return lse, delta
+def _stats_ptrs(Stats, row0, offs_m):
+    """[rows, 2] pointers to the (LSE, Delta) pairs of rows row0 + offs_m, row0 an index in LSE's layout:
+    the pairs sit at twice LSE's offsets, so every pair is 8-byte aligned wherever a packed sequence
+    starts and loads as one vector (LSE and Delta apart load one float at a time from an unaligned start)."""
+    return Stats + 2 * row0 + 2 * offs_m[:, None] + tl.arange(0, 2)[None, :]
 
 
 @triton.jit
-def _dkdv_rows(q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr):
+def _row_stats(stats_ptrs, row_ok, MASK: tl.constexpr):
+    """LSE and Delta of a query tile's rows; rows past the sequence end read as zeros under MASK."""
+    if MASK:
+        pairs = tl.load(stats_ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        pairs = tl.load(stats_ptrs)
+    return tl.split(pairs)
+
+
+@triton.jit
+def _dkdv_rows(q_ptrs, do_ptrs, stats_ptrs, row_ok, MASK: tl.constexpr):
     """Q, dO, LSE and Delta of a query tile; rows past the sequence end read as zeros under MASK."""
     if MASK:
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
@@ -285,7 +292,7 @@ def _dkdv_rows(q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, row_ok, MASK: tl.constexpr
     else:
         q = tl.load(q_ptrs)
         do = tl.load(do_ptrs)
-    lse, delta = _row_stats(lse_ptrs, delta_ptrs, row_ok, MASK)
+    lse, delta = _row_stats(stats_ptrs, row_ok, MASK)
     return q, do, lse, delta
 
 
@@ -312,7 +319,7 @@ def _dkdv_step(
 
 @triton.jit
 def _dkdv_blocks(
-    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, tma_col, lse_base, delta_base, stride_qt, stride_dot,
+    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, tma_col, Stats, stat_row0, stride_qt, stride_dot,
     offs_n, offs_d, lo, hi, seq_len, window, qk_scale, BLOCK_M: tl.constexpr, MASK: tl.constexpr,
     HAS_WINDOW: tl.constexpr, TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -324,13 +331,12 @@ def _dkdv_blocks(
         if TMA:
             q = Qd.load([tma_row + start_m, tma_col])
             do = dOd.load([tma_row + start_m, tma_col])
-            lse, delta = _row_stats(lse_base + offs_m, delta_base + offs_m, offs_m < seq_len, MASK)
+            lse, delta = _row_stats(_stats_ptrs(Stats, stat_row0, offs_m), offs_m < seq_len, MASK)
         else:
             q, do, lse, delta = _dkdv_rows(
                 q_base + offs_m[:, None] * stride_qt + offs_d[None, :],
                 do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
-                lse_base + offs_m,
-                delta_base + offs_m,
+                _stats_ptrs(Stats, stat_row0, offs_m),
                 offs_m < seq_len,
                 MASK,
             )
@@ -343,7 +349,7 @@ def _dkdv_blocks(
 
 @triton.jit
 def sink_attn_bwd_dkdv_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, DsinkPart, dSinks, cu_seqlens, Qd, dOd, tma_rows_per_b,
+    Q, K, V, dOut, Stats, dK, dV, DsinkPart, dSinks, cu_seqlens, Qd, dOd, tma_rows_per_b,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_lb, stride_lh, seqlen, window, qk_scale, sm_scale, group,
@@ -393,12 +399,11 @@ def sink_attn_bwd_dkdv_kernel(
             h = kvh * group + i
             q_base = _first_row(Q, b, stride_qb, h, stride_qh, start, stride_qt)
             do_base = _first_row(dOut, b, stride_dob, h, stride_doh, start, stride_dot)
-            lse_base = Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start
-            delta_base = Delta + b.to(tl.int64) * stride_lb + h * stride_lh + start
+            stat_row0 = b.to(tl.int64) * stride_lb + h * stride_lh + start
             for band in tl.static_range(3):
                 lo, hi = _query_band(band, m_lo, full_lo, full_hi, m_hi)
                 dk, dv = _dkdv_blocks(
-                    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, h * HEAD_DIM, lse_base, delta_base,
+                    dk, dv, k, v, q_base, do_base, Qd, dOd, tma_row, h * HEAD_DIM, Stats, stat_row0,
                     stride_qt, stride_dot, offs_n, offs_d, lo, hi, seq_len, window, qk_scale, BLOCK_M,
                     band != 1, HAS_WINDOW, TMA, DOT_PRECISION,
                 )  # fmt: skip
@@ -442,7 +447,7 @@ def _dq_blocks(
 
 @triton.jit
 def sink_attn_bwd_dq_kernel(
-    Q, K, V, Out, dOut, Lse, dLse, Sinks, Delta, DsinkPart, dQ, cu_seqlens,
+    Q, K, V, Out, dOut, Lse, dLse, Sinks, Stats, DsinkPart, dQ, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_dob, stride_dot, stride_doh, stride_dqb, stride_dqt, stride_dqh,
     stride_lb, stride_lh, stride_dlb, stride_dlh, seqlen, window, qk_scale, sm_scale, group, num_m_blocks,
@@ -475,7 +480,7 @@ def sink_attn_bwd_dq_kernel(
     lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start
     dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + start
     delta, lse = _delta_rows(
-        o, do, Lse, dLse, Sinks, Delta, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
+        o, do, Lse, dLse, Sinks, Stats, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
     )
     lse2 = lse * LOG2E
     k_base = _first_row(K, b, stride_kb, kvh, stride_kh, start, stride_kt)
@@ -505,7 +510,7 @@ def sink_attn_bwd_dq_kernel(
 # Backward in one pass: dK/dV as above, and dQ accumulated into fp32 in a fixed key-block order
 @triton.jit
 def _fused_tiles(
-    dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
+    dk, dv, k, v, Q, dOut, Stats, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
     stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at, stride_ah,
     stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale, sm_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
@@ -529,8 +534,7 @@ def _fused_tiles(
             q, do, lse, delta = _dkdv_rows(
                 q_base + rows * stride_qt + offs_d[None, :],
                 do_base + rows * stride_dot + offs_d[None, :],
-                Lse + stat + offs_m,
-                Delta + stat + offs_m,
+                _stats_ptrs(Stats, stat, offs_m),
                 row_ok,
                 MASK,
             )
@@ -551,7 +555,7 @@ def _fused_tiles(
 
 @triton.jit
 def sink_attn_bwd_fused_kernel(
-    Q, K, V, dOut, Lse, Delta, dK, dV, DQacc, Locks, DsinkPart, dSinks, cu_seqlens,
+    Q, K, V, dOut, Stats, dK, dV, DQacc, Locks, DsinkPart, dSinks, cu_seqlens,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_dob, stride_dot, stride_doh, stride_dkb, stride_dkt, stride_dkh,
     stride_dvb, stride_dvt, stride_dvh, stride_ab, stride_at, stride_ah, stride_lb, stride_lh,
@@ -590,7 +594,7 @@ def sink_attn_bwd_fused_kernel(
     for part in tl.static_range(3):  # last-first: the masked tail, the unmasked middle, the masked diagonal
         lo, hi = _query_band(2 - part, m_lo, full_lo, full_hi, m_hi)
         dk, dv = _fused_tiles(
-            dk, dv, k, v, Q, dOut, Lse, Delta, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
+            dk, dv, k, v, Q, dOut, Stats, DQacc, Locks, b, start, kvh, group, n_block, lo, hi,
             stride_qb, stride_qt, stride_qh, stride_dob, stride_dot, stride_doh, stride_ab, stride_at,
             stride_ah, stride_lb, stride_lh, lock_b, lock_h, offs_n, offs_d, seq_len, window, qk_scale,
             sm_scale, BLOCK_M, BLOCK_N, part != 1, HAS_WINDOW, DOT_PRECISION,
