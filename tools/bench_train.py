@@ -3,7 +3,7 @@ all 128 experts, top-4) on 1, 2 or 4 GPUs with NCCL, bf16 parameters.
 
     torchrun --nproc_per_node 1 tools/bench_train.py
     torchrun --nproc_per_node 4 tools/bench_train.py              # experts split over the 4 GPUs
-    torchrun --nproc_per_node 2 tools/bench_train.py --small      # a CPU smoke test (gloo)
+    torchrun --nproc_per_node 2 tools/bench_train.py --small      # a CPU smoke test (gloo, 1024 tokens)
     torchrun --nproc_per_node 1 tools/bench_train.py --no-optimizer --peer torchtitan
 
 With `--peer torchtitan` (one GPU, tp 1) the same invocation then times torchtitan's GPT-OSS at the same
@@ -117,8 +117,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=16384, help="tokens per GPU per step")
-    parser.add_argument("--doc-len", type=int, default=4096)
+    parser.add_argument("--tokens", type=int, default=None, help="tokens per GPU (16384; --small 1024)")
+    parser.add_argument("--doc-len", type=int, default=None, help="document length (4096; --small 256)")
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=0, help="expert parallel size (0: the world size)")
@@ -139,6 +139,10 @@ def main() -> None:
         "--peer", choices=["torchtitan"], default=None, help="also time this peer's GPT-OSS (one GPU, tp 1)"
     )
     args = parser.parse_args()
+    if args.tokens is None:  # --small runs eager attention on the CPU: its [T, T] scores bound the documents
+        args.tokens = 1024 if args.small else 16384
+    if args.doc_len is None:
+        args.doc_len = 256 if args.small else 4096
     batch_invariant.set_enabled(args.bitwise)
     if args.peer and (int(os.environ.get("WORLD_SIZE", "1")) != 1 or args.tp != 1):
         parser.error("--peer runs on one process with --tp 1 (the peer is timed unsharded)")
