@@ -42,11 +42,18 @@ def _sequence(cu_seqlens, seqused_k, b, seqlen, VARLEN: tl.constexpr, SEQUSED_K:
 
 
 @triton.jit
+def _first_row_offset(b, stride_b, head, stride_h, start, stride_t):
+    """64-bit offset of the first row of sequence b (start: its first token) of one head; stride_t 1 for
+    the per-row LSE layouts. The start folds into this scalar, so a tile's row offsets added to it stay
+    32-bit (64-bit row offsets raised the dQ kernel's registers from 128 to 141 and halved its programs per
+    SM)."""
+    return b.to(tl.int64) * stride_b + head * stride_h + start * stride_t
+
+
+@triton.jit
 def _first_row(P, b, stride_b, head, stride_h, start, stride_t):
-    """Pointer to the first row of sequence b (start: its first token) of one head. The start folds into this
-    scalar, so a tile's row offsets added to it stay 32-bit (64-bit row offsets raised the dQ kernel's
-    registers from 128 to 141 and halved its programs per SM)."""
-    return P + b.to(tl.int64) * stride_b + head * stride_h + start * stride_t
+    """Pointer to the first row of sequence b of one head (`_first_row_offset`)."""
+    return P + _first_row_offset(b, stride_b, head, stride_h, start, stride_t)
 
 
 @triton.jit
@@ -166,7 +173,7 @@ def sink_attn_fwd_kernel(
     o_ptrs = _first_row(Out, b, stride_ob, h, stride_oh, start, stride_ot) + rows[:, None] * stride_ot
     tl.store(o_ptrs + offs_d[None, :], out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     lse = (m_i + tl.math.log2(l_i)) * LN2
-    tl.store(Lse + b.to(tl.int64) * stride_lb + h * stride_lh + start + rows, lse, mask=row_ok)
+    tl.store(Lse + _first_row_offset(b, stride_lb, h, stride_lh, start, 1) + rows, lse, mask=row_ok)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -226,8 +233,8 @@ def sink_attn_bwd_preprocess_kernel(
     o = tl.load(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     part = (h * tl.num_programs(2) + b) * num_m_blocks + pid_m
-    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start
-    dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + start
+    lse_off = _first_row_offset(b, stride_lb, h, stride_lh, start, 1)
+    dlse_off = _first_row_offset(b, stride_dlb, h, stride_dlh, start, 1)
     _delta_rows(
         o, do, Lse, dLse, Sinks, Stats, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
     )
@@ -399,7 +406,7 @@ def sink_attn_bwd_dkdv_kernel(
             h = kvh * group + i
             q_base = _first_row(Q, b, stride_qb, h, stride_qh, start, stride_qt)
             do_base = _first_row(dOut, b, stride_dob, h, stride_doh, start, stride_dot)
-            stat_row0 = b.to(tl.int64) * stride_lb + h * stride_lh + start
+            stat_row0 = _first_row_offset(b, stride_lb, h, stride_lh, start, 1)
             for band in tl.static_range(3):
                 lo, hi = _query_band(band, m_lo, full_lo, full_hi, m_hi)
                 dk, dv = _dkdv_blocks(
@@ -477,8 +484,8 @@ def sink_attn_bwd_dq_kernel(
     q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     o = tl.load(o_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(do_ptrs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    lse_off = b.to(tl.int64) * stride_lb + h * stride_lh + start
-    dlse_off = b.to(tl.int64) * stride_dlb + h * stride_dlh + start
+    lse_off = _first_row_offset(b, stride_lb, h, stride_lh, start, 1)
+    dlse_off = _first_row_offset(b, stride_dlb, h, stride_dlh, start, 1)
     delta, lse = _delta_rows(
         o, do, Lse, dLse, Sinks, Stats, DsinkPart, lse_off, dlse_off, offs_m, row_ok, h, part, HAS_DLSE
     )
@@ -528,7 +535,7 @@ def _fused_tiles(
         for i in range(0, group):
             h = kvh * group + i
             rows = offs_m[:, None]  # from the sequence's start, folded into the scalar bases below
-            stat = b.to(tl.int64) * stride_lb + h * stride_lh + start
+            stat = _first_row_offset(b, stride_lb, h, stride_lh, start, 1)
             q_base = _first_row(Q, b, stride_qb, h, stride_qh, start, stride_qt)
             do_base = _first_row(dOut, b, stride_dob, h, stride_doh, start, stride_dot)
             q, do, lse, delta = _dkdv_rows(

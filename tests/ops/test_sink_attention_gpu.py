@@ -96,7 +96,17 @@ def triton_one_pass(q, *args, **kwargs):
     longest = int((cu[1:] - cu[:-1]).max()) if cu is not None else q.shape[1]
     windowed = kwargs.get("window") is not None
     cfg = replace(tsa.default_config(q.shape[-1], q.dtype, windowed, q.device, longest), fused_dq=True)
-    return tsa.triton_sink_attention(q, *args, config=cfg, **kwargs)
+    return with_config(cfg)(q, *args, **kwargs)
+
+
+def with_config(cfg):
+    """Our Triton attention under `cfg` in place of the default config."""
+    from megatron_gptoss.ops.triton_sink_attention import triton_sink_attention
+
+    def fn(*args, **kwargs):
+        return triton_sink_attention(*args, config=cfg, **kwargs)
+
+    return fn
 
 
 def fa4_deterministic(*args, **kwargs):
@@ -178,14 +188,7 @@ def test_triton_tma_loads_give_the_same_bits(case):
     inputs, kw = case_inputs(case, torch.bfloat16, seed=6)
     q = inputs[0]
     base = tsa.default_config(q.shape[-1], q.dtype, kw["window"] is not None, q.device)
-    runs = []
-    for tma in (False, True):
-        cfg = replace(base, tma=tma)
-
-        def fn(*args, cfg=cfg, **kwargs):
-            return tsa.triton_sink_attention(*args, config=cfg, **kwargs)
-
-        runs.append(run(fn, inputs, torch.bfloat16, **kw))
+    runs = [run(with_config(replace(base, tma=tma)), inputs, torch.bfloat16, **kw) for tma in (False, True)]
     assert all(torch.equal(a, b) for a, b in zip(*runs)), case
 
 
@@ -201,14 +204,8 @@ def test_triton_register_cap_gives_the_same_bits(case):
     q = inputs[0]
     base = tsa.default_config(q.shape[-1], q.dtype, False, q.device, max_seqlen=8192)
     assert base.dq_max_registers is not None
-    runs = []
-    for cap in (None, base.dq_max_registers):
-        cfg = replace(base, dq_max_registers=cap)
-
-        def fn(*args, cfg=cfg, **kwargs):
-            return tsa.triton_sink_attention(*args, config=cfg, **kwargs)
-
-        runs.append(run(fn, inputs, torch.bfloat16, **kw))
+    caps = (None, base.dq_max_registers)
+    runs = [run(with_config(replace(base, dq_max_registers=c)), inputs, torch.bfloat16, **kw) for c in caps]
     assert all(torch.equal(a, b) for a, b in zip(*runs)), case
 
 
