@@ -55,6 +55,17 @@ def _extreme(x: Tensor, m: Tensor, largest: bool) -> Tensor:
     return torch.where(m.any(), ext, torch.zeros_like(ext))
 
 
+def _nearest_rank(x: Tensor, m: Tensor, q: float) -> Tensor:
+    """The q-quantile of x over the entries where m is True by the nearest-rank rule (the ceil(q n)-th
+    smallest of the n entries); 0 when n = 0. No host sync: the rank is a device index into the sorted
+    values, the entries outside m sorted first as -inf."""
+    flat = torch.where(m, x, float("-inf")).flatten()
+    n = m.sum()
+    rank = torch.ceil(q * n.double()).long().clamp(min=1)
+    value = flat.sort().values.gather(0, (flat.numel() - n + rank - 1).clamp(0, flat.numel() - 1)[None])[0]
+    return torch.where(n > 0, value, torch.zeros_like(value))
+
+
 def _normalized_ess(log_w: Tensor, m: Tensor) -> Tensor:
     """(sum w)^2 / (N sum w^2) over the N entries where m is True, from log-weights (-inf = 0).
 
@@ -76,6 +87,8 @@ def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tenso
     With d = old_logprobs - rollout_logprobs at the loss tokens (computed in float64):
       mismatch/abs_diff_mean   mean |d|
       mismatch/abs_diff_max    max |d|
+      mismatch/abs_diff_p99    99th percentile of |d| (nearest rank); over several micro-batches or ranks
+                               the token-weighted mean of theirs
       mismatch/kl_k1           mean(-d): KL(rollout || learner) estimated on the rollout's samples
       mismatch/kl_k3           mean(exp(d) - d - 1): the same KL, the non-negative estimator
       mismatch/tokens          number of loss tokens
@@ -92,6 +105,7 @@ def mismatch_metrics(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tenso
         out = {
             "mismatch/abs_diff_mean": _mean(d.abs(), m),
             "mismatch/abs_diff_max": _extreme(d.abs(), m, largest=True),
+            "mismatch/abs_diff_p99": _nearest_rank(d.abs(), m, 0.99),
             "mismatch/kl_k1": _mean(-d, m),
             "mismatch/kl_k3": _mean(torch.expm1(d) - d, m),
             "mismatch/tokens": m.sum(),

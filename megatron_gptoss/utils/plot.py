@@ -30,7 +30,7 @@ PANELS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
     (
         "Rollout vs learner |Δ log-prob|",
         "|Δ log-prob|",
-        ("mismatch/abs_diff_mean", "mismatch/abs_diff_max"),
+        ("mismatch/abs_diff_mean", "mismatch/abs_diff_p99", "mismatch/abs_diff_max"),
         True,
     ),
     (

@@ -34,6 +34,7 @@ def _ref_mismatch(old, rollout, mask):
     return {
         "mismatch/abs_diff_mean": math.fsum(abs(x) for x in d) / n,
         "mismatch/abs_diff_max": max(abs(x) for x in d),
+        "mismatch/abs_diff_p99": sorted(abs(x) for x in d)[math.ceil(0.99 * n) - 1],
         "mismatch/kl_k1": math.fsum(-x for x in d) / n,
         "mismatch/kl_k3": math.fsum(math.exp(x) - x - 1 for x in d) / n,
         "mismatch/tokens": n,
@@ -87,8 +88,9 @@ def _ref_correction(old, rollout, mask, mode, hi, lo):
     return weights, new_mask, metrics
 
 
-def test_mismatch_metrics_match_reference():
-    old, rollout, mask = _inputs(seed=1)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mismatch_metrics_match_reference(seed):
+    old, rollout, mask = _inputs(seed=seed)
     ours = mismatch_metrics(old, rollout, mask)
     ref = _ref_mismatch(old, rollout, mask)
     assert set(ours) == set(ref)
@@ -181,3 +183,17 @@ def test_bad_inputs_raise_clear_errors():
         rollout_correction(old, rollout, mask, "token-tis", 0.0, THRESHOLD_LOW)
     with pytest.raises(ValueError, match="geo-mis needs 0 <= threshold_low < threshold"):
         rollout_correction(old, rollout, mask, "geo-mis", 2.0, 3.0)
+
+
+def test_mismatch_p99_small_and_empty_masks():
+    """The nearest-rank 99th percentile: one loss token gives its own |d|; 150 tokens give the 149th
+    smallest; no loss token gives 0."""
+    d = torch.arange(1, 151, dtype=torch.float64).reshape(3, 50) / 1000
+    d = d[torch.randperm(3, generator=torch.Generator().manual_seed(0))]
+    zero = torch.zeros_like(d)
+    full = torch.ones_like(d)
+    assert mismatch_metrics(d, zero, full)["mismatch/abs_diff_p99"].item() == pytest.approx(0.149)
+    one = torch.zeros_like(d)
+    one[1, 7] = 1
+    assert mismatch_metrics(-d, zero, one)["mismatch/abs_diff_p99"].item() == pytest.approx(abs(d[1, 7].item()))
+    assert mismatch_metrics(d, zero, torch.zeros_like(d))["mismatch/abs_diff_p99"].item() == 0.0
