@@ -10,7 +10,9 @@
 holder), then settles the identity:
 
     resume ""       a new run: a fresh run id. A directory that holds checkpoints (another run's) is
-                    refused with ConfigError naming them, unless `overwrite`, which deletes them.
+                    refused with ConfigError naming them, unless `overwrite`, which deletes them; so is
+                    a directory whose run.json names another run that left no checkpoint (its metrics
+                    and HF export would be replaced), unless `overwrite`.
     resume "auto"   continues the directory's run: the id in run.json (or, without run.json, the one
     or a path       run id its checkpoint manifests agree on); a fresh id when there is none.
 
@@ -115,7 +117,8 @@ class RunDir:
         """Claim `out_dir` for this run (module docstring). Collective through `share` when given (every
         rank calls `claim`); without it only a single process (rank 0) may call it. Raises ConfigError on
         every rank when another live run holds the directory, when a new run would mix with another
-        run's checkpoints (without `overwrite`), or when the directory cannot be created or locked."""
+        run's checkpoints or replace another run's outputs (without `overwrite`), or when the directory
+        cannot be created or locked."""
         path = Path(out_dir)
         if rank != 0 and share is None:
             raise ValueError(f"rank {rank}: RunDir.claim needs `share` to learn rank 0's run id")
@@ -211,18 +214,25 @@ def _settle(path: Path, resume: str, overwrite: bool) -> dict[str, Any]:
             return {"run_id": run_id, "resumed": True}
         return {"run_id": _new_identity(path), "resumed": False}
     held = checkpoints_held(path)
+    owner = f"run {identity['run_id']}" if identity is not None else "an earlier run"
+    if held and not overwrite:
+        raise ConfigError(
+            f"output directory {path} holds checkpoints of {owner}: {', '.join(held)}. A new run "
+            f"(no resume) does not mix with them: resume with resume=auto, choose another output "
+            f"directory, or overwrite them (run.overwrite=true)"
+        )
+    if identity is not None and not overwrite:
+        raise ConfigError(
+            f"output directory {path} belongs to {owner} (its {IDENTITY_FILE}, created "
+            f"{identity.get('created')}), which left no checkpoint; a new run would replace its outputs "
+            f"(metrics, hf_final): choose another output directory, continue it with resume=auto, or "
+            f"overwrite it (run.overwrite=true)"
+        )
     if held:
-        owner = f"run {identity['run_id']}" if identity is not None else "an earlier run"
-        if not overwrite:
-            raise ConfigError(
-                f"output directory {path} holds checkpoints of {owner}: {', '.join(held)}. A new run "
-                f"(no resume) does not mix with them: resume with resume=auto, choose another output "
-                f"directory, or overwrite them (run.overwrite=true)"
-            )
         log.warning("overwrite: deleting the checkpoints of %s in %s: %s", owner, path, ", ".join(held))
         shutil.rmtree(path / CHECKPOINTS)
-    if identity is not None:
-        log.info("%s: a new run replaces run %s (it left no checkpoint)", path, identity["run_id"])
+    elif identity is not None:
+        log.warning("overwrite: a new run replaces %s in %s", owner, path)
     return {"run_id": _new_identity(path), "resumed": False}
 
 

@@ -58,11 +58,16 @@ SECTION_TYPES = {
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
     """Defaults <- YAML file <- `a.b=value` overrides; the YAML may name `model.preset` (MODEL_PRESETS).
-    Raises ConfigError naming the file (and line) for a missing, unreadable or malformed file, the
+    Raises ConfigError naming the file (and line) for a missing, unreadable, empty or malformed file, the
     override for a malformed override, and the field for a value of the wrong type or range."""
     raw: dict[str, Any] = {}
     if path is not None:
-        raw = _read_yaml(Path(path)) or {}
+        raw = _read_yaml(Path(path))
+        if raw is None:
+            raise ConfigError(
+                f"{path} is empty: a config file names at least the model (model: {{preset: ...}}); an empty "
+                "one would silently mean every default (gpt-oss-20b)"
+            )
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: top level must be a mapping of sections")
     for item in overrides or []:

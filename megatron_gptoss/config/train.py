@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
@@ -284,6 +285,28 @@ class EnvConfig:
         check_at_least("env", self, 0, "closeness_credit", "prefix_credit")
         if not self.operators:
             raise ConfigError("env.operators is empty: name at least one operator")
+        if self.name == "arithmetic":
+            check_arithmetic_size(self.max_operand, self.operators)
+
+
+# The arithmetic task lists every problem (a, op, b) in memory, about this many bytes each (measured).
+ARITHMETIC_BYTES_PER_PROBLEM = 400
+MAX_ARITHMETIC_PROBLEMS = 1_000_000
+
+
+def check_arithmetic_size(max_operand: int, operators: str) -> None:
+    """ConfigError when the arithmetic task would list more than MAX_ARITHMETIC_PROBLEMS problems (it holds
+    every one), naming the count and its estimated memory."""
+    ops = len(set(operators))
+    problems = ops * (max_operand + 1) ** 2
+    if problems > MAX_ARITHMETIC_PROBLEMS:
+        largest = math.isqrt(MAX_ARITHMETIC_PROBLEMS // ops) - 1
+        gib = problems * ARITHMETIC_BYTES_PER_PROBLEM / 2**30
+        raise ConfigError(
+            f"env.max_operand={max_operand} with {ops} operator(s) makes {problems:.3g} arithmetic problems, "
+            f"which the task holds in memory (about {gib:.3g} GiB); at most {MAX_ARITHMETIC_PROBLEMS} are "
+            f"allowed: env.max_operand <= {largest} with {ops} operator(s)"
+        )
 
 
 SFT_DATA = ("task", "conversations", "synthetic")
@@ -393,13 +416,21 @@ class RunConfig:
     # An update moving the weights by more than this fraction of their norm (||after - before|| / ||before||)
     # stops the run without saving them (a learning rate that destroys the weights).
     max_update_ratio: float = 1.0
+    # Steps in a row in which every reward of the step failed (the reward function raised, returned no finite
+    # number, timed out or killed its worker) that stop the run, naming the function (0: never).
+    max_reward_error_steps: int = 3
 
     def validate(self) -> None:
         check_positive("run", self, "steps")
-        check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every")
+        check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every", "max_reward_error_steps")
         check_at_least("run", self, 1, "keep_last")
         if self.mode not in RUN_MODES:
             raise ConfigError(f"run.mode={self.mode!r} not in {RUN_MODES}")
+        if not self.output_dir.strip():
+            raise ConfigError(
+                "run.output_dir is empty: name the run's own directory (it holds the run's lock, metrics and "
+                "checkpoints; '.' for the current directory)"
+            )
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"run.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
         check_at_least("run", self, 0, "watchdog_stall_s", "watchdog_step_stall_s", "max_consecutive_skips")
@@ -409,8 +440,33 @@ class RunConfig:
                 f"run.watchdog_interval_s={self.watchdog_interval_s} must be at most half of "
                 f"run.watchdog_stall_s={self.watchdog_stall_s}"
             )
+        self._check_watchdog_before_timeout()
         if self.dtype not in DTYPES:
             raise ConfigError(f"run.dtype={self.dtype!r} not in {DTYPES}")
+
+    def _check_watchdog_before_timeout(self) -> None:
+        """The watchdog must name a stalled rank (within its stall bound plus two intervals) before a
+        collective times out on the others, which ends them in a timeout error that names no rank."""
+        if not self.watchdog_stall_s:
+            return
+        bounds = [("run.watchdog_stall_s", self.watchdog_stall_s)]
+        if self.watchdog_step_stall_s:
+            bounds.append(("run.watchdog_step_stall_s", self.watchdog_step_stall_s))
+        for name, stall in bounds:
+            needed = stall + 2 * self.watchdog_interval_s
+            if self.collective_timeout_s <= needed:
+                raise ConfigError(
+                    f"run.collective_timeout_s={self.collective_timeout_s} must exceed {name}={stall} + 2 x "
+                    f"run.watchdog_interval_s={self.watchdog_interval_s} (= {needed}): otherwise a stalled "
+                    "rank ends the job in a collective timeout that does not name it, before the watchdog "
+                    f"does. Raise run.collective_timeout_s or lower {name} (run.watchdog_stall_s=0 turns the "
+                    "watchdog off)"
+                )
+
+
+# Advantage estimators that compare a sample with the other samples of its prompt (a group of one has no
+# baseline).
+GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
 
 
 @dataclass
@@ -442,6 +498,7 @@ class TrainConfig:
         self.data.validate()
         self.reward.validate()
         self.algorithm.validate()
+        self._check_rollout_sizes()
         self.dapo.validate(self.rollout.max_new_tokens)
         self.agent.validate()
         self.moe.validate()
@@ -471,6 +528,21 @@ class TrainConfig:
             raise ConfigError(
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
                 "and train only adapters; LoRA critics are not supported (use a critic-free advantage)"
+            )
+
+    def _check_rollout_sizes(self) -> None:
+        """Groups of one sample under a group estimator, and responses longer than the model's context."""
+        group, advantage = self.rollout.n_samples_per_prompt, self.algorithm.advantage
+        if self.run.mode == "rl" and advantage in GROUP_ESTIMATORS and group < 2:
+            raise ConfigError(
+                f"rollout.n_samples_per_prompt={group} with algorithm.advantage={advantage!r}: "
+                "the advantage compares each sample with the other samples of its prompt, so it needs at "
+                "least 2 (or an estimator without groups: 'reinforce_pp', 'gae')"
+            )
+        if self.rollout.max_new_tokens > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"rollout.max_new_tokens={self.rollout.max_new_tokens} exceeds the model's context, "
+                f"model.max_position_embeddings={self.model.max_position_embeddings}"
             )
 
     def _check_bitwise(self) -> None:

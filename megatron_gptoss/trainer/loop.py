@@ -48,7 +48,7 @@ from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
 from megatron_gptoss.trainer.rollouts import collect_rollouts
-from megatron_gptoss.trainer.session import session
+from megatron_gptoss.trainer.session import check_memory, session
 
 
 def run(cfg: TrainConfig) -> dict[str, float]:
@@ -63,6 +63,7 @@ def _run(cfg: TrainConfig) -> dict[str, float]:
     launcher = start_tools(cfg)  # the python tool's sandbox launcher, before CUDA
     with session(cfg.run) as run_session:
         device = run_session.device
+        check_memory(cfg, device)  # sizes that cannot fit fail here, before anything is allocated
         agent = cfg.agent if cfg.agent.enabled else None
         task, tokenizer = make_task(cfg.env, cfg.data, cfg.reward, agent)
         if cfg.model.vocab_size < tokenizer.vocab_size:

@@ -17,12 +17,15 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_gptoss.config import RunConfig
+from megatron_gptoss.config import RunConfig, TrainConfig
+from megatron_gptoss.config.memory import check_fits
+from megatron_gptoss.errors import ConfigError
 from megatron_gptoss.parallel.watchdog import Watchdog, collective_timeout, default_store
 
 
@@ -78,6 +81,42 @@ def session(run: RunConfig) -> Iterator[Session]:
     if watchdog is not None:
         watchdog.close()
     dist.destroy_process_group()
+
+
+def memory_capacity(device: torch.device) -> tuple[float, str]:
+    """(bytes, what they are) that this rank may use: its GPU's memory, or on the CPU the host's memory (the
+    smaller of the physical memory and the cgroup's limit) shared by the ranks of this host
+    (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory), f"the memory of {device}"
+    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    where = "the host memory"
+    limit = Path("/sys/fs/cgroup/memory.max")
+    text = limit.read_text().strip() if limit.is_file() else "max"
+    if text.isdigit() and int(text) < total:
+        total, where = float(text), "the memory limit of this process's cgroup"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local > 1:
+        return total / local, f"{where} shared by {local} ranks on this host"
+    return total, where
+
+
+def check_memory(cfg: TrainConfig, device: torch.device) -> None:
+    """ConfigError on every rank, with the estimate, when any rank's lower bound of the run's memory
+    (`config.memory.run_memory`) exceeds what it may use (`memory_capacity`); collective."""
+    capacity, where = memory_capacity(device)
+    problem = None
+    try:
+        check_fits(cfg, dist.get_world_size(), capacity, f"{where} of rank {dist.get_rank()}")
+    except ConfigError as err:
+        problem = str(err)
+    problems = [problem]
+    if dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p), None)
+    if first is not None:
+        raise ConfigError(first)
 
 
 def from_rank0(value: Any) -> Any:

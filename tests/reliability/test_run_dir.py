@@ -1,6 +1,7 @@
 """A run owns its output directory: the lock (a second live run is refused, naming the holder; a dead
 holder blocks nothing), the run identity (new, continued, shared with other ranks), and a new run that
-would mix with another run's checkpoints (refused unless overwrite)."""
+would mix with another run's checkpoints or replace the outputs of a run that left none (refused unless
+overwrite)."""
 
 from __future__ import annotations
 
@@ -120,3 +121,18 @@ def test_other_ranks_learn_the_run_id_or_rank_0s_error(tmp_path):
     zero.release()
     with pytest.raises(ValueError, match="needs `share`"):
         RunDir.claim(tmp_path, resume="", rank=1)
+
+
+def test_a_new_run_does_not_replace_a_run_that_left_no_checkpoint(tmp_path):
+    with RunDir.claim(tmp_path, resume="") as old:  # e.g. run.save_every=-1: metrics and hf_final only
+        (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')
+    with pytest.raises(ConfigError) as err:
+        RunDir.claim(tmp_path, resume="")
+    message = str(err.value)
+    assert f"belongs to run {old.run_id}" in message and "left no checkpoint" in message
+    assert "overwrite" in message and "resume=auto" in message
+    assert json.loads((tmp_path / IDENTITY_FILE).read_text())["run_id"] == old.run_id
+    with RunDir.claim(tmp_path, resume="auto") as again:
+        assert again.run_id == old.run_id
+    with RunDir.claim(tmp_path, resume="", overwrite=True) as new:
+        assert new.run_id != old.run_id

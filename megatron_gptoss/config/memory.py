@@ -1,0 +1,121 @@
+"""Lower bounds of the memory one rank of a run takes, from its config alone (plain arithmetic, no torch).
+
+    learner        the policy's parameters (run.dtype), fp32 gradients and AdamW state (12 bytes a parameter
+                   with bf16 parameters: fp32 master weights and two moments; 8 with fp32 ones); with LoRA
+                   the frozen base only
+    engine         the embedded engine's own copy of the weights (rollout.dtype); not counted with LoRA
+                   (its engine may share the learner's base)
+    kv_cache       the embedded engine's paged KV cache as the engine sizes it (`kv_cache_bytes`) for the
+                   rows one engine replica generates at once, of one prompt token plus
+                   rollout.max_new_tokens (longer prompts take more)
+
+Every part is divided by the world size (the whole run's bytes spread evenly over its ranks), so the
+largest rank holds at least this much: a run over the bound cannot fit, one under it may still not.
+`tools/estimate_memory.py` prints the same KV-cache arithmetic beside its per-layout training estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_gptoss.config.model import ModelConfig
+from megatron_gptoss.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_gptoss.config.train import TrainConfig
+
+GIB = 1024**3
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def kv_cache_bytes(
+    model: ModelConfig,
+    rows: int,
+    tokens: int,
+    *,
+    dtype_bytes: int,
+    block_size: int = 16,
+    max_step_tokens: int = 2048,
+    kv_heads: int | None = None,
+    kv_blocks: int = 0,
+    max_batch_slots: int = 256,
+) -> int:
+    """Bytes of the embedded engine's paged KV cache (keys and values of every layer) when it is made for
+    `rows` sequences of up to `tokens` tokens each: `kv_blocks` blocks per full-attention layer (0: rows x
+    ceil(tokens / block_size) + 1, sized to the requests), and per sliding-window layer the blocks that the
+    rows' windows plus one step's chunk can hold, when that is less. `kv_heads`: the heads this engine
+    shard caches (default all of the model's KV heads)."""
+    heads = model.num_query_groups if kv_heads is None else kv_heads
+    per_block_layer = 2 * block_size * heads * model.head_dim * dtype_bytes
+    blocks = kv_blocks or rows * math.ceil(tokens / block_size) + 1
+    window_rows = max_batch_slots if kv_blocks else rows
+    total = 0
+    for layer in range(model.num_layers):
+        window = model.window_of(layer)
+        layer_blocks = blocks
+        if window is not None:
+            per_window = math.ceil((window - 1 + max_step_tokens) / block_size) + 1
+            layer_blocks = min(blocks, window_rows * per_window + 1)
+        total += max(layer_blocks, 2) * per_block_layer
+    return total
+
+
+def learner_bytes(cfg: TrainConfig) -> int:
+    """The whole run's learner parameters, gradients and optimizer state (module docstring)."""
+    params = cfg.model.param_counts()["total"]
+    weight = DTYPE_BYTES[cfg.run.dtype]
+    if cfg.model.lora.enabled:  # the base is frozen: no gradient, no optimizer state (adapters not counted)
+        return params * weight
+    optimizer = 12 if weight < 4 else 8
+    return params * (weight + 4 + optimizer)
+
+
+def run_memory(cfg: TrainConfig, world: int) -> dict[str, float]:
+    """Lower bounds, in bytes, of what the largest of `world` ranks holds (module docstring): `learner`,
+    `engine`, `kv_cache`, `total`, and `kv_rows` / `kv_tokens`, the rows and tokens the cache is made for."""
+    params = cfg.model.param_counts()["total"]
+    parts: dict[str, float] = {"learner": learner_bytes(cfg) / world, "engine": 0.0, "kv_cache": 0.0}
+    rollout, embedded = cfg.rollout, cfg.embedded
+    rows = tokens = 0
+    if cfg.run.mode == "rl" and rollout.engine == "embedded":
+        if not cfg.model.lora.enabled:  # a LoRA engine may share the learner's base: not counted
+            parts["engine"] = params * DTYPE_BYTES[rollout.dtype] / world
+        replicas = max(1, world // rollout.tensor_parallel_size)
+        batch = rollout.prompts_per_step * rollout.n_samples_per_prompt
+        rows = min(math.ceil(batch / replicas), embedded.max_batch_slots)
+        if cfg.agent.enabled:  # agent sessions: the cache is made for every slot
+            rows = embedded.max_batch_slots
+        tokens = 1 + rollout.max_new_tokens
+        cache = kv_cache_bytes(
+            cfg.model,
+            rows,
+            tokens,
+            dtype_bytes=DTYPE_BYTES[rollout.dtype],
+            block_size=embedded.block_size,
+            max_step_tokens=embedded.max_step_tokens,
+            kv_blocks=embedded.kv_blocks,
+            max_batch_slots=embedded.max_batch_slots,
+        )
+        parts["kv_cache"] = cache / rollout.tensor_parallel_size
+    parts["total"] = parts["learner"] + parts["engine"] + parts["kv_cache"]
+    parts["kv_rows"], parts["kv_tokens"] = rows, tokens
+    return parts
+
+
+def check_fits(cfg: TrainConfig, world: int, capacity: float, where: str) -> None:
+    """ConfigError with the estimate when the lower bound of `run_memory` exceeds `capacity` bytes (`where`:
+    what holds them, e.g. "the host memory of this rank")."""
+    parts = run_memory(cfg, world)
+    if parts["total"] <= capacity:
+        return
+    kv = ""
+    if parts["kv_cache"]:
+        kv = f" for {int(parts['kv_rows'])} rows of up to {int(parts['kv_tokens'])} tokens"
+    raise ConfigError(
+        f"this run needs at least {parts['total'] / GIB:.3g} GiB per rank over {world} rank(s) (learner "
+        f"{parts['learner'] / GIB:.3g} GiB: parameters, gradients, optimizer state; engine weights "
+        f"{parts['engine'] / GIB:.3g} GiB; engine KV cache {parts['kv_cache'] / GIB:.3g} GiB{kv}), more than "
+        f"{where} ({capacity / GIB:.3g} GiB). Lower rollout.max_new_tokens, rollout.prompts_per_step x "
+        "rollout.n_samples_per_prompt or embedded.max_batch_slots, pick a smaller model, or use more ranks"
+    )
