@@ -17,12 +17,13 @@ sampled tokens is `render_conversation`'s: every appended token is a tool token,
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_gptoss.agent.arguments import check_arguments
-from megatron_gptoss.agent.tools import Tool, ToolRegistry, ToolTimeout
+from megatron_gptoss.agent.tools import Tool, ToolFailed, ToolRegistry, ToolTimeout
 from megatron_gptoss.errors import ToolError
 from megatron_gptoss.harmony import (
     CALL,
@@ -35,6 +36,9 @@ from megatron_gptoss.harmony import (
 
 STATUSES = ("ok", "error", "timeout")
 TRUNCATION_MARK = "\n[... {n} characters cut]"
+MAX_ARGUMENT_DEPTH = 64  # arrays and objects nested in a function tool's arguments at most
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,12 @@ def check_call(
         return error(f"unknown tool {call.recipient!r}; the tools are {sorted(registry.tools)}")
     if tool.name == "python":
         return tool, call.arguments
+    depth = nesting_depth(call.arguments)
+    if depth > MAX_ARGUMENT_DEPTH:
+        return error(
+            f"the arguments of {tool.name} nest {depth} arrays or objects deep; "
+            f"at most {MAX_ARGUMENT_DEPTH} are accepted"
+        )
     try:
         arguments = json.loads(call.arguments) if call.arguments.strip() else {}
     except json.JSONDecodeError as err:
@@ -98,6 +108,16 @@ def check_call(
     if problem is not None:
         return error(f"wrong arguments for {tool.name}: {problem}")
     return tool, arguments
+
+
+def nesting_depth(text: str) -> int:
+    """How deep JSON arrays and objects nest in `text` (brackets inside strings not counted), read without
+    recursion: parsing or checking deeper arguments would exhaust the interpreter's stack."""
+    depth = deepest = 0
+    for bracket in _JSON_BRACKET.finditer(_JSON_STRING.sub("", text)):
+        depth += 1 if bracket.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def cut(text: str, max_chars: int) -> str:
@@ -110,9 +130,11 @@ def cut(text: str, max_chars: int) -> str:
 def run_call(
     registry: ToolRegistry, call: ToolCall, *, timeout_s: float, budget_left: bool, max_chars: int
 ) -> ToolOutcome:
-    """Check and run one call in this thread. Whatever the model got wrong, and whatever the tool raised,
-    becomes an error outcome; only ToolError (the sandbox cannot run: not the model's doing) propagates.
-    A function tool is not interrupted here at its timeout: ToolExecutor enforces it."""
+    """Check and run one call in this thread. Whatever the model got wrong (arguments nested deeper than
+    MAX_ARGUMENT_DEPTH included), and whatever the tool raised, becomes an error outcome; only ToolError
+    (the sandbox or a tool worker cannot run: not the model's doing) propagates. A user tool's worker is
+    killed at `timeout_s` (a timeout outcome); an in-process function tool is not interrupted here:
+    ToolExecutor answers it at its timeout."""
     start = time.monotonic()
     checked = check_call(registry, call, budget_left=budget_left)
     if isinstance(checked, ToolOutcome):
@@ -124,6 +146,10 @@ def run_call(
         raise
     except ToolTimeout as err:
         return ToolOutcome(cut(str(err), max_chars), "timeout", time.monotonic() - start)
+    except ToolFailed as err:  # raised in a user tool's worker, or the worker died
+        return ToolOutcome(
+            cut(f"error: {tool.name} failed: {err}", max_chars), "error", time.monotonic() - start
+        )
     except Exception as err:
         return ToolOutcome(
             f"error: {tool.name} failed: {type(err).__name__}: {err}", "error", time.monotonic() - start

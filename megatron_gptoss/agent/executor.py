@@ -4,9 +4,12 @@
                      a worker thread, and resolves the call's future with its outcome, or with a timeout
                      outcome at `timeout_s` (the slot is freed then: a stuck tool never holds the others up)
 
-The python tool is stopped by its sandbox at the timeout. A Python function tool cannot be interrupted: a
-call past its timeout is answered as a timeout and its thread is left to finish on its own (counted as
-`abandoned`). Only ToolError (a sandbox that cannot run) resolves a future with an exception.
+The python tool is stopped by its sandbox at the timeout (and answers with what it printed). Any other tool
+is answered as a timeout by the executor at `timeout_s` (counted as `abandoned`): a user tool
+(`agent.tools`) runs in a worker process, which is killed then (`tools.ToolWorkers`), so a function
+holding the GIL or never returning costs its call only; a function run in this process (a `Tool` built in
+code) cannot be interrupted, and its thread is left to finish on its own. Only ToolError (a sandbox or a
+tool worker that cannot run) resolves a future with an exception.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ SANDBOX_GRACE_S = 2.0  # seconds a python call may answer past its timeout (the 
 @dataclass
 class ToolMetrics:
     """Counts since the last reset: calls by status, latencies (seconds, submit to outcome, queueing
-    included), calls abandoned at their timeout, and the most calls running at once."""
+    included), calls the executor answered at their timeout without the tool's answer (`abandoned`: a user
+    tool's worker is killed, an in-process function's thread left to finish), and the most calls running
+    at once."""
 
     calls: int = 0
     ok: int = 0
@@ -55,7 +60,8 @@ class ToolMetrics:
 
 
 class ToolExecutor:
-    """Runs tool calls concurrently; thread-safe; `close()` waits for nothing (threads are daemons)."""
+    """Runs tool calls concurrently; thread-safe. `close()` stops the registry's tool workers and waits for
+    no thread (they are daemons)."""
 
     def __init__(self, registry: ToolRegistry, *, timeout_s: float, max_concurrent: int, max_chars: int):
         self.registry = registry
@@ -147,6 +153,10 @@ class ToolExecutor:
             m.timeouts += outcome.status == "timeout"
             m.abandoned += abandoned
             m.latencies.append(latency)
+
+    def close(self) -> None:
+        """Stop the user tools' worker processes; calls submitted after fail with ToolError."""
+        self.registry.close()
 
     def metrics(self, reset: bool = True) -> ToolMetrics:
         """The metrics since the last reset (and reset them)."""
