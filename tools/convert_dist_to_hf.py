@@ -6,10 +6,12 @@ config.json, loadable by transformers and vLLM.
     python tools/convert_dist_to_hf.py /run/checkpoints /export/latest     # the newest verified checkpoint
 
 A checkpoint root (a directory with `latest`) resolves to its newest checkpoint whose checksums verify.
-A step directory has every file's checksum checked first (a corrupted file stops the export, naming it);
-`--no-verify` skips that. Streams tensor by tensor in blocks
-(peak host memory about 4 x --block-mb plus the stored chunks a block overlaps); prints a progress bar
-and, at the end, bytes, seconds, GB/s and the peak RSS.
+A step directory has every file's checksum checked first (a corrupted file stops the export, naming it),
+and every value exported must be finite (a NaN or an infinity stops the export, naming the tensor);
+`--no-verify` skips both. Bad input (a missing or corrupt checkpoint, an existing output) ends in one line
+naming it and exit status 1. Streams tensor by tensor in blocks (peak host memory about 4 x --block-mb plus
+the stored chunks a block overlaps); prints a progress bar and, at the end, bytes, seconds, GB/s and the
+peak RSS.
 
 A LoRA checkpoint (adapters and their optimizer state only, `model.lora.rank > 0`) is exported merged:
 the base is rebuilt from the source its manifest names (`run.init_from_hf`, or the random initialisation's
@@ -40,8 +42,10 @@ from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.checkpoint.dist_convert import conversion_report, dist_to_hf
 from megatron_gptoss.checkpoint.lora import is_lora_checkpoint, load_policy, read_adapters
 from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager, read_manifest
+from megatron_gptoss.errors import CheckpointError, ConfigError
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.hf.peft_format import save_peft
+from megatron_gptoss.utils.cli import one_line_errors
 
 LORA_BUCKET_BYTES = 256 << 20
 
@@ -60,7 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
         "--verify",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="check every file's sha256 before exporting (default); --no-verify skips it",
+        help="check every file's sha256 before exporting and every value exported (default); --no-verify "
+        "skips both",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument(
@@ -71,11 +76,17 @@ def main(argv: list[str] | None = None) -> dict:
         "(the adapters in PEFT's format)",
     )
     args = parser.parse_args(argv)
+    if not args.shard_gb > 0 or args.block_mb < 0:
+        parser.error(f"--shard-gb must be > 0 and --block-mb >= 0, got {args.shard_gb}, {args.block_mb}")
     path = Path(args.checkpoint)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist or is not a directory")
+    if Path(args.out).exists():
+        raise ConfigError(f"{args.out} exists; choose a new output directory")
     if (path / LATEST).is_file():
         found = CheckpointManager(path).find_resumable()
         if found is None:
-            raise SystemExit(f"{path} holds no complete, verified checkpoint")
+            raise CheckpointError(f"{path} holds no complete, verified checkpoint")
         path = found
     elif args.verify:
         CheckpointManager.verify(path)
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
         block_bytes=args.block_mb << 20,
         prefix=args.module,
         progress=not args.no_progress,
+        verify_values=args.verify,
     )
     seconds = time.perf_counter() - start
     report = conversion_report(out, seconds, checkpoint=str(path))
@@ -132,4 +144,5 @@ def export_peft(path: Path, out: str, dtype: torch.dtype) -> Path:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():
+        main()

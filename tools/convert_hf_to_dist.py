@@ -8,6 +8,11 @@ The output is a checkpoint directory (manifest.json, .metadata, one file per ran
 parameters at step 0: resume a run from it (`--resume <dir>`, any layout: it reshards on load) or
 convert it back with tools/convert_dist_to_hf.py. Streams piece by piece (peak host memory about
 4 x --chunk-mb); prints a progress bar and, at the end, bytes, seconds, GB/s and the peak RSS.
+
+Everything read is verified: config.json, every shard's safetensors header, every tensor's shape and dtype
+against the model, and its values (a NaN or an infinity, which a flipped bit often makes, stops the
+conversion naming the file and tensor). Bad input (a missing or corrupt file, an existing output, a layout
+that does not divide the model) ends in one line naming it and exit status 1.
 """
 
 from __future__ import annotations
@@ -15,11 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
 from megatron_gptoss.checkpoint.dist_convert import conversion_report, hf_to_dist
 from megatron_gptoss.config import ParallelConfig
+from megatron_gptoss.errors import ConfigError
+from megatron_gptoss.utils.cli import one_line_errors
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -41,13 +49,20 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    try:
+        counts = [int(c) for c in args.pipeline_layers.split(",")] if args.pipeline_layers else None
+    except ValueError:
+        parser.error(f"--pipeline-layers {args.pipeline_layers!r}: comma-separated integers expected")
+    if args.chunk_mb < 0:
+        parser.error(f"--chunk-mb must be >= 0, got {args.chunk_mb}")
+    if Path(args.out).exists():
+        raise ConfigError(f"{args.out} exists; choose a new output directory")
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tp,
         pipeline_model_parallel_size=args.pp,
         expert_model_parallel_size=args.ep,
         virtual_pipeline_model_parallel_size=args.vpp,
     )
-    counts = [int(c) for c in args.pipeline_layers.split(",")] if args.pipeline_layers else None
     start = time.perf_counter()
     out = hf_to_dist(
         args.hf_dir,
@@ -67,4 +82,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():
+        main()

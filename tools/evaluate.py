@@ -38,6 +38,10 @@ samples from its own stream (--seed + that row), so the samples do not depend on
 Writes one JSON line per sample to --output (row, sample, file, file_row, data_source, the prompt messages,
 ground_truth, completion text and ids, parsed messages, parse_error, reward, correct, reward_error,
 finish_reason, num_tokens) and the metrics to `<output stem>.metrics.json` beside it; prints a table.
+
+Bad input (a missing or corrupt checkpoint, a tensor holding NaN or inf, an --output that names a
+directory, a --config that is not YAML) ends in one line naming it and exit status 1, before any model is
+built where it can be seen then.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ from megatron_gptoss.rewards import RewardScorer
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.engines import DTYPES
 from megatron_gptoss.trainer.session import session
+from megatron_gptoss.utils.cli import one_line_errors
 
 log = logging.getLogger("evaluate")
 
@@ -358,6 +363,18 @@ def metrics_path(output: Path) -> Path:
     return output.with_name(stem + ".metrics.json")
 
 
+def check_output(output: Path) -> None:
+    """ConfigError unless the samples (`output`) and the metrics beside them can be written as files: neither
+    names a directory, and the directory holding them exists or can be made."""
+    for path in (output, metrics_path(output)):
+        if path.is_dir():
+            raise ConfigError(f"--output {output}: {path} is a directory; name a file (samples.jsonl)")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--output {output}: cannot make its directory: {err}") from None
+
+
 def table(metrics: dict[str, Any]) -> str:
     """The metrics as a small two-column table."""
     lines = [
@@ -417,14 +434,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     """Evaluate; returns the metrics (also written beside the samples)."""
     args = parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise SystemExit("tools/evaluate.py runs in one process (world 1), not under torchrun / srun")
+        raise ConfigError("tools/evaluate.py runs in one process (world 1), not under torchrun / srun")
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     start = time.perf_counter()
+    output = Path(args.output)
+    check_output(output)
     source = locate(Path(args.checkpoint), args.verify)
     cfg = make_config(source, args)
-    output = Path(args.output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     with open_engine(source, cfg) as engine, output.open("w") as out:
         metrics = run_evaluation(engine, cfg, args, out)
     metrics = {
@@ -444,4 +461,5 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    with one_line_errors():
+        main()

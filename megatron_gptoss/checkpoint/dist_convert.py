@@ -53,6 +53,7 @@ from megatron_gptoss.hf.io import (
     CONFIG_FILE,
     INDEX_FILE,
     SCALES,
+    check_values,
     open_shard,
     read_config,
     weight_map_of,
@@ -84,8 +85,12 @@ class _HFSlices:
                 f"{config.num_layers}, experts {config.num_experts}): {unexpected[:8]}"
             )
 
-    def _read(self, name: str, index: tuple[slice, ...], expected: Sequence[int]) -> torch.Tensor:
-        """A slice of HF tensor `name`: a view of the memory-mapped file, valid until `box` returns."""
+    def _read(
+        self, name: str, index: tuple[slice, ...], expected: Sequence[int], packed: bool = False
+    ) -> torch.Tensor:
+        """A slice of HF tensor `name`: a view of the memory-mapped file, valid until `box` returns. Its
+        values are verified (`check_values`) unless it is MXFP4 (`packed`: blocks or scales, checked by the
+        caller)."""
         file = self.weight_map.get(name)
         if file is None:
             raise CheckpointError(f"{self.path}: missing tensor {name!r}")
@@ -99,7 +104,7 @@ class _HFSlices:
         shape = tuple(piece.get_shape())
         if shape != tuple(expected):
             raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
-        return piece[index]
+        return piece[index] if packed else check_values(piece[index], name, self.path / file)
 
     def _experts(self, kind: str, name: str, start: int, stop: int, expected, dtype) -> torch.Tensor:
         """Experts [start, stop) of the HF expert weight `name` (bf16, or MXFP4 dequantized) in our layout
@@ -109,14 +114,15 @@ class _HFSlices:
         shapes = packed_shapes(tuple(expected))
         if shapes is None:
             raise CheckpointError(f"tensor {name + BLOCKS!r}: {name!r} of shape {expected} cannot be MXFP4")
-        blocks = self._read(name + BLOCKS, (slice(start, stop),), shapes[0])
-        scales = self._read(name + SCALES, (slice(start, stop),), shapes[1])
+        blocks = self._read(name + BLOCKS, (slice(start, stop),), shapes[0], packed=True)
+        scales = self._read(name + SCALES, (slice(start, stop),), shapes[1], packed=True)
         for part, tensor in ((BLOCKS, blocks), (SCALES, scales)):
             if tensor.dtype != torch.uint8:
                 raise CheckpointError(
                     f"tensor {name + part!r} has dtype {tensor.dtype}, expected torch.uint8"
                 )
-        return experts_from_mxfp4(kind, blocks, scales, dtype)
+        experts = experts_from_mxfp4(kind, blocks, scales, dtype)
+        return check_values(experts, name + SCALES, self.path / self.weight_map[name + SCALES])
 
     def box(self, ours: str, box: Box, dtype: torch.dtype) -> torch.Tensor:
         """Box `box` of our tensor `ours` (unpadded full coordinates) in `dtype`, a tensor of its own
@@ -181,7 +187,8 @@ def hf_to_dist(
     """Write the sharded checkpoint (model parameters in `dtype`, step 0) that the `world` ranks of layout
     `parallel` would write, from the HF directory `hf_path`. `config_overrides` set ModelConfig fields
     config.json does not carry (make_vocab_size_divisible_by). A layout that does not divide the model
-    raises ConfigError naming the numbers; a missing or misshapen HF tensor raises CheckpointError."""
+    raises ConfigError naming the numbers; a missing or misshapen HF tensor raises CheckpointError, one of
+    another dtype or holding a non-finite value CorruptCheckpointError naming its file (`check_values`)."""
     hf_path, out = Path(hf_path), Path(out)
     config = read_config(hf_path, **config_overrides)
     layout = validate_layout(parallel, config, world)
@@ -283,9 +290,12 @@ def dist_to_hf(
     block_bytes: int = DEFAULT_CHUNK_BYTES,
     prefix: str = "model",
     progress: bool = True,
+    verify_values: bool = True,
 ) -> Path:
     """Write the HF directory of the module group `prefix` of the sharded checkpoint `path` (any layout).
-    Raises CheckpointError for a directory that is not such a checkpoint or lacks a tensor."""
+    Raises CheckpointError for a directory that is not such a checkpoint or lacks a tensor, and, with
+    `verify_values`, CorruptCheckpointError for a non-finite value (naming the tensor); checksums are the
+    caller's (`CheckpointManager.verify`)."""
     path, out = Path(path), Path(out)
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: it has no {MANIFEST}")
@@ -326,7 +336,7 @@ def dist_to_hf(
                         reader, f"{prefix}/{ours}", hf, shape, config, dtype, block_bytes, cache
                     )
                     for block in blocks:
-                        shard.write(block)
+                        shard.write(check_values(block, hf, path) if verify_values else block)
                         bar.update(block.numel() * dtype.itemsize)
                     weight_map[hf] = file
                 shard.close()

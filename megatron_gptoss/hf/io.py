@@ -6,6 +6,11 @@ shard file of every HF tensor) with the shards, or a single `model.safetensors`.
 see `mxfp4`). Names and layouts go through the one table in `names`; `convert` assembles them.
 
 Import and export stream tensor by tensor; neither ever holds two copies of the model in host memory.
+
+What import reads is verified (safetensors carries no checksum): the header by safetensors (a file whose
+header or byte ranges do not fit it cannot be opened), every tensor's shape against the model, its dtype
+(floating point, or uint8 for MXFP4 blocks and scales), and its values, which must be finite (`check_values`:
+a flipped bit often makes a NaN or an infinity; no trained GPT-OSS holds one).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from megatron_gptoss.config import ConfigError, ModelConfig
-from megatron_gptoss.errors import CheckpointError
+from megatron_gptoss.errors import CheckpointError, CorruptCheckpointError
 from megatron_gptoss.hf.convert import iter_hf_tensors, load_hf_tensors
 from megatron_gptoss.hf.mxfp4 import packed_shapes, unpack_expert_weight
 from megatron_gptoss.hf.names import Match, hf_shapes, match_hf
@@ -186,7 +191,7 @@ def iter_checkpoint(
             for name in names:
                 packed = _packed_match(name)
                 if packed is None:
-                    yield name, _get(handle, file, name)
+                    yield name, check_values(_get(handle, file, name), name, path / file)
                     continue
                 base, match = packed
                 if name.endswith(BLOCKS):
@@ -226,6 +231,28 @@ def open_shard(path: Path, file: str):
         raise CheckpointError(f"cannot read safetensors file {str(full)!r}: {err}") from err
     with handle:
         yield handle
+
+
+def check_values(tensor: torch.Tensor, name: str, file: str | os.PathLike) -> torch.Tensor:
+    """`tensor` (HF tensor `name`, read from `file`) once it is floating point and every value is finite;
+    else CorruptCheckpointError naming the file, the tensor and, for non-finite values, how many and the
+    first one's index. A sum screens the values (it is finite only when every value is; about 30 GB/s on
+    one CPU core); they are counted only when it is not."""
+    if not tensor.is_floating_point():
+        raise CorruptCheckpointError(
+            f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point dtype"
+        )
+    if tensor.numel() == 0 or bool(tensor.sum().isfinite()):
+        return tensor
+    bad = ~torch.isfinite(tensor)
+    count = int(bad.sum())
+    if count:
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise CorruptCheckpointError(
+            f"{file}: tensor {name!r} holds {count} non-finite value(s) (NaN or inf), the first at {first}: "
+            "the file is corrupt (or holds weights that diverged)"
+        )
+    return tensor  # finite values whose sum overflows
 
 
 def _get(handle, file: str, name: str) -> torch.Tensor:
@@ -282,7 +309,7 @@ def _read_packed(
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         if tensor.dtype != torch.uint8:
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, expected torch.uint8 (MXFP4)")
-    return unpack_expert_weight(blocks, scales, dtype)
+    return check_values(unpack_expert_weight(blocks, scales, dtype), blocks_name, path / file)
 
 
 # ------------------------------------------------------------------------------------------------
