@@ -65,9 +65,6 @@ class Router(nn.Module):
         lora = active(self.lora)
         if lora is not None:
             logits = logits + lora(x).to(logits.dtype)
-        if replay is None and self.capture is None and self._fused_topk(logits):
-            probs, indices = fused_moe.topk_softmax(logits, self.topk)
-            return logits, probs, indices
         top, indices = torch.topk(logits, self.topk, dim=-1)
         if replay is not None:
             replay = replay.to(logits.device)
@@ -81,16 +78,6 @@ class Router(nn.Module):
         if self.capture is not None:
             self.capture.append(indices.detach())
         return logits, torch.softmax(top.float(), dim=-1), indices
-
-    @staticmethod
-    def _fused_topk(logits: torch.Tensor) -> bool:
-        """Whether the top-k and its softmax run as one kernel (`fused_moe.topk_softmax`): the rollout
-        engine's steps (`moe_decode.decode_scope`) on CUDA, nothing for autograd to record, the
-        batch-invariant mode off."""
-        grad = torch.is_grad_enabled() and logits.requires_grad
-        if grad or not logits.is_cuda or batch_invariant.active() or not moe_decode.in_decode_scope():
-            return False
-        return fused_moe.triton_available()
 
 
 def swiglu_clamped(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:

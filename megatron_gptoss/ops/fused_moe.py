@@ -103,26 +103,6 @@ def sort_small(indices: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tenso
     return slot_rows, bounds, order
 
 
-def topk_softmax(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """logits [N, E] -> (probs [N, k] fp32: the softmax over the k largest logits, largest first; indices
-    [N, k] int64, the lowest expert first among equal logits) in one Triton launch: `torch.topk` then
-    `torch.softmax(top.float())` (the rollout engine's router; forward only). CUDA, or the CPU under
-    TRITON_INTERPRET=1."""
-    n, e = logits.shape
-    if not 0 < k <= e:
-        raise ValueError(f"top-{k} of {e} experts")
-    probs = torch.empty(n, k, dtype=torch.float32, device=logits.device)
-    indices = torch.empty(n, k, dtype=torch.int64, device=logits.device)
-    if n:
-        logits = logits if logits.stride(1) == 1 else logits.contiguous()
-        block_t = max(1, min(64, 4096 // _pow2(e)))
-        _kernels().topk_softmax_kernel[(_cdiv(n, block_t),)](
-            logits, probs, indices, n, e, logits.stride(0), K=k, K_PAD=_k_pad(k), E_PAD=_pow2(e),
-            BLOCK_T=block_t, num_warps=4,
-        )  # fmt: skip
-    return probs, indices
-
-
 def expert_of_rows(bounds: Tensor, rows: int) -> Tensor:
     """Expert id [rows] int64 of each sorted row (the references' per-row bias gather)."""
     counts = (bounds[1:] - bounds[:-1]).long()

@@ -12,8 +12,13 @@ epilogue fused: fc1 with its bias and the clamped SwiGLU, fc2 with its bias.
         h = (clamp(u, -limit, limit) + 1) * gate * sigmoid(alpha gate), gate = min(g, limit)
     decode_fc2(h [M, I], w2 [E, H, I], b2 [E, H] | None, bounds) -> y [M, H] = h w2[e]^T + b2[e]
 
-Precision: operands read in their dtype, products accumulated in fp32 over K in a fixed order, bias and
-SwiGLU in fp32, one rounding to x's dtype (the library path rounds the GEMM output before the SwiGLU).
+Precision, the library path's (`torch._grouped_mm`, then `fused_moe`'s bias and SwiGLU): operands read in
+their dtype, products accumulated in fp32 over K in a fixed order and rounded to x's dtype, bias and SwiGLU
+in fp32 on those rounded products, one more rounding to x's dtype. The two paths then differ only where the
+order of the fp32 sums moves a product across a rounding boundary of x's dtype. Skipping the products'
+rounding (fp32 straight into the epilogue) is closer to float64 but moves every bf16 output by up to half
+a unit in the last place against the learner, which runs the library path: enough to flip the top-k experts
+of one token in 60 in the next layer's router at gpt-oss width.
 The grid is static and the bounds are read only on the device (CUDA-graph capturable); an expert without
 rows costs one program exit per column block. No autograd: callers take this path only without gradients.
 
@@ -210,7 +215,8 @@ def decode_fc2(
 
 
 # ------------------------------------------------------------------------------------------------
-# References (PyTorch): per-expert loop, computed in fp32 (float64 for float64 inputs)
+# References (PyTorch): per-expert loop, computed in fp32 (float64 for float64 inputs); the products rounded
+# to the inputs' dtype before the epilogue, as the kernels and the library path do
 def _grouped_reference(x: Tensor, weight: Tensor, bounds: Tensor) -> Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)
     counts = (bounds[1:] - bounds[:-1]).tolist()
@@ -218,13 +224,20 @@ def _grouped_reference(x: Tensor, weight: Tensor, bounds: Tensor) -> Tensor:
     return torch.cat(pieces) if pieces else x.new_empty(0, weight.shape[1], dtype=acc)
 
 
+# to `dtype` (default: the inputs'); float64 inputs with dtype=torch.bfloat16 give the exact products of
+# bf16 operands correctly rounded, the ideal of the bf16 paths
 def fc1_reference(
-    x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, limit: float, alpha: float
+    x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, limit: float, alpha: float,
+    dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
+    dtype = x.dtype if dtype is None else dtype
+    products = _grouped_reference(x, weight, bounds).to(dtype).to(x.dtype)
+    return swiglu_reference(products, bias, bounds, limit, alpha).to(dtype)
+
+
+def fc2_reference(
+    h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, dtype: torch.dtype | None = None
 ) -> Tensor:
-    h = swiglu_reference(_grouped_reference(x, weight, bounds), bias, bounds, limit, alpha)
-    return h.to(x.dtype)
-
-
-def fc2_reference(h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor) -> Tensor:
-    y = _grouped_reference(h, weight, bounds)
-    return (y if bias is None else expert_bias_reference(y, bias, bounds)).to(h.dtype)
+    dtype = h.dtype if dtype is None else dtype
+    y = _grouped_reference(h, weight, bounds).to(dtype).to(h.dtype)
+    return (y if bias is None else expert_bias_reference(y, bias, bounds)).to(dtype)

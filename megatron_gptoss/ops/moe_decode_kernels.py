@@ -122,7 +122,8 @@ def decode_grouped_kernel(
     unit stride along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate *
     sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rows' products
     with W[e, c] and W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = product + bias.
-    fp32 throughout, one rounding to Out's dtype. TMA: the tiles are read through x_desc and w_desc
+    Products accumulated in fp32 and rounded to Out's dtype (the library GEMM's output), the epilogue in fp32
+    on them, one more rounding to Out's dtype. TMA: the tiles are read through x_desc and w_desc
     (`_rows_products_tma`; W_ROWS = W.shape[1]), else through pointers (the descriptors unused)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
@@ -149,9 +150,13 @@ def decode_grouped_kernel(
                 X, w_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wn,
                 GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )  # fmt: skip
+        # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
+        # the rounded values (a no-op in fp32)
+        lo = lo.to(Out.dtype.element_ty).to(tl.float32)
         if HAS_BIAS:
             lo += b_lo[None, :]
         if GATED:
+            hi = hi.to(Out.dtype.element_ty).to(tl.float32)
             if HAS_BIAS:
                 hi += b_hi[None, :]
             gate, up, s = _swiglu_parts(lo, hi, limit, alpha)

@@ -17,36 +17,6 @@ import triton.language as tl
 
 
 # ------------------------------------------------------------------------------------------------
-# Router top-k and the softmax over the k (the rollout engine's forwards)
-@triton.jit
-def topk_softmax_kernel(
-    logits, probs, indices, N, E, stride, K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    row_ok = rows < N
-    mask = row_ok[:, None] & (cols < E)[None, :]
-    x = tl.load(logits + rows[:, None].to(tl.int64) * stride + cols[None, :], mask=mask, other=float("-inf"))
-    x = x.to(tl.float32)
-    top = tl.max(x, axis=1)
-    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
-    chosen = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int64)
-    for j in tl.static_range(K):  # the j-th largest logit, the lowest expert among equals
-        best = tl.max(x, axis=1)
-        pick = tl.min(tl.where(x == best[:, None], cols[None, :], E_PAD), axis=1)
-        weights = tl.where(slots[None, :] == j, tl.exp(best - top)[:, None], weights)
-        chosen = tl.where(slots[None, :] == j, pick[:, None].to(tl.int64), chosen)
-        x = tl.where(cols[None, :] == pick[:, None], float("-inf"), x)
-    weights = weights / tl.sum(weights, axis=1)[:, None]
-    out = rows[:, None].to(tl.int64) * K + slots[None, :]
-    keep = row_ok[:, None] & (slots < K)[None, :]
-    tl.store(probs + out, weights, mask=keep)
-    tl.store(indices + out, chosen, mask=keep)
-
-
-# ------------------------------------------------------------------------------------------------
 # Routing sort of few slots: one program sorts (expert, slot) keys, then counts the rows below each expert
 @triton.jit
 def sort_small_kernel(

@@ -98,28 +98,6 @@ def test_sort_small_equals_the_torch_sort(tokens, k, experts):
         assert torch.equal(ours.cpu(), ref), name
 
 
-@needs_triton
-@pytest.mark.parametrize("tokens,experts,k", [(37, 32, 4), (5, 128, 4), (70, 8, 2), (3, 6, 1)])
-def test_topk_softmax_equals_torch(tokens, experts, k):
-    """The engine router's one-launch top-k + softmax: the experts of torch.topk in its order and the
-    softmax of their logits in fp32 (fresh random logits without ties; 16-bit logits on a GPU), and among
-    equal logits the lowest expert first."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator().manual_seed(tokens + experts)
-    rows = [torch.randperm(experts, generator=g) for _ in range(tokens)]  # distinct in a row, exact in bf16
-    logits = (torch.stack(rows).float() / 4 - 8).to(dtype)
-    probs, indices = fused_moe.topk_softmax(logits.to(device), k)
-    top, want = torch.topk(logits, k, dim=-1)
-    assert torch.equal(indices.cpu(), want)
-    assert rel_err(probs.cpu(), torch.softmax(top.float(), dim=-1)) < 1e-6
-    tied = torch.zeros(2, experts, dtype=dtype)
-    tied[1, experts - 1] = 1.0
-    _, order = fused_moe.topk_softmax(tied.to(device), k)
-    assert order.cpu()[0].tolist() == list(range(k))
-    assert order.cpu()[1].tolist() == [experts - 1, *range(k - 1)]
-
-
 def test_sort_small_refuses_too_many_slots():
     with pytest.raises(ValueError, match="at most 4096 slots"):
         fused_moe.sort_small(torch.zeros(1025, 4, dtype=torch.long), 8)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.rollout.helpers_engine import engine_of, perturbed_learner
 from triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
@@ -22,7 +23,6 @@ from megatron_gptoss.model.moe import DECODE_ROWS_PER_EXPERT, Experts
 from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
 from megatron_gptoss.ops.moe_decode import DecodeConfig
 from megatron_gptoss.rollout import SamplingParams
-from tests.rollout.helpers_engine import engine_of, perturbed_learner
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -222,36 +222,72 @@ def gpu_inputs(counts, hidden, inter, seed=0):
 @pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("swap", [True, False])
 @pytest.mark.parametrize("counts", [[9, 0, 70, 1, 33, 0, 16, 130], [3, 0, 0, 5, 0, 0, 0, 1]])
-def test_kernels_bf16_and_fp32_gpu(tma, swap, counts):
-    """bf16 (default tiles, both orientations): the decode path's error against float64 at most that of the
-    library path (which rounds the GEMM output to bf16 before the SwiGLU) plus 1e-3; fp32 with IEEE dots
-    (small tiles: experts over several row tiles) within 1e-5."""
+def test_kernels_fp32_gpu(tma, swap, counts):
+    """fp32 with IEEE dots (small tiles: experts over several row tiles) within 1e-5 of float64."""
     x, w1, b1, w2, b2, bounds = gpu_inputs(counts, 576, 320)
-    small = DecodeConfig(
-        block_m=32, block_n=32, block_k=32, warps=4, stages=2, swap=swap, tma=tma
-    )  # fp32 FMA
+    small = DecodeConfig(block_m=32, block_n=32, block_k=32, warps=4, stages=2, swap=swap, tma=tma)
     h_ref = moe_decode.fc1_reference(x.double(), w1.double(), b1.double(), bounds, LIMIT, ALPHA)
     h32 = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, small)
     y_ref = moe_decode.fc2_reference(h32.double(), w2.double(), b2.double(), bounds)
     assert rel_err(h32, h_ref) <= 1e-5
     assert rel_err(moe_decode.decode_fc2(h32, w2, b2, bounds, small), y_ref) <= 1e-5
-    cfg = {
-        gated: dataclasses.replace(
-            moe_decode.default_config(x.shape[0], len(counts), x.device, torch.bfloat16, gated),
-            swap=swap,
-            tma=tma,
-        )
-        for gated in (True, False)
-    }
-    bf = [t.bfloat16() for t in (x, w1, b1, w2, b2)]
-    h = moe_decode.decode_fc1(*bf[:3], bounds, LIMIT, ALPHA, cfg[True])
-    y = moe_decode.decode_fc2(h, *bf[3:], bounds, cfg[False])
-    h_lib, y_lib = library_path(*bf, bounds)
-    ref = [t.double() for t in bf]
-    h_ref = moe_decode.fc1_reference(*ref[:3], bounds, LIMIT, ALPHA)
-    assert rel_err(h, h_ref) <= rel_err(h_lib, h_ref) + 1e-3
-    assert rel_err(y, moe_decode.fc2_reference(h.double(), *ref[3:], bounds)) <= 5e-3
-    assert rel_err(y, y_lib) <= 1e-2
+
+
+def row_mismatch(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the fraction of elements whose value differs from ref's, and ||ours - ref|| / ||ref||."""
+    differ = (ours != ref).double().mean(dim=1)
+    rel = (ours.double() - ref.double()).norm(dim=1) / ref.double().norm(dim=1).clamp_min(1e-30)
+    return differ, rel
+
+
+def gpt_oss_width_decode_inputs(experts: int = 32, width: int = 2880, tokens: int = 256, k: int = 4):
+    """bf16 rows of a decode step at gpt-oss width (`tokens` tokens routed to k of `experts` experts at
+    random, sorted by expert), weights scaled so that both clamps of the SwiGLU are taken, biases N(0, 1)."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    choice = torch.rand(tokens, experts, generator=g, device="cuda").topk(k, dim=1).indices.flatten()
+    counts = torch.bincount(choice, minlength=experts)
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+    x = torch.randn(tokens * k, width, generator=g, device="cuda")
+    w1 = torch.randn(experts, 2 * width, width, generator=g, device="cuda") * (6.0 / width**0.5)
+    w2 = torch.randn(experts, width, width, generator=g, device="cuda") / width**0.5
+    b1 = torch.randn(experts, 2 * width, generator=g, device="cuda")
+    b2 = torch.randn(experts, width, generator=g, device="cuda")
+    return *(t.bfloat16() for t in (x, w1, b1, w2, b2)), bounds
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_round_as_the_library_gpt_oss_width_gpu():
+    """bf16 at gpt-oss-20b width (32 experts, hidden and intermediate 2880, 256 tokens top-4), per row against
+    float64 with the library path's roundings (each GEMM's products rounded to bf16, bias and SwiGLU on
+    them, rounded again): the decode kernels, in every tile orientation, differ from it in at most 1% of a
+    row's values, as the library path itself does; fc2 is checked on the kernel's own fc1 output. Kernels
+    that feed the unrounded fp32 products to the epilogue differ in a third to a half of them."""
+    x, w1, b1, w2, b2, bounds = gpt_oss_width_decode_inputs()
+    ref = [t.double() for t in (x, w1, b1, w2, b2)]
+    h_ref = moe_decode.fc1_reference(*ref[:3], bounds, LIMIT, ALPHA, dtype=torch.bfloat16)
+    pre = moe_decode._grouped_reference(ref[0], ref[1], bounds)
+    assert (pre[:, :2880] > LIMIT).any() and (pre[:, 2880:].abs() > LIMIT).any()
+    h_lib, y_lib = library_path(x, w1, b1, w2, b2, bounds)
+    results = {"library": (h_lib, y_lib)}
+    rows = x.shape[0]
+    for swap in (True, False):
+        for tma in (True, False):
+            cfg = {}
+            for g in (True, False):
+                tiles = moe_decode.default_config(rows, 32, x.device, x.dtype, g)
+                cfg[g] = dataclasses.replace(tiles, swap=swap, tma=tma)
+            h = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, cfg[True])
+            y = moe_decode.decode_fc2(h, w2, b2, bounds, cfg[False])
+            results[f"decode swap={swap} tma={tma}"] = (h, y)
+    for name, (h, y) in results.items():
+        y_ref = moe_decode.fc2_reference(h.double(), *ref[3:], bounds, dtype=torch.bfloat16)
+        for what, ours, expected in (("fc1", h, h_ref), ("fc2", y, y_ref)):
+            differ, rel = row_mismatch(ours, expected)
+            print(f"{name} {what}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, "
+                  f"row error max {rel.max():.2e}")  # fmt: skip
+            assert differ.max() <= 0.01, (name, what, differ.max().item())
+            assert rel.max() <= 2e-3, (name, what, rel.max().item())
 
 
 @pytest.mark.gpu
