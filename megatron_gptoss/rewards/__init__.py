@@ -1,8 +1,10 @@
 """Task rewards of parsed harmony completions: GSM8K answers, IFEval instructions, the harmony format, or
-any importable `module:function`, scored in worker processes under a timeout by `RewardScorer`."""
+any importable `module:function`, scored in worker processes under a timeout by `RewardScorer`; a function
+that keeps failing stops the run (`RewardFailureGuard`)."""
 
 from megatron_gptoss.rewards.formatting import format_reward, format_violation
 from megatron_gptoss.rewards.gsm8k import gsm8k_reward, model_answer, reference_answer
+from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard
 from megatron_gptoss.rewards.ifeval import VERIFIERS, follows, ifeval_reward, instructions
 from megatron_gptoss.rewards.pool import RewardScorer
 from megatron_gptoss.rewards.score import resolve, score_one
@@ -11,6 +13,8 @@ from megatron_gptoss.rewards.types import Message, RewardFn, RewardResult, final
 __all__ = [
     "VERIFIERS",
     "Message",
+    "RewardError",
+    "RewardFailureGuard",
     "RewardFn",
     "RewardResult",
     "RewardScorer",

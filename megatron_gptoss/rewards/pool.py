@@ -4,7 +4,14 @@
         queue of row indices ──> idle ready worker ──(index, messages, row)──> score_one ──> result
                                        │ no answer within timeout_s: killed, replaced, row scores 0
                                        │ raised, or returned a bad value: row scores 0
+                                       │ returned NaN or inf: the row's reward is that value (its GRPO
+                                       │   group is dropped by the trainer)
                                        └ died: replaced, row scores 0
+
+Failures of the reward function are never silent: each is counted (`reward/errors`, `reward/timeouts`,
+`reward/nonfinite`, all of them in `reward/failed`), and the first of each kind (raised, bad value,
+non-finite, timeout, died, unsendable row) is logged once per scorer, naming the function and the row, with
+the function's traceback when it raised.
 
 A worker is one spawned process with a pipe; it resolves the reward function once, says it is ready,
 then scores one row at a time. Nothing a reward function does holds the batch longer than its timeout
@@ -14,8 +21,11 @@ when the scorer is made and live until `close()`.
 
 from __future__ import annotations
 
+import logging
+import math
 import multiprocessing
 import time
+import traceback
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,16 +34,45 @@ from typing import Any
 
 from megatron_gptoss.config.reward import RewardConfig
 from megatron_gptoss.errors import ConfigError
-from megatron_gptoss.rewards.score import resolve, score_one
+from megatron_gptoss.rewards.score import BadRewardValue, resolve, score_one
 from megatron_gptoss.rewards.types import Message
+
+log = logging.getLogger(__name__)
 
 # Seconds a new worker may take to import the reward function and report ready.
 START_TIMEOUT_S = 120.0
+# Kinds of failure, each logged the first time it happens.
+RAISED, BAD_VALUE, NONFINITE, TIMEOUT, DIED, UNSENDABLE = (
+    "raised", "returned a bad value", "returned a non-finite reward", "timed out", "died", "unsendable row"
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One row whose reward failed: its `kind` (RAISED ... UNSENDABLE), a one-line `message` and, when
+    the function raised, its `traceback`."""
+
+    index: int
+    kind: str
+    message: str
+    traceback: str = ""
+
+
+def _attempt(cfg: RewardConfig, fn: Any, messages: Any, row: Any) -> tuple:
+    """The wire form of one row's result: (index-less) (True, reward, metrics, reason) or (False, kind,
+    message, traceback)."""
+    try:
+        reward, metrics, reason = score_one(cfg, fn, messages, row)
+    except BadRewardValue as err:
+        return False, BAD_VALUE, str(err)[:1000], ""
+    except Exception as err:
+        return False, RAISED, f"{type(err).__name__}: {err}"[:1000], traceback.format_exc()[-8000:]
+    return True, reward, metrics, reason
 
 
 def _worker_main(conn: Connection, cfg: RewardConfig) -> None:
-    """A worker's loop: ("ready",) once, then one (index, ok, reward | error, metrics, reason) per task
-    until it receives None or its pipe closes."""
+    """A worker's loop: ("ready",) once, then one (index, *`_attempt`) per task until it receives None or
+    its pipe closes."""
     try:
         fn = resolve(cfg)
     except ConfigError as err:
@@ -48,12 +87,7 @@ def _worker_main(conn: Connection, cfg: RewardConfig) -> None:
         if task is None:
             return
         index, messages, row = task
-        try:
-            reward, metrics, reason = score_one(cfg, fn, messages, row)
-        except Exception as err:
-            conn.send((index, False, f"{type(err).__name__}: {err}"[:1000], None, None))
-        else:
-            conn.send((index, True, reward, metrics, reason))
+        conn.send((index, *_attempt(cfg, fn, messages, row)))
 
 
 @dataclass
@@ -67,30 +101,52 @@ class _Worker:
 
 
 class _Tally:
-    """Per-row rewards and the batch's metrics."""
+    """Per-row rewards, the batch's failures and its metrics."""
 
     def __init__(self, size: int) -> None:
         self.rewards = [0.0] * size
         self.sums: dict[str, float] = {}
         self.counts: dict[str, int] = {}
         self.reasons: dict[str, int] = {}
-        self.errors: list[tuple[int, str]] = []
-        self.timeouts = 0
+        self.failures: list[Failure] = []
+
+    def result(self, index: int, answer: tuple) -> None:
+        """Record one row's `_attempt` result."""
+        if answer[0]:
+            self.success(index, *answer[1:])
+        else:
+            self.fail(index, *answer[1:])
 
     def success(self, index: int, reward: float, metrics: Mapping[str, float], reason: str | None) -> None:
         self.rewards[index] = reward
+        if not math.isfinite(reward):
+            self.fail(index, NONFINITE, f"the reward is {reward}: its group is dropped", keep=True)
+            return
         for key, value in metrics.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
             self.counts[key] = self.counts.get(key, 0) + 1
         if reason is not None:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
+    def fail(self, index: int, kind: str, message: str, trace: str = "", keep: bool = False) -> None:
+        """Row `index` failed (it scores 0, or with `keep` its non-finite reward as it is)."""
+        if not keep:
+            self.rewards[index] = 0.0
+        self.failures.append(Failure(index, kind, message, trace))
+
+    def count(self, *kinds: str) -> float:
+        return float(sum(f.kind in kinds for f in self.failures))
+
     def metrics(self) -> dict[str, float]:
-        out = {"reward/mean": sum(self.rewards) / max(1, len(self.rewards))}
+        finite = [r for r in self.rewards if math.isfinite(r)]
+        out = {"reward/mean": sum(finite) / max(1, len(finite))}
         out.update({f"reward/{key}": self.sums[key] / self.counts[key] for key in sorted(self.sums)})
         out.update({f"reward/reason/{key}": float(count) for key, count in sorted(self.reasons.items())})
-        out["reward/errors"] = float(len(self.errors))
-        out["reward/timeouts"] = float(self.timeouts)
+        out["reward/errors"] = self.count(RAISED, BAD_VALUE, DIED, UNSENDABLE)
+        out["reward/timeouts"] = self.count(TIMEOUT)
+        out["reward/nonfinite"] = self.count(NONFINITE)
+        out["reward/failed"] = float(len(self.failures))
+        out["reward/rows"] = float(len(self.rewards))
         return out
 
 
@@ -98,11 +154,14 @@ class RewardScorer:
     """Scores completions with the reward `cfg` names, in `cfg.workers` spawned processes.
 
     `score_batch(completions, rows)` returns (rewards, metrics): one float per completion (0 for one whose
-    scoring raised, returned a non-finite value, took longer than `cfg.timeout_s` or killed its worker)
-    and `reward/mean`, `reward/<metric>` (the mean of each number the reward returned, `task` and `format`
-    among them), `reward/reason/<reason>` (rows per reason), `reward/errors` and `reward/timeouts`
-    (counts). `last_errors` holds the (row index, message) of the last batch's errors. With
-    `cfg.workers == 0` rows are scored in the calling process, without timeouts.
+    scoring raised, returned something not a number, took longer than `cfg.timeout_s` or killed its
+    worker; NaN or inf as the function returned them) and `reward/mean` (over the finite rewards),
+    `reward/<metric>` (the mean of each number the reward returned, `task` and `format` among them),
+    `reward/reason/<reason>` (rows per reason), and the counts `reward/errors`, `reward/timeouts`,
+    `reward/nonfinite`, `reward/failed` (rows of any failure) and `reward/rows`. `last_failures` holds the
+    last batch's `Failure`s, `last_errors` the (row index, message) of its errors. The first failure of
+    each kind is logged (module docstring). With `cfg.workers == 0` rows are scored in the calling
+    process, without timeouts (a function that ends its process ends the caller).
     """
 
     def __init__(self, cfg: RewardConfig) -> None:
@@ -112,7 +171,8 @@ class RewardScorer:
         self._context = multiprocessing.get_context("spawn")
         self._closed = False
         self._workers = [self._start() for _ in range(cfg.workers)]
-        self.last_errors: list[tuple[int, str]] = []
+        self.last_failures: list[Failure] = []
+        self._logged: set[str] = set()  # kinds of failure already logged
 
     def __enter__(self) -> RewardScorer:
         return self
@@ -150,12 +210,32 @@ class RewardScorer:
             self._run(tasks, tally)
         else:
             for index, messages, row in tasks:
-                try:
-                    tally.success(index, *score_one(self.cfg, self._fn, messages, row))
-                except Exception as err:
-                    tally.errors.append((index, f"{type(err).__name__}: {err}"[:1000]))
-        self.last_errors = tally.errors
+                tally.result(index, _attempt(self.cfg, self._fn, messages, row))
+        self.last_failures = sorted(tally.failures, key=lambda f: f.index)
+        self._log_new_kinds(self.last_failures)
         return tally.rewards, tally.metrics()
+
+    @property
+    def last_errors(self) -> list[tuple[int, str]]:
+        """(row index, message) of the last batch's errors (the failures `reward/errors` counts), by row."""
+        return [(f.index, f.message) for f in self.last_failures if f.kind not in (TIMEOUT, NONFINITE)]
+
+    def _log_new_kinds(self, failures: list[Failure]) -> None:
+        """Log the first failure of every kind not logged before, naming the function and the row."""
+        for failure in failures:
+            if failure.kind in self._logged:
+                continue
+            self._logged.add(failure.kind)
+            trace = f"\n{failure.traceback.rstrip()}" if failure.traceback else ""
+            log.warning(
+                "reward function %r %s on row %d of a batch: %s (the first such failure; later ones are "
+                "counted in reward/failed, not logged)%s",
+                self.cfg.name,
+                failure.kind,
+                failure.index,
+                failure.message,
+                trace,
+            )
 
     def _run(self, tasks: list[tuple[int, list[dict[str, Any]], Any]], tally: _Tally) -> None:
         queue = deque(tasks)
@@ -177,7 +257,8 @@ class RewardScorer:
             now = time.monotonic()
             for worker in list(self._workers):
                 if worker.task is not None and now >= worker.deadline:
-                    tally.timeouts += 1
+                    limit = f"no reward within reward.timeout_s={self.cfg.timeout_s} s: the worker was killed"
+                    tally.fail(worker.task, TIMEOUT, limit)
                     self._replace(worker)
                 elif not worker.ready and now >= worker.started + START_TIMEOUT_S:
                     self.close()
@@ -187,7 +268,7 @@ class RewardScorer:
         try:
             worker.conn.send(task)
         except Exception as err:  # unpicklable row (nothing was sent) or a dead worker
-            tally.errors.append((task[0], f"cannot send the row to a worker: {type(err).__name__}: {err}"))
+            tally.fail(task[0], UNSENDABLE, f"cannot send the row to a worker: {type(err).__name__}: {err}")
             if not worker.process.is_alive():
                 self._replace(worker)
             return
@@ -204,7 +285,8 @@ class RewardScorer:
                 self.close()
                 raise RuntimeError(f"a reward worker died while starting (exit code {code})") from None
             if worker.task is not None:
-                tally.errors.append((worker.task, f"the worker died (exit code {worker.process.exitcode})"))
+                code = worker.process.exitcode
+                tally.fail(worker.task, DIED, f"the worker died (exit code {code}) while scoring the row")
             self._replace(worker)
             return
         if message[0] == "ready":
@@ -213,12 +295,8 @@ class RewardScorer:
             self.close()
             raise ConfigError(message[1])
         else:
-            index, ok, value, metrics, reason = message
             worker.task = None
-            if ok:
-                tally.success(index, value, metrics, reason)
-            else:
-                tally.errors.append((index, value))
+            tally.result(message[0], message[1:])
 
     def close(self) -> None:
         """Stop every worker (asked first, killed after a second); the scorer cannot be used after."""

@@ -41,30 +41,43 @@ def resolve(cfg: RewardConfig) -> RewardFn:
     return fn
 
 
+class BadRewardValue(ValueError):
+    """A reward function returned something that is not a reward (None, a string, a mapping without a
+    number under "reward")."""
+
+
 def split_result(result: RewardResult) -> tuple[float, dict[str, float], str | None]:
-    """(reward, numeric extras, reason) of what a reward function returned (a bool counts as 0 or 1);
-    ValueError when the reward is missing, not a number or not finite."""
+    """(reward, numeric extras, reason) of what a reward function returned (a bool counts as 0 or 1); a
+    NaN or infinite reward is returned as it is (the trainer drops its group). BadRewardValue when the
+    reward is missing or not a number."""
     extras: dict[str, float] = {}
     reason = None
     if isinstance(result, Mapping):
         if "reward" not in result:
-            raise ValueError(f"a reward mapping needs a 'reward' key, got keys {sorted(map(str, result))}")
+            raise BadRewardValue(
+                f"a reward mapping needs a 'reward' key, got keys {sorted(map(str, result))}"
+            )
         for key, value in result.items():
             if key == "reason" and isinstance(value, str):
                 reason = value
             elif key != "reward" and isinstance(value, (bool, int, float)) and math.isfinite(value):
                 extras[str(key)] = float(value)
         result = result["reward"]
-    if not isinstance(result, (int, float)) or not math.isfinite(result):
-        raise ValueError(f"a reward must be a finite number, got {result!r}")
+    if not isinstance(result, (int, float)):
+        raise BadRewardValue(f"a reward must be a number, got {_shown(result)}")
     return float(result), extras, reason
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:200]}{'...' if len(text) > 200 else ''}"
 
 
 def score_one(
     cfg: RewardConfig, fn: RewardFn, messages: Sequence[Message], row: Mapping[str, Any]
 ) -> tuple[float, dict[str, float], str | None]:
-    """(total reward, metrics of the row, reason) of one completion; the reward function's exceptions
-    propagate."""
+    """(total reward, metrics of the row, reason) of one completion (NaN or infinite when the function
+    returned such a reward); the reward function's exceptions and BadRewardValue propagate."""
     task, extras, reason = split_result(fn(messages, row))
     if cfg.name == "format":
         return task, {"format": task, **extras}, reason

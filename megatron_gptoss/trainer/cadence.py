@@ -7,8 +7,10 @@
   the base comes from its source); the optimizer; the first weight sync; rank 0's
   metrics log (restarted by a fresh run); signal handlers for a graceful stop.
 - steps: the step numbers still to run (a progress bar on rank 0), after an evaluation at step 0.
-- end_step: the divergence guards (`rl.guards`: skipped steps counted; too many in a row, or a loss or
-  gradient norm beyond its bound, raise DivergenceError before the step's weights are saved); evaluation
+- end_step: the reward guard (`rewards.guard`: every reward of `run.max_reward_error_steps` steps in a row
+  failed raises RewardError naming the function); the divergence guards (`rl.guards`: skipped steps
+  counted; too many in a row, or a loss or gradient norm beyond its bound, raise DivergenceError before the
+  step's weights are saved); evaluation
   every `run.eval_every` steps and at the last; the metrics logged; a checkpoint
   every `run.save_every` steps (> 0), at the last step (>= 0) and when a stop was asked (SIGTERM /
   SIGUSR1 to any rank, or `run.stop_file` appearing: every rank agrees after the same step, saves and
@@ -35,6 +37,7 @@ from megatron_gptoss.checkpoint.run_dir import RunDir
 from megatron_gptoss.config import TrainConfig, config_to_dict
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.parallel.watchdog import GracefulStop
+from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard
 from megatron_gptoss.rl.guards import DivergenceGuard
 from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.colocated import Colocated
@@ -70,6 +73,7 @@ class Cadence:
         self.guard = DivergenceGuard(
             run.max_consecutive_skips, run.max_loss, run.max_grad_norm, run.max_update_ratio
         )
+        self.rewards = RewardFailureGuard(cfg.reward.name, run.max_reward_error_steps)
         self.kl_ctrl = KLController(cfg.algorithm)  # the reward's KL coefficient travels with checkpoints
         self.rank, self.out_dir = setup.dims.rank, Path(cfg.run.output_dir)
         if self.rank == 0:
@@ -88,6 +92,8 @@ class Cadence:
             self.start = loaded.run.step
             if "guard" in loaded.run.data:
                 self.guard.load_state_dict(loaded.run.data["guard"])
+            if "reward_guard" in loaded.run.data:
+                self.rewards.load_state_dict(loaded.run.data["reward_guard"])
             if "kl_ctrl" in loaded.run.data:
                 self.kl_ctrl.load_state_dict(loaded.run.data["kl_ctrl"])
             if "task" in loaded.run.data:  # the prompt stream's position
@@ -128,6 +134,12 @@ class Cadence:
         (collective). A diverging run raises DivergenceError after logging, before saving."""
         run = self.cfg.run
         last = step == run.steps
+        try:
+            self.rewards.check(step, metrics)  # a reward function that fails on every row
+        except RewardError:
+            if self.logger is not None:
+                self.logger.log(step, metrics)
+            raise
         verdict = self.guard.check_step(step, metrics)
         metrics.update(verdict.metrics)
         if verdict.stop:
@@ -147,6 +159,7 @@ class Cadence:
             data = {
                 "next_step": step + 1,
                 "guard": self.guard.state_dict(),
+                "reward_guard": self.rewards.state_dict(),
                 "task": self.task.state_dict(),
                 "kl_ctrl": self.kl_ctrl.state_dict(),
             }
@@ -197,8 +210,13 @@ def claim_output_dir(cfg: TrainConfig) -> RunDir:
 
 
 def _postfix(metrics: dict[str, float], evaluation: dict[str, float]) -> dict[str, str]:
+    """The progress bar's numbers: the step's mean reward and the last held-out accuracy (a task without
+    held-out prompts has none), or the supervised loss."""
     if "reward/train_mean" in metrics:
-        return {"reward": f"{metrics['reward/train_mean']:.3f}", "acc": f"{evaluation['eval/accuracy']:.2f}"}
+        out = {"reward": f"{metrics['reward/train_mean']:.3f}"}
+        if "eval/accuracy" in evaluation:
+            out["acc"] = f"{evaluation['eval/accuracy']:.2f}"
+        return out
     return {"loss": f"{metrics.get('sft/loss', float('nan')):.4f}"}
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_gptoss.agent.loop import AgentGeneration, agent_metrics
@@ -33,17 +35,19 @@ def rollout_metrics(batch, scores: list[dict], keep: torch.Tensor) -> dict[str, 
 
 @torch.no_grad()
 def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
-    """Greedy decoding (top-k 1) of the held-out prompts: what the policy knows, without sampling noise.
-    `engine`: anything with the engines' `generate(prompts, params)`."""
+    """Greedy decoding (top-k 1) of the held-out prompts: what the policy knows, without sampling noise
+    (`reward/eval_mean`: the mean of the finite rewards; {} without held-out prompts). `engine`: anything
+    with the engines' `generate(prompts, params)`."""
     prompts = task.eval_prompts()
     params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0})
     if not prompts:
         return {}
     generations = engine.generate([list(p.token_ids) for p in prompts], params)
     scores, _ = task.score_batch(prompts, [g.token_ids for g in generations])
+    finite = [float(s["reward"]) for s in scores if math.isfinite(s["reward"])]
     out = {
         "eval/accuracy": sum(float(s["correct"]) for s in scores) / len(scores),
-        "reward/eval_mean": sum(float(s["reward"]) for s in scores) / len(scores),
+        "reward/eval_mean": sum(finite) / max(1, len(finite)),
     }
     if all(isinstance(g, AgentGeneration) for g in generations):  # agentic: how often it called a tool
         agent = agent_metrics(generations)  # type: ignore[arg-type]

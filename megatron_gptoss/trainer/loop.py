@@ -127,8 +127,8 @@ def rl_step(
         [g.routing for g in generations] if cfg.moe.router_replay == "r3" else None,
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
-    if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guard)
-        return {"train/skipped": 1.0, **kept.metrics()}
+    if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guards)
+        return {"train/skipped": 1.0, **rollout_extra, **kept.metrics()}
     memory = setup.sleep_engine()  # rollout.sleep_level: the engine's memory for the learner until the sync
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(

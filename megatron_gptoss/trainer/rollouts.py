@@ -25,7 +25,9 @@ from megatron_gptoss.rl.dapo import overlong_penalty, uniform_groups
 from megatron_gptoss.trainer.session import from_rank0
 
 # reward metrics that count events (summed over rounds); the others are row-weighted means
-_COUNTS = ("reward/errors", "reward/timeouts", "reward/reason/")
+_COUNTS = (
+    "reward/errors", "reward/timeouts", "reward/nonfinite", "reward/failed", "reward/rows", "reward/reason/"
+)  # fmt: skip
 
 
 @dataclass

@@ -1,3 +1,4 @@
+import math
 import multiprocessing
 import os
 import time
@@ -66,12 +67,14 @@ def test_hangs_in_every_worker_time_out_together(scorer):
     assert seconds < TIMEOUT_S + 1.0  # one timeout, not one after the other
 
 
-def test_bad_values_and_a_dead_worker_are_errors(scorer):
+def test_bad_values_and_a_dead_worker_are_errors_a_nan_is_kept(scorer):
     rewards, metrics, _ = timed_batch(scorer, ["nan", "text", "die", None])
-    assert rewards == [0.0, 0.0, 0.0, 1.0]
-    assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (3.0, 0.0)
+    assert math.isnan(rewards[0]) and rewards[1:] == [0.0, 0.0, 1.0]  # a NaN drops its group in the trainer
+    assert (metrics["reward/errors"], metrics["reward/timeouts"]) == (2.0, 0.0)
+    assert (metrics["reward/nonfinite"], metrics["reward/failed"]) == (1.0, 3.0)
+    assert metrics["reward/mean"] == pytest.approx(1 / 3)  # of the finite rewards
     messages = dict(scorer.last_errors)
-    assert "finite number" in messages[0] and "finite number" in messages[1]
+    assert "must be a number, got str 'one'" in messages[1]
     assert "died (exit code 3)" in messages[2]
 
 
@@ -105,8 +108,8 @@ def test_rows_are_scored_in_parallel_worker_processes(scorer):
 def test_in_process_scoring_counts_errors():
     s = RewardScorer(RewardConfig(name="reward_fixtures:misbehave", workers=0))
     rewards, metrics = s.score_batch([completion("x")] * 3, [row(), row("raise"), row("nan")])
-    assert rewards == [1.0, 0.0, 0.0]
-    assert metrics["reward/errors"] == 2.0
+    assert rewards[:2] == [1.0, 0.0] and math.isnan(rewards[2])
+    assert (metrics["reward/errors"], metrics["reward/nonfinite"]) == (1.0, 1.0)
     s.close()
     with pytest.raises(RuntimeError, match="closed"):
         s.score_batch([], [])
