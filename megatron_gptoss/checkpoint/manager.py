@@ -38,6 +38,7 @@ from megatron_gptoss.utils.files import fsync_path
 log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 LATEST = "latest"
+FIELDS = "fields"  # the manifest's list of its own top-level keys
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -71,7 +72,8 @@ def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> st
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The manifest of checkpoint directory `path`; CorruptCheckpointError naming the file when it is
-    absent (an incomplete checkpoint), truncated or not a manifest."""
+    absent (an incomplete checkpoint), truncated, not a manifest, or lacks a field its `fields` list (the
+    top-level keys it was written with) names."""
     file = path / MANIFEST
     if not file.is_file():
         raise CorruptCheckpointError(f"{path}: no {MANIFEST} (incomplete checkpoint)")
@@ -81,6 +83,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{file}: unreadable, truncated or not JSON ({err})") from err
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpointError(f"{file}: not a checkpoint manifest (no 'files' table)")
+    missing = [name for name in manifest.get(FIELDS, []) if name not in manifest]
+    if missing:
+        raise CorruptCheckpointError(f"{file}: lacks the field(s) {missing} it was written with (edited?)")
     return manifest
 
 
@@ -243,16 +248,20 @@ class CheckpointManager:
 
     def candidates(self) -> list[Path]:
         """Complete checkpoints to try on resume, newest first, the one `latest` names at the front;
-        partial directories (a save that never finished) are logged as skipped."""
+        partial directories (a save that never finished) and step directories without a manifest are
+        logged as skipped, by name."""
         candidates = list(reversed(self.complete_checkpoints()))
         pointer = self.root / LATEST
-        if pointer.exists():
-            named = self.root / pointer.read_text().strip()
-            if named in candidates:
-                candidates.remove(named)
-                candidates.insert(0, named)
+        named = self.root / pointer.read_text().strip() if pointer.exists() else None
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
         for partial in self.root.glob(".step_*.partial") if self.root.exists() else []:
             log.warning("skipping incomplete checkpoint %s", partial)
+        for path in sorted(self.root.glob("step_*")) if self.root.exists() else []:
+            if path.is_dir() and not (path / MANIFEST).exists():
+                latest = f" ('{LATEST}' names it)" if path == named else ""
+                log.warning("skipping checkpoint %s%s: no %s (incomplete or damaged)", path, latest, MANIFEST)
         return candidates
 
     def find_resumable(self) -> Path | None:
@@ -289,6 +298,7 @@ def write_manifest(
             f"{directory}: the writers' checksums name {sorted(checksums)}, the directory holds {names}"
         )
     manifest = {"step": step, "files": dict(sorted(checksums.items())), **metadata}
+    manifest[FIELDS] = sorted(manifest)  # `read_manifest` finds a field removed afterwards
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     for p in [*files, directory / MANIFEST]:
         fsync_path(p)

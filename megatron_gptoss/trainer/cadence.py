@@ -33,8 +33,10 @@ from tqdm import tqdm
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer, RunState
+from megatron_gptoss.checkpoint.manager import MANIFEST
 from megatron_gptoss.checkpoint.run_dir import RunDir
 from megatron_gptoss.config import TrainConfig, config_to_dict
+from megatron_gptoss.errors import CorruptCheckpointError
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.parallel.watchdog import GracefulStop
 from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard
@@ -86,18 +88,7 @@ class Cadence:
         setup.build_optimizer()
         self.start = 0
         if found is not None:
-            loaded = self.checkpointer.resume_from(
-                found, setup.modules(), setup.optimizer, setup.group_optimizers()
-            )
-            self.start = loaded.run.step
-            if "guard" in loaded.run.data:
-                self.guard.load_state_dict(loaded.run.data["guard"])
-            if "reward_guard" in loaded.run.data:
-                self.rewards.load_state_dict(loaded.run.data["reward_guard"])
-            if "kl_ctrl" in loaded.run.data:
-                self.kl_ctrl.load_state_dict(loaded.run.data["kl_ctrl"])
-            if "task" in loaded.run.data:  # the prompt stream's position
-                task.load_state_dict(loaded.run.data["task"])
+            self.start = self._resume(found)
         setup.sync()
         resume_step = self.start + 1 if self.start else 0  # a fresh run starts a fresh log
         self.logger = (
@@ -110,6 +101,31 @@ class Cadence:
         self.evaluation: dict[str, float] = {}
         self._evaluate: Evaluation | None = None
         self._bar: tqdm | None = None
+
+    def _resume(self, found: Path) -> int:
+        """Load checkpoint `found` (weights, optimizer, guards, the KL coefficient, the task's position);
+        its step. A manifest or state that lacks a field (another version's, or edited) is a
+        CorruptCheckpointError naming the checkpoint and the field."""
+        setup = self.setup
+        try:
+            loaded = self.checkpointer.resume_from(
+                found, setup.modules(), setup.optimizer, setup.group_optimizers()
+            )
+            data = loaded.run.data
+            parts: dict[str, Any] = {"guard": self.guard, "reward_guard": self.rewards}
+            parts["kl_ctrl"] = self.kl_ctrl
+            for key, part in parts.items():
+                if key in data:
+                    part.load_state_dict(data[key])
+            if "task" in data:  # the prompt stream's position
+                self.task.load_state_dict(data["task"])
+        except KeyError as err:
+            raise CorruptCheckpointError(
+                f"cannot resume from {found}: its {MANIFEST} or stored state lacks the field {err.args[0]!r} "
+                "(written by another version, or edited); resume another checkpoint by its path, or start a "
+                "new run"
+            ) from err
+        return loaded.run.step
 
     def steps(self, evaluate: Evaluation | None) -> Iterator[int]:
         """The steps left to run; `evaluate` (RL: greedy held-out rewards) runs at step 0 of a fresh run,
