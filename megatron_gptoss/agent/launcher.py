@@ -3,39 +3,52 @@ in sandboxes for the trainer. It imports only the standard library and `linux_sa
 never holds CUDA or the trainer's state, and forking it is safe.
 
     trainer ──JSON line {id, code, timeout_s, limits}──> launcher (one thread per call)
-        launcher: fresh directory ──> stage process ──fork──> pid 1 of new namespaces ──exec──> python main.py
-                  reads stdout / stderr up to the output limit, kills at the wall-time limit
-    trainer <──JSON line {id, stdout, ..., timed_out, truncated, out_of_memory}── launcher
+        launcher: empty directory + main.py ──> stage (namespaces, tmpfs root on the directory, monitor)
+                                                   └─fork─> pid 1 of the new namespaces: pivot_root, uid,
+                                                            limits, Landlock, seccomp ──exec──> python main.py
+                  reads stdout / stderr up to the output limit, kills the stage at the wall-time limit
+    trainer <──JSON line {id, stdout, ..., timed_out, truncated, out_of_memory, out_of_disk, error}── launcher
 
 Run as `python -E -s -S launcher.py CONFIG_JSON` (the server) or `... launcher.py --stage SPEC_JSON` (one
 sandbox's stage, started by the server). The server first runs one trial sandbox and reports, in its first
-line, which layers work: `{"hello": true, "layers": {layer: null or why it is missing}}`.
+line, which layers work: `{"hello": true, "layers": {layer: null or why it is missing}, "landlock_abi": N}`.
+It exits when the trainer does (its stdin closes or the trainer's pid ends); a stage dies with the launcher
+thread that started it, and pid 1 of a sandbox with its stage. The launcher is a child subreaper and reaps
+every child, sandbox processes orphaned by a stage included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 if __package__:
     from megatron_gptoss.agent import linux_sandbox as ls
 else:  # run by path: linux_sandbox.py is next to this file
     import linux_sandbox as ls  # type: ignore[no-redef]
 
-DEVICES = ["/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"]
+DEVICES = ["/dev/null", "/dev/zero", "/dev/full", "/dev/urandom", "/dev/random"]
 # Read-only system paths every interpreter needs (skipped where absent); the interpreter's own prefix is
 # added by the trainer.
 SYSTEM_READ_PATHS = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/etc/localtime"]
+HOSTNAME = "sandbox"
 USER_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": ls.SANDBOX_HOME,
+    "TMPDIR": "/tmp",
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
     "LANG": "C.UTF-8",
     "PYTHONDONTWRITEBYTECODE": "1",
     "PYTHONIOENCODING": "utf-8",
@@ -43,31 +56,11 @@ USER_ENV = {
     "OPENBLAS_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
 }
-KILL_GRACE_S = 5.0  # seconds a killed stage may take to be reaped
-MEMORY_POLL_S = 0.05  # seconds between two sums of the sandbox's resident memory
+KILL_GRACE_S = 5.0  # seconds a stage may take to end once killed, or once its sandbox closed its output
+MONITOR_POLL_S = 0.05  # seconds between two checks of a sandbox's memory and disk
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-DISK_POLL_S = 0.25  # seconds between two sums of the sandbox directory's disk usage
-MAX_DISK_ENTRIES = 10_000  # files and directories a sandbox may create
-
-
-def disk_bytes(top: str) -> float:
-    """Bytes the files below `top` occupy on disk (allocated blocks); infinity past MAX_DISK_ENTRIES
-    entries (counting them all would take too long)."""
-    total, entries, stack = 0, 0, [top]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for entry in it:
-                    entries += 1
-                    if entries > MAX_DISK_ENTRIES:
-                        return float("inf")
-                    st = entry.stat(follow_symlinks=False)
-                    total += st.st_blocks * 512
-                    if entry.is_dir(follow_symlinks=False):
-                        stack.append(entry.path)
-        except OSError:
-            continue
-    return total
+MAX_DISK_ENTRIES = 10_000  # files and directories a sandbox may create (the tmpfs's inodes)
+SLOTS = 1024  # sandboxes one launcher runs at once at most (each has a uid of its own)
 
 
 def resident_bytes(pid1: int) -> int:
@@ -99,50 +92,148 @@ def _report(fd: int, **fields: object) -> None:
 
 
 def stage_main(spec: dict) -> int:
-    """Apply every layer, in order, then exec the interpreter on `main.py` as pid 1 of the new pid
-    namespace; report {"pid"}, then {"exit"} or {"signal"}, or {"error", "layer"} on the status fd."""
+    """Build the sandbox on `spec["dir"]` (which holds main.py), start its pid 1 and watch it; report
+    {"exit": status} or {"signal": n}, with {"stopped": "memory" | "disk" | None}, or {"error", "layer"}
+    on the status fd."""
     fd = spec["status_fd"]
+    limits = spec["limits"]
     root = os.geteuid() == 0
+    uid = spec["uid"] if root else ls.INNER_ID
     try:
-        ls.enter_namespaces(user_namespace=not root)
+        ls.die_with_parent()
+        with open(os.path.join(spec["dir"], "main.py"), "rb") as f:
+            code = f.read()
+        ls.enter_namespaces(user_namespace=not root, hostname=HOSTNAME)
+        account = f"sandbox:x:{uid}:{uid}:sandbox:{ls.SANDBOX_HOME}:/bin/sh\n".encode()
+        ls.build_root(
+            spec["dir"],
+            read_paths=spec["read_paths"],
+            devices=DEVICES,
+            size_bytes=limits["disk_bytes"],
+            inodes=MAX_DISK_ENTRIES,
+            owner=uid,
+            files={
+                f"{ls.SANDBOX_HOME}/main.py": code,
+                "/etc/passwd": account,
+                "/etc/group": f"sandbox:x:{uid}:\n".encode(),
+                "/etc/hostname": f"{HOSTNAME}\n".encode(),
+            },
+        )
+        disk = os.open(spec["dir"], os.O_RDONLY | os.O_DIRECTORY)
+        alive_r, alive_w = os.pipe()
     except ls.SetupError as err:
         _report(fd, error=str(err), layer=err.layer)
         return 125
+    except OSError as err:
+        _report(fd, error=f"setup: {err}", layer="setup")
+        return 125
     pid = os.fork()
     if pid == 0:
-        try:
-            if root:
-                ls.drop_privileges(spec["uid"])
-            ls.die_with_parent()
-            os.chdir(spec["dir"])
-            limits = spec["limits"]
-            ls.set_limits(
-                memory_bytes=limits["memory_bytes"],
-                cpu_s=limits["cpu_s"],
-                processes=limits["processes"],
-                file_bytes=limits["file_bytes"],
-                open_files=limits["open_files"],
-            )
-            ls.restrict_filesystem(spec["read_paths"], [spec["dir"], *DEVICES], ls.landlock_abi())
-            ls.install_seccomp()
-            os.set_inheritable(fd, False)  # closed by a successful exec, kept to report a failed one
-            env = {**USER_ENV, "HOME": spec["dir"], "TMPDIR": spec["dir"], "TEMP": spec["dir"]}
-            os.execve(spec["python"], [spec["python"], "-I", "main.py"], env)
-        except ls.SetupError as err:
-            _report(fd, error=str(err), layer=err.layer)
-        except BaseException as err:
-            _report(fd, error=f"exec: {err}", layer="exec")
-        os._exit(125)
-    _report(fd, pid=pid)
-    _, status = os.waitpid(pid, 0)
+        os.close(alive_w)
+        _sandbox_main(spec, uid if root else None, alive_r)
+    os.close(alive_r)
+    status, stopped = _monitor(pid, disk, limits["memory_bytes"])
     if os.WIFSIGNALED(status):
-        _report(fd, signal=os.WTERMSIG(status))
+        _report(fd, signal=os.WTERMSIG(status), stopped=stopped)
     else:
-        _report(fd, exit=os.WEXITSTATUS(status))
+        _report(fd, exit=os.WEXITSTATUS(status), stopped=stopped)
     return 0
 
 
+def _sandbox_main(spec: dict, uid: int | None, alive_r: int) -> None:
+    """pid 1 of the sandbox: apply the remaining layers in order, then exec the interpreter; never
+    returns."""
+    fd = spec["status_fd"]
+    limits = spec["limits"]
+    try:
+        ls.die_with_parent()
+        if select.select([alive_r], [], [], 0)[0]:  # the stage ended before the line above took effect
+            os._exit(125)
+        os.close(alive_r)
+        ls.enter_root(spec["dir"])
+        os.setsid()
+        ls.drop_privileges(uid)
+        ls.die_with_parent()  # the uid change cleared it
+        os.chdir(ls.SANDBOX_HOME)
+        ls.set_limits(
+            memory_bytes=limits["memory_bytes"],
+            cpu_s=limits["cpu_s"],
+            processes=limits["processes"],
+            file_bytes=limits["file_bytes"],
+            open_files=limits["open_files"],
+        )
+        write_paths = [*ls.WRITABLE_DIRS, *DEVICES]
+        ls.restrict_filesystem([*spec["read_paths"], "/etc"], write_paths, spec["landlock_abi"])
+        ls.install_seccomp()
+        os.set_inheritable(fd, False)  # closed by a successful exec, kept to report a failed one
+        os.execve(spec["python"], [spec["python"], "-I", "main.py"], USER_ENV)
+    except ls.SetupError as err:
+        _report(fd, error=str(err), layer=err.layer)
+    except BaseException as err:
+        _report(fd, error=f"exec: {err}", layer="exec")
+    os._exit(125)
+
+
+def _monitor(pid: int, disk: int, memory_bytes: int) -> tuple[int, str | None]:
+    """Wait for the sandbox's pid 1 (`pid`); every MONITOR_POLL_S stop it (SIGKILL; the kernel then ends
+    every process of its pid namespace) when its tmpfs (open dir `disk`) is full ("disk") or its
+    processes' resident memory plus the tmpfs's pages pass `memory_bytes` ("memory"). Returns (its wait
+    status, why it was stopped or None); a tmpfs full when it ended counts as "disk" too."""
+    pidfd = os.pidfd_open(pid)
+    stopped = None
+    try:
+        while not select.select([pidfd], [], [], MONITOR_POLL_S)[0]:
+            used, full = ls.tmpfs_usage(disk)
+            if full:
+                stopped = "disk"
+            elif used + resident_bytes(pid) > memory_bytes:
+                stopped = "memory"
+            if stopped is not None:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                break
+    finally:
+        os.close(pidfd)
+    _, status = os.waitpid(pid, 0)
+    if stopped is None and ls.tmpfs_usage(disk)[1]:
+        stopped = "disk"
+    return status, stopped
+
+
 # ---- server ----------------------------------------------------------------------------------------------
+
+
+class Children:
+    """The launcher's children, all reaped by one thread: `spawn` returns a process and a future of its
+    wait status. The launcher is a child subreaper, so processes orphaned below it (a sandbox's pid 1
+    whose stage was killed) are reaped here too, never left as zombies."""
+
+    def __init__(self) -> None:
+        ls.become_subreaper()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Future] = {}
+        self._spawned = threading.Event()
+        threading.Thread(target=self._reap, name="launcher-reaper", daemon=True).start()
+
+    def spawn(self, argv: list[str], **popen: object) -> tuple[subprocess.Popen, Future]:
+        future: Future = Future()
+        with self._lock:  # held until the pid is registered: the reaper looks it up under the lock
+            proc = subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
+            self._waiting[proc.pid] = future
+        self._spawned.set()
+        return proc, future
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, 0)
+            except ChildProcessError:  # no child: wait for the next spawn
+                self._spawned.wait()
+                self._spawned.clear()
+                continue
+            with self._lock:
+                future = self._waiting.pop(pid, None)
+            if future is not None:
+                future.set_result(status)
 
 
 class Server:
@@ -152,9 +243,12 @@ class Server:
         self.python = config["python"]
         self.read_paths = SYSTEM_READ_PATHS + list(config["read_paths"])
         self.uid_base = config["uid_base"]
+        cap = config.get("landlock_abi")
+        self.landlock_abi = ls.landlock_abi() if cap is None else min(cap, ls.landlock_abi())
         self.out_lock = threading.Lock()
         self.slot_lock = threading.Lock()
-        self.free_slots = list(range(1024))
+        self.free_slots = deque(range(SLOTS))  # first in, first out: a slot's uid rests between sandboxes
+        self.children = Children()
 
     def send(self, message: dict) -> None:
         line = (json.dumps(message) + "\n").encode()
@@ -163,22 +257,38 @@ class Server:
             sys.stdout.buffer.flush()
 
     def _uid(self, slot: int) -> int:
-        """A real uid no other running sandbox of any launcher on this host is likely to hold."""
-        return self.uid_base + (os.getpid() % 4096) * 1024 + slot
+        """A host uid no other running sandbox of any launcher on this host is likely to hold."""
+        return self.uid_base + (os.getpid() % 4096) * SLOTS + slot
 
     def run(self, code: str, timeout_s: float, limits: dict, temp_root: str | None) -> dict:
-        with self.slot_lock:
-            slot = self.free_slots.pop()
-        top = tempfile.mkdtemp(prefix="sandbox-", dir=temp_root or None)
+        """Run `code` in a sandbox; the reply's "error" names what failed (None when the code ran), and
+        "fatal" is set when no sandbox could be started here at all (the temporary directory)."""
         try:
-            return self._run_in(top, self._uid(slot), code, timeout_s, limits)
+            top = tempfile.mkdtemp(prefix="sandbox-", dir=temp_root or None)
+        except OSError as err:
+            return {
+                "error": f"cannot create the sandbox's directory: {err}",
+                "layer": "launcher",
+                "fatal": True,
+            }
+        with self.slot_lock:
+            slot = self.free_slots.popleft()
+        try:
+            reply = self._run_in(top, self._uid(slot), code, timeout_s, limits)
+        except Exception as err:
+            reply = {"error": f"launcher: {type(err).__name__}: {err}", "layer": "launcher"}
         finally:
-            shutil.rmtree(top, ignore_errors=True)
             with self.slot_lock:
                 self.free_slots.append(slot)
+        try:  # the sandbox wrote only to its tmpfs, gone with its mount namespace: main.py is all there is
+            os.unlink(os.path.join(top, "main.py"))
+            os.rmdir(top)
+        except OSError as err:
+            if not reply.get("error"):
+                reply.update(error=f"cannot remove the sandbox's directory {top}: {err}", layer="cleanup")
+        return reply
 
     def _run_in(self, top: str, uid: int, code: str, timeout_s: float, limits: dict) -> dict:
-        os.chmod(top, 0o700)
         with open(os.path.join(top, "main.py"), "w", encoding="utf-8") as f:
             f.write(code)
         status_r, status_w = os.pipe()
@@ -188,26 +298,35 @@ class Server:
             "uid": uid,
             "python": self.python,
             "read_paths": self.read_paths,
+            "landlock_abi": self.landlock_abi,
             "limits": {**limits, "cpu_s": max(1, int(limits["cpu_s"]))},
         }
         start = time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-E", "-s", "-S", os.path.abspath(__file__), "--stage", json.dumps(spec)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(status_w,),
-            env={},
-            cwd=top,
+        try:
+            proc, exited = self.children.spawn(
+                [sys.executable, "-E", "-s", "-S", os.path.abspath(__file__), "--stage", json.dumps(spec)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(status_w,),
+                env={},
+                cwd="/",
+                start_new_session=True,
+            )
+        finally:
+            os.close(status_w)
+        out, status, stopped = self._collect(
+            proc, exited, status_r, start + timeout_s, limits["output_bytes"]
         )
-        os.close(status_w)
-        out, status, stopped = self._collect(proc, status_r, start + timeout_s, limits, top)
-        wall = time.monotonic() - start
+        stopped = stopped or status.get("stopped")
         exit_code = None
         if "exit" in status and stopped is None:
             exit_code = status["exit"]
         elif "signal" in status and stopped is None:
             exit_code = -status["signal"]
+        error, layer = status.get("error"), status.get("layer")
+        if error is None and stopped is None and exit_code is None:
+            error, layer = f"the sandbox's stage ended without a report (status {proc.returncode})", "stage"
         return {
             "stdout": out[1].decode("utf-8", errors="replace"),
             "stderr": out[2].decode("utf-8", errors="replace"),
@@ -216,27 +335,23 @@ class Server:
             "truncated": stopped == "output",
             "out_of_memory": stopped == "memory",
             "out_of_disk": stopped == "disk",
-            "error": status.get("error"),
-            "layer": status.get("layer"),
-            "wall_s": wall,
+            "error": error,
+            "layer": layer,
+            "wall_s": time.monotonic() - start,
         }
 
     def _collect(
-        self, proc: subprocess.Popen, status_r: int, deadline: float, limits: dict, top: str
+        self, proc: subprocess.Popen, exited: Future, status_r: int, deadline: float, budget: int
     ) -> tuple[dict[int, bytes], dict, str | None]:
-        """Read stdout, stderr and the status pipe until all close, or stop the sandbox when the deadline
-        passes ("timeout"), the output exceeds its limit ("output"), its processes together hold more
-        resident memory than `memory_bytes` ("memory", polled every MEMORY_POLL_S) or its directory
-        more than `disk_bytes` ("disk", every DISK_POLL_S); ({1: stdout, 2: stderr}, status, why it was
-        stopped or None)."""
-        budget, memory = limits["output_bytes"], limits["memory_bytes"]
+        """Read stdout, stderr and the status pipe until all close, or kill the stage (and so the
+        sandbox) when the deadline passes ("timeout") or the output exceeds `budget` bytes ("output");
+        ({1: stdout, 2: stderr}, status, why it was stopped or None). The stage is reaped before this
+        returns."""
         assert proc.stdout is not None and proc.stderr is not None
         out = {1: b"", 2: b""}
         status: dict = {}
         status_buf = b""
         stopped = None
-        next_poll = time.monotonic() + MEMORY_POLL_S
-        next_disk_poll = time.monotonic() + DISK_POLL_S
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, 1)
         sel.register(proc.stderr, selectors.EVENT_READ, 2)
@@ -247,17 +362,7 @@ class Server:
                 if now >= deadline:
                     stopped = "timeout"
                     break
-                if now >= next_poll:
-                    next_poll = now + MEMORY_POLL_S
-                    if status.get("pid") and resident_bytes(status["pid"]) > memory:
-                        stopped = "memory"
-                        break
-                if now >= next_disk_poll:
-                    next_disk_poll = now + DISK_POLL_S
-                    if disk_bytes(top) > limits["disk_bytes"]:
-                        stopped = "disk"
-                        break
-                for key, _ in sel.select(timeout=min(deadline, next_poll) - now):
+                for key, _ in sel.select(timeout=deadline - now):
                     chunk = os.read(key.fd, 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
@@ -268,40 +373,23 @@ class Server:
                         out[key.data] += chunk[: max(room, 0)]
                         if len(chunk) > room:
                             stopped = "output"
-                status_buf = self._parse_status(status_buf, status)
             if stopped is not None:
-                self._kill(proc, status)
+                proc.kill()  # not yet reaped, so the pid is still the stage's; its pid 1 dies with it
         finally:
             sel.close()
             os.close(status_r)
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
         try:
-            proc.wait(timeout=KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
+            wait_status = exited.result(timeout=KILL_GRACE_S)
+        except FutureTimeout:
             proc.kill()
-            proc.wait()
-        self._parse_status(status_buf + b"\n", status)
-        return out, status, stopped
-
-    @staticmethod
-    def _parse_status(buf: bytes, status: dict) -> bytes:
-        *lines, rest = buf.split(b"\n")
-        for line in lines:
+            wait_status = exited.result()
+        proc.returncode = os.waitstatus_to_exitcode(wait_status)  # reaped: Popen must not wait for it
+        for line in status_buf.split(b"\n"):
             if line.strip():
                 status.update(json.loads(line))
-        return rest
-
-    @staticmethod
-    def _kill(proc: subprocess.Popen, status: dict) -> None:
-        """SIGKILL the sandbox's pid 1 (the kernel then kills every process of its pid namespace) and the
-        stage."""
-        for pid in (status.get("pid"), proc.pid):
-            if pid:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        return out, status, stopped
 
     def handle(self, request: dict) -> None:
         try:
@@ -336,17 +424,24 @@ class Server:
         return layers
 
     def serve(self) -> None:
-        self.send({"hello": True, "layers": self.trial()})
+        self.send({"hello": True, "layers": self.trial(), "landlock_abi": self.landlock_abi})
         for line in sys.stdin:
             if line.strip():
                 request = json.loads(line)
                 threading.Thread(target=self.handle, args=(request,), daemon=True).start()
 
 
+def _exit_with(pid: int) -> None:
+    """End this process when process `pid` (the trainer) ends, however it ends."""
+    pidfd = os.pidfd_open(pid)
+    select.select([pidfd], [], [])
+    os._exit(0)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[1] == "--stage":
         return stage_main(json.loads(argv[2]))
-    ls.die_with_parent()  # the launcher ends with the trainer
+    threading.Thread(target=_exit_with, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
     Server(json.loads(argv[1])).serve()
     return 0
 

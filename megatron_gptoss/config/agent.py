@@ -31,7 +31,8 @@ class SandboxConfig:
     """Limits of one sandboxed run of model-written Python (`megatron_gptoss.agent.run_python`)."""
 
     # Bytes of memory: the address space of each sandboxed process (RLIMIT_AS; a larger allocation fails)
-    # and the resident memory of all its processes together (polled; past it the sandbox is stopped).
+    # and the resident memory of all its processes plus its tmpfs together (polled; past it the sandbox is
+    # stopped).
     memory_bytes: int = 2 << 30
     # Bytes of stdout + stderr kept; past it the sandbox is stopped and the result marked truncated.
     output_bytes: int = 1 << 20
@@ -40,16 +41,23 @@ class SandboxConfig:
     cpu_s: int = 10
     # Processes and threads one sandbox may hold at once (RLIMIT_NPROC, counted per sandbox).
     processes: int = 32
-    # Largest file the code may write (RLIMIT_FSIZE), in its temporary directory, the only place it may.
+    # Largest file the code may write (RLIMIT_FSIZE), on its tmpfs, the only place it may.
     file_bytes: int = 64 << 20
-    # Bytes the sandbox's directory may occupy on disk (polled; past it the sandbox is stopped).
+    # Bytes of the sandbox's tmpfs (its home, /tmp and /dev/shm; unlinked open files and deep trees count);
+    # a write past it fails, and a sandbox that filled it is stopped. Counted in memory_bytes too.
     disk_bytes: int = 256 << 20
     # Open files per sandboxed process (RLIMIT_NOFILE).
     open_files: int = 256
-    # Directory holding the sandboxes' temporary directories ("": the system's temporary directory).
+    # Directory holding the sandboxes' temporary directories, each the mount point of its tmpfs (which
+    # lives in the sandbox's own mount namespace: nothing is written below it); "": the system's.
     temp_root: str = ""
-    # First of the real uids given to running sandboxes when the trainer runs as root (RLIMIT_NPROC is
-    # counted per real uid and never applies to uid 0); about 4M uids above it are used.
+    # Run tools on a kernel whose Landlock ABI is below linux_sandbox.MIN_LANDLOCK_ABI (6, Linux 6.12),
+    # with a warning: the protections it lacks rest on the mount namespace, the uid and seccomp alone.
+    # False: such a kernel is refused, the missing protections named.
+    allow_weak_kernel: bool = False
+    # First of the host uids given to running sandboxes when the trainer runs as root (each sandbox runs
+    # as a uid of its own: no root to regain, and RLIMIT_NPROC counted per sandbox); about 4M uids above it
+    # are used. A trainer that is not root runs sandboxes as itself, in a user namespace.
     uid_base: int = 1_500_000_000
 
     def validate(self) -> None:
