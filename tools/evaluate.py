@@ -138,7 +138,7 @@ def read_overrides(path: str | None) -> dict[str, Any]:
         return {}
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
         raise ConfigError(f"--config {path}: {err}") from None
     if not isinstance(raw, dict) or not all(isinstance(v, dict | None) for v in raw.values()):
         raise ConfigError(f"--config {path}: the top level must be a mapping of sections")
@@ -364,15 +364,15 @@ def metrics_path(output: Path) -> Path:
 
 
 def check_output(output: Path) -> None:
-    """ConfigError unless the samples (`output`) and the metrics beside them can be written as files: neither
-    names a directory, and the directory holding them exists or can be made."""
+    """ConfigError unless the samples (`output`) and the metrics beside them can be written as files:
+    neither names a directory, and the nearest existing folder above them is a directory (the missing ones
+    are made before the engine starts)."""
     for path in (output, metrics_path(output)):
         if path.is_dir():
             raise ConfigError(f"--output {output}: {path} is a directory; name a file (samples.jsonl)")
-    try:
-        output.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"--output {output}: cannot make its directory: {err}") from None
+    above = next(p for p in output.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise ConfigError(f"--output {output}: {above} is not a directory")
 
 
 def table(metrics: dict[str, Any]) -> str:
@@ -442,6 +442,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     check_output(output)
     source = locate(Path(args.checkpoint), args.verify)
     cfg = make_config(source, args)
+    output.parent.mkdir(parents=True, exist_ok=True)
     with open_engine(source, cfg) as engine, output.open("w") as out:
         metrics = run_evaluation(engine, cfg, args, out)
     metrics = {

@@ -4,7 +4,8 @@
                  layout would write (`__<rank>_0.distcp` per rank, `.metadata`, manifest.json; model
                  parameters only, step 0). Rank by rank, piece by piece: each piece (a box of one of our
                  tensors, at most `max_chunk_bytes`) is read from the HF slices that make it
-                 (safetensors `get_slice`; MXFP4 experts dequantized by expert range), written, freed.
+                 (safetensors `get_slice`; MXFP4 experts dequantized by expert range), verified (shape,
+                 dtype, finite values: `hf.io.check_values`), written, freed.
     dist_to_hf   sharded checkpoint of any layout -> HF bf16 safetensors shards of at most
                  `max_shard_bytes`, `model.safetensors.index.json`, `config.json` (what `save_hf` writes,
                  loadable by transformers and vLLM). Each HF tensor is streamed into its shard file in
@@ -103,7 +104,9 @@ class _HFSlices:
         piece = handle.get_slice(name)
         shape = tuple(piece.get_shape())
         if shape != tuple(expected):
-            raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {tuple(expected)}")
+            raise CheckpointError(
+                f"{self.path / file}: tensor {name!r} has shape {shape}, expected {tuple(expected)}"
+            )
         return piece[index] if packed else check_values(piece[index], name, self.path / file)
 
     def _experts(self, kind: str, name: str, start: int, stop: int, expected, dtype) -> torch.Tensor:

@@ -309,7 +309,9 @@ def _read_packed(
             raise CheckpointError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
         if tensor.dtype != torch.uint8:
             raise CheckpointError(f"tensor {name!r} has dtype {tensor.dtype}, expected torch.uint8 (MXFP4)")
-    return check_values(unpack_expert_weight(blocks, scales, dtype), blocks_name, path / file)
+    return check_values(
+        unpack_expert_weight(blocks, scales, dtype), scales_name, path / weight_map[scales_name]
+    )
 
 
 # ------------------------------------------------------------------------------------------------
