@@ -12,8 +12,9 @@ never holds CUDA or the trainer's state, and forking it is safe.
 Run as `python -E -s -S launcher.py CONFIG_JSON` (the server) or `... launcher.py --stage SPEC_JSON` (one
 sandbox's stage, started by the server). The server first runs one trial sandbox and reports, in its first
 line, which layers work: `{"hello": true, "layers": {layer: null or why it is missing}, "landlock_abi": N}`.
-It exits when the trainer does (its stdin closes or the trainer's pid ends); a stage dies with the launcher
-thread that started it, and pid 1 of a sandbox with its stage. The launcher is a child subreaper and reaps
+It stops when the trainer does (its stdin closes or the trainer's pid ends): it kills the running sandboxes
+and removes their directories, then exits; a stage dies with the launcher thread that started it, and pid 1
+of a sandbox with its stage. The launcher is a child subreaper and reaps
 every child, sandbox processes orphaned by a stage included.
 """
 
@@ -202,10 +203,35 @@ def _monitor(pid: int, disk: int, memory_bytes: int) -> tuple[int, str | None]:
 # ---- server ----------------------------------------------------------------------------------------------
 
 
+class Stage:
+    """A started stage: its process, a pidfd to signal it by (its pid may be reaped and reused at any
+    time: the reaper thread waits on every child), and a future of its wait status."""
+
+    def __init__(self, proc: subprocess.Popen, pidfd: int, exited: Future):
+        self.proc, self.pidfd, self.exited = proc, pidfd, exited
+
+    def kill(self) -> None:
+        """SIGKILL the stage (its sandbox's pid 1, and so every process of the sandbox, dies with it)."""
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> int:
+        """The stage's wait status, killing it first if it has not ended within `timeout` seconds."""
+        try:
+            status = self.exited.result(timeout=timeout)
+        except FutureTimeout:
+            self.kill()
+            status = self.exited.result()
+        self.proc.returncode = os.waitstatus_to_exitcode(status)  # reaped: Popen must never wait for it
+        return status
+
+
 class Children:
-    """The launcher's children, all reaped by one thread: `spawn` returns a process and a future of its
-    wait status. The launcher is a child subreaper, so processes orphaned below it (a sandbox's pid 1
-    whose stage was killed) are reaped here too, never left as zombies."""
+    """The launcher's children, all reaped by one thread. The launcher is a child subreaper, so processes
+    orphaned below it (a sandbox's pid 1 whose stage was killed) are reaped here too, never left as
+    zombies."""
 
     def __init__(self) -> None:
         ls.become_subreaper()
@@ -214,13 +240,14 @@ class Children:
         self._spawned = threading.Event()
         threading.Thread(target=self._reap, name="launcher-reaper", daemon=True).start()
 
-    def spawn(self, argv: list[str], **popen: object) -> tuple[subprocess.Popen, Future]:
-        future: Future = Future()
+    def spawn(self, argv: list[str], **popen: object) -> Stage:
+        exited: Future = Future()
         with self._lock:  # held until the pid is registered: the reaper looks it up under the lock
             proc = subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
-            self._waiting[proc.pid] = future
+            self._waiting[proc.pid] = exited
+            pidfd = os.pidfd_open(proc.pid)  # not reaped yet: the reaper waits for the lock
         self._spawned.set()
-        return proc, future
+        return Stage(proc, pidfd, exited)
 
     def _reap(self) -> None:
         while True:
@@ -231,9 +258,9 @@ class Children:
                 self._spawned.clear()
                 continue
             with self._lock:
-                future = self._waiting.pop(pid, None)
-            if future is not None:
-                future.set_result(status)
+                exited = self._waiting.pop(pid, None)
+            if exited is not None:
+                exited.set_result(status)
 
 
 class Server:
@@ -249,12 +276,30 @@ class Server:
         self.slot_lock = threading.Lock()
         self.free_slots = deque(range(SLOTS))  # first in, first out: a slot's uid rests between sandboxes
         self.children = Children()
+        self.stages: set[Stage] = set()  # running, under slot_lock
+        self.calls: list[threading.Thread] = []
+        self.stopping = False
 
     def send(self, message: dict) -> None:
         line = (json.dumps(message) + "\n").encode()
         with self.out_lock:
-            sys.stdout.buffer.write(line)
-            sys.stdout.buffer.flush()
+            try:
+                sys.stdout.buffer.write(line)
+                sys.stdout.buffer.flush()
+            except OSError:  # the trainer is gone: no one to answer
+                pass
+
+    def stop(self) -> None:
+        """Kill every running sandbox and wait (KILL_GRACE_S at most) for the calls to end, each removing
+        its directory."""
+        with self.slot_lock:
+            self.stopping = True
+            stages = list(self.stages)
+        for stage in stages:
+            stage.kill()
+        deadline = time.monotonic() + KILL_GRACE_S
+        for call in self.calls:
+            call.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _uid(self, slot: int) -> int:
         """A host uid no other running sandbox of any launcher on this host is likely to hold."""
@@ -303,7 +348,7 @@ class Server:
         }
         start = time.monotonic()
         try:
-            proc, exited = self.children.spawn(
+            stage = self.children.spawn(
                 [sys.executable, "-E", "-s", "-S", os.path.abspath(__file__), "--stage", json.dumps(spec)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -315,9 +360,16 @@ class Server:
             )
         finally:
             os.close(status_w)
-        out, status, stopped = self._collect(
-            proc, exited, status_r, start + timeout_s, limits["output_bytes"]
-        )
+        with self.slot_lock:
+            self.stages.add(stage)
+        try:
+            if self.stopping:
+                stage.kill()
+            out, status, stopped = self._collect(stage, status_r, start + timeout_s, limits["output_bytes"])
+        finally:
+            with self.slot_lock:
+                self.stages.discard(stage)
+            os.close(stage.pidfd)
         stopped = stopped or status.get("stopped")
         exit_code = None
         if "exit" in status and stopped is None:
@@ -326,7 +378,10 @@ class Server:
             exit_code = -status["signal"]
         error, layer = status.get("error"), status.get("layer")
         if error is None and stopped is None and exit_code is None:
-            error, layer = f"the sandbox's stage ended without a report (status {proc.returncode})", "stage"
+            error, layer = (
+                f"the sandbox's stage ended without a report (status {stage.proc.returncode})",
+                "stage",
+            )
         return {
             "stdout": out[1].decode("utf-8", errors="replace"),
             "stderr": out[2].decode("utf-8", errors="replace"),
@@ -341,12 +396,13 @@ class Server:
         }
 
     def _collect(
-        self, proc: subprocess.Popen, exited: Future, status_r: int, deadline: float, budget: int
+        self, stage: Stage, status_r: int, deadline: float, budget: int
     ) -> tuple[dict[int, bytes], dict, str | None]:
         """Read stdout, stderr and the status pipe until all close, or kill the stage (and so the
         sandbox) when the deadline passes ("timeout") or the output exceeds `budget` bytes ("output");
         ({1: stdout, 2: stderr}, status, why it was stopped or None). The stage is reaped before this
         returns."""
+        proc = stage.proc
         assert proc.stdout is not None and proc.stderr is not None
         out = {1: b"", 2: b""}
         status: dict = {}
@@ -374,18 +430,13 @@ class Server:
                         if len(chunk) > room:
                             stopped = "output"
             if stopped is not None:
-                proc.kill()  # not yet reaped, so the pid is still the stage's; its pid 1 dies with it
+                stage.kill()
         finally:
             sel.close()
             os.close(status_r)
             for pipe in (proc.stdout, proc.stderr):
                 pipe.close()
-        try:
-            wait_status = exited.result(timeout=KILL_GRACE_S)
-        except FutureTimeout:
-            proc.kill()
-            wait_status = exited.result()
-        proc.returncode = os.waitstatus_to_exitcode(wait_status)  # reaped: Popen must not wait for it
+        stage.wait(KILL_GRACE_S)
         for line in status_buf.split(b"\n"):
             if line.strip():
                 status.update(json.loads(line))
@@ -424,25 +475,35 @@ class Server:
         return layers
 
     def serve(self) -> None:
+        """Answer requests until stdin closes, then `stop`."""
         self.send({"hello": True, "layers": self.trial(), "landlock_abi": self.landlock_abi})
         for line in sys.stdin:
             if line.strip():
-                request = json.loads(line)
-                threading.Thread(target=self.handle, args=(request,), daemon=True).start()
+                call = threading.Thread(target=self.handle, args=(json.loads(line),), daemon=True)
+                self.calls = [c for c in self.calls if c.is_alive()] + [call]
+                call.start()
+        self.stop()
 
-
-def _exit_with(pid: int) -> None:
-    """End this process when process `pid` (the trainer) ends, however it ends."""
-    pidfd = os.pidfd_open(pid)
-    select.select([pidfd], [], [])
-    os._exit(0)
+    def stop_with(self, pid: int) -> None:
+        """`stop` and exit when process `pid` (the trainer) ends, however it ends."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        self.stop()
+        os._exit(0)
 
 
 def main(argv: list[str]) -> int:
     if len(argv) == 3 and argv[1] == "--stage":
         return stage_main(json.loads(argv[2]))
-    threading.Thread(target=_exit_with, args=(os.getppid(),), name="launcher-watch", daemon=True).start()
-    Server(json.loads(argv[1])).serve()
+    config = json.loads(argv[1])
+    server = Server(config)
+    trainer = config.get("trainer_pid") or os.getppid()
+    threading.Thread(target=server.stop_with, args=(trainer,), name="launcher-watch", daemon=True).start()
+    server.serve()
     return 0
 
 

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 LAUNCHER = Path(__file__).with_name("launcher.py")
 START_TIMEOUT_S = 60.0  # seconds the launcher may take to start and run its trial sandbox
 REPLY_SLACK_S = 15.0  # seconds past a call's timeout before the launcher is presumed stuck
+CLOSE_TIMEOUT_S = 10.0  # seconds the launcher may take to stop its sandboxes when closed
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,7 @@ class SandboxLauncher:
             "read_paths": interpreter_read_paths() if read_paths is None else list(read_paths),
             "uid_base": uid_base,
             "landlock_abi": landlock_abi,
+            "trainer_pid": os.getpid(),
         }
         self._proc = subprocess.Popen(
             [sys.executable, "-E", "-s", "-S", str(LAUNCHER), json.dumps(config)],
@@ -198,7 +200,7 @@ class SandboxLauncher:
             try:
                 self._proc.stdin.write((json.dumps(request) + "\n").encode())
                 self._proc.stdin.flush()
-            except OSError as err:
+            except (OSError, ValueError) as err:  # ValueError: closed
                 self._pending.pop(call_id, None)
                 raise ToolError(f"the sandbox launcher is gone: {err}") from None
         try:
@@ -228,9 +230,19 @@ class SandboxLauncher:
         )
 
     def close(self) -> None:
-        if self._proc.poll() is None:
+        """Stop the launcher: it kills its running sandboxes and removes their directories (killed after
+        CLOSE_TIMEOUT_S)."""
+        with self._lock:
+            if self._proc.stdin is not None and not self._proc.stdin.closed:
+                try:
+                    self._proc.stdin.close()  # end of requests: the launcher stops
+                except OSError:
+                    pass
+        try:
+            self._proc.wait(timeout=CLOSE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
             self._proc.kill()
-        self._proc.wait()
+            self._proc.wait()
         for pipe in (self._proc.stdin, self._proc.stdout):
             if pipe is not None:
                 pipe.close()

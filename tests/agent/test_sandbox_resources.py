@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_gptoss.agent import run_python
+from megatron_gptoss.agent import SandboxLauncher, run_python
 from megatron_gptoss.config import SandboxConfig
 
 LIMITS = SandboxConfig(cpu_s=5, processes=12)
@@ -142,3 +142,22 @@ def test_sandbox_directory_lives_below_temp_root_while_it_runs(sandbox_launcher,
     assert len(seen) == 1 and next(iter(seen)).startswith("sandbox-")
     assert box[0].exit_code == 0
     _host_clean(sandbox_launcher, limits)
+
+
+def test_closing_the_launcher_stops_its_sandboxes_and_removes_their_directories(limits):
+    launcher = SandboxLauncher()
+    box = []
+    thread = threading.Thread(
+        target=lambda: box.append(_run(launcher, "import time; time.sleep(30)", limits))
+    )
+    try:
+        thread.start()
+        deadline = time.monotonic() + 5.0
+        while not os.listdir(limits.temp_root) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+    finally:
+        launcher.close()
+    thread.join(timeout=10.0)
+    assert box and box[0].exit_code is None and box[0].error is not None  # answered, as an error
+    assert os.listdir(limits.temp_root) == [] and not launcher.alive
