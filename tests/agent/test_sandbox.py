@@ -1,12 +1,14 @@
 """The Python sandbox: each test runs hostile code and checks, from the trainer's side, that nothing
 reached the host and that the trainer and its launcher are unharmed."""
 
+import errno
 import json
 import os
 import secrets
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -239,9 +241,34 @@ SYSTEM_PYTHON = Path("/usr/bin/python3")
     reason="needs root (to start the launcher as another user), setpriv and a system python3",
 )
 def test_launcher_of_a_user_who_is_not_root():
-    """A trainer that is not root gets its sandboxes in user namespaces: the same refusals, and the
-    process limit counted inside the namespace (the trainer's own processes do not count)."""
-    config = {"python": str(SYSTEM_PYTHON), "read_paths": ["/usr"], "uid_base": SandboxConfig.uid_base}
+    """A trainer that is not root gets its sandboxes in user namespaces that map only the trainer's uid:
+    the same refusals, no root to regain, the trainer's own files it can see unchanged (read-only), and
+    the process limit counted inside the namespace (the trainer's own processes do not count)."""
+    visible = Path(tempfile.mkdtemp(prefix="sandbox-test-"))  # a directory user 65534 can enter
+    try:
+        os.chmod(visible, 0o755)
+        own_file = visible / "trainer_file"
+        own_file.write_text("trainer data")
+        os.chown(own_file, 65534, 65534)
+        before = os.stat(own_file)
+        _run_as_nobody(visible, own_file)
+        after = os.stat(own_file)
+        assert (after.st_mode, after.st_mtime_ns, after.st_ctime_ns) == (
+            before.st_mode,
+            before.st_mtime_ns,
+            before.st_ctime_ns,
+        )
+        assert own_file.read_text() == "trainer data" and os.listxattr(own_file) == []
+    finally:
+        shutil.rmtree(visible)
+
+
+def _run_as_nobody(visible: Path, own_file: Path) -> None:
+    config = {
+        "python": str(SYSTEM_PYTHON),
+        "read_paths": ["/usr", str(visible)],
+        "uid_base": SandboxConfig.uid_base,
+    }
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", str(SYSTEM_PYTHON)]
     command += ["-E", "-s", "-S", str(launcher_module.__file__), json.dumps(config)]
     proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={}, cwd="/")
@@ -249,6 +276,9 @@ def test_launcher_of_a_user_who_is_not_root():
         hello = json.loads(proc.stdout.readline())
         assert hello["layers"] == {"landlock": None, "seccomp": None, "user namespace": None}
         limits = {name: getattr(LIMITS, name) for name in SANDBOX_LIMITS}
+        tamper = "import os\n"
+        for call in ["chmod(F, 0o777)", "utime(F, (0, 0))", "setxattr(F, 'user.x', b'1')", "truncate(F, 0)"]:
+            tamper += f"try:\n    os.{call}\n    print('changed')\nexcept OSError as e:\n    print(e.errno)\n"
         codes = [
             "import os; print(os.getuid(), os.getpid())",
             f"open({str(Path(__file__).resolve())!r}).read()",
@@ -256,6 +286,9 @@ def test_launcher_of_a_user_who_is_not_root():
             "import os\nn = 0\nwhile True:\n    try:\n        pid = os.fork()\n"
             "    except OSError:\n        break\n"
             "    if pid == 0:\n        import time; time.sleep(30); os._exit(0)\n    n += 1\nprint(n)\n",
+            "import os\ntry:\n    os.setresuid(0, 0, 0)\n    print('root')\n"
+            "except OSError as e:\n    print(e.errno)\n",
+            tamper.replace("(F,", f"({str(own_file)!r},"),
         ]
         replies = []
         for i, code in enumerate(codes):
@@ -267,6 +300,8 @@ def test_launcher_of_a_user_who_is_not_root():
         assert "FileNotFoundError" in replies[1]["stderr"]  # the repository is not in its root
         assert "Address family not supported" in replies[2]["stderr"]
         assert 0 < int(replies[3]["stdout"]) < LIMITS.processes
+        assert replies[4]["stdout"] in {f"{errno.EINVAL}\n", f"{errno.EPERM}\n"}, replies[4]
+        assert replies[5]["stdout"].split() == [str(errno.EROFS)] * 4, replies[5]  # its own file, read-only
     finally:
         proc.kill()
         proc.wait()

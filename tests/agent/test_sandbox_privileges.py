@@ -156,6 +156,30 @@ def test_no_root_to_regain_and_threads_within_the_limit(launcher):
     assert _processes_of_uid(uid) == []
 
 
+def test_kernel_surfaces_refused(launcher):
+    code = textwrap.dedent(
+        """
+        import ctypes, errno, os, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        numbers = {"x86_64": (321, 425, 323), "aarch64": (280, 425, 282)}[platform.machine()]
+        params = (ctypes.c_uint32 * 30)()
+        calls = {
+            "unshare": lambda: libc.unshare(0x10000000),  # CLONE_NEWUSER
+            "mount": lambda: libc.mount(b"none", b"/tmp", b"tmpfs", 0, None),
+            "ptrace": lambda: libc.ptrace(0, 0, None, None),  # PTRACE_TRACEME
+            "bpf": lambda: libc.syscall(numbers[0], 0, None, 0),
+            "io_uring_setup": lambda: libc.syscall(numbers[1], 1, ctypes.byref(params)),
+            "userfaultfd": lambda: libc.syscall(numbers[2], 0),
+        }
+        for name, call in calls.items():
+            print(name, call(), errno.errorcode[ctypes.get_errno()])
+        """
+    )
+    result = _run(launcher, code)
+    assert result.exit_code == 0, result.stderr
+    assert [line.split(" ", 1)[1] for line in result.stdout.splitlines()] == ["-1 EPERM"] * 6, result.stdout
+
+
 def _processes_of_uid(uid: int) -> list[int]:
     found = []
     for entry in Path("/proc").iterdir():
