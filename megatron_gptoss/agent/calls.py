@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatron_gptoss.agent.arguments import check_arguments
@@ -128,20 +128,32 @@ def cut(text: str, max_chars: int) -> str:
 
 
 def run_call(
-    registry: ToolRegistry, call: ToolCall, *, timeout_s: float, budget_left: bool, max_chars: int
+    registry: ToolRegistry,
+    call: ToolCall,
+    *,
+    timeout_s: float,
+    budget_left: bool,
+    max_chars: int,
+    started: Callable[[], None] | None = None,
 ) -> ToolOutcome:
     """Check and run one call in this thread. Whatever the model got wrong (arguments nested deeper than
     MAX_ARGUMENT_DEPTH included), and whatever the tool raised, becomes an error outcome; only ToolError
     (the sandbox or a tool worker cannot run: not the model's doing) propagates. A user tool's worker is
     killed at `timeout_s` (a timeout outcome); an in-process function tool is not interrupted here:
-    ToolExecutor answers it at its timeout."""
+    ToolExecutor answers it at its timeout. `started()` is called when the tool begins to run (a user tool:
+    once its worker is ready), where the call's timeout starts."""
     start = time.monotonic()
     checked = check_call(registry, call, budget_left=budget_left)
     if isinstance(checked, ToolOutcome):
         return ToolOutcome(checked.text, checked.status, time.monotonic() - start)
     tool, arguments = checked
+    started = started or _nothing
     try:
-        text = tool.run(arguments, timeout_s)
+        if tool.reports_start:
+            text = tool.run(arguments, timeout_s, started)
+        else:
+            started()
+            text = tool.run(arguments, timeout_s)
     except ToolError:
         raise
     except ToolTimeout as err:
@@ -155,6 +167,10 @@ def run_call(
             f"error: {tool.name} failed: {type(err).__name__}: {err}", "error", time.monotonic() - start
         )
     return ToolOutcome(cut(text, max_chars), "ok", time.monotonic() - start)
+
+
+def _nothing() -> None:
+    pass
 
 
 def tool_result_tokens(

@@ -2,7 +2,8 @@
 
     submit(call) ──> a supervisor thread per call: waits for one of `max_concurrent` slots, runs the call in
                      a worker thread, and resolves the call's future with its outcome, or with a timeout
-                     outcome at `timeout_s` (the slot is freed then: a stuck tool never holds the others up)
+                     outcome `timeout_s` after the tool began to run (a user tool's worker may have to start
+                     first; the slot is freed then: a stuck tool never holds the others up)
 
 The python tool is stopped by its sandbox at the timeout (and answers with what it printed). Any other tool
 is answered as a timeout by the executor at `timeout_s` (counted as `abandoned`): a user tool
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from megatron_gptoss.agent.calls import ToolCall, ToolOutcome, run_call
-from megatron_gptoss.agent.tools import ToolRegistry
+from megatron_gptoss.agent.tools import WORKER_START_S, ToolRegistry
 from megatron_gptoss.config.agent import AgentConfig
 
 SANDBOX_GRACE_S = 2.0  # seconds a python call may answer past its timeout (the sandbox's start and stop)
@@ -108,9 +109,13 @@ class ToolExecutor:
                 self._metrics.peak_running = max(self._metrics.peak_running, self._running)
             try:
                 box: list = []
-                done = threading.Event()
-                worker = threading.Thread(target=self._work, args=(call, budget_left, box, done), daemon=True)
+                started, done = threading.Event(), threading.Event()
+                worker = threading.Thread(
+                    target=self._work, args=(call, budget_left, box, started, done), daemon=True
+                )
                 worker.start()
+                # a user tool's worker starts within WORKER_START_S, or the call raises ToolError
+                started.wait(WORKER_START_S + SANDBOX_GRACE_S)
                 # the sandbox stops python at timeout_s itself, and answers a moment later
                 finished = done.wait(
                     self.timeout_s + (SANDBOX_GRACE_S if call.recipient == "python" else 0.0)
@@ -129,7 +134,9 @@ class ToolExecutor:
             self._record(box[0], latency, abandoned=False)
             future.set_result(ToolOutcome(box[0].text, box[0].status, latency))
 
-    def _work(self, call: ToolCall, budget_left: bool, box: list, done: threading.Event) -> None:
+    def _work(
+        self, call: ToolCall, budget_left: bool, box: list, started: threading.Event, done: threading.Event
+    ) -> None:
         try:
             box.append(
                 run_call(
@@ -138,10 +145,12 @@ class ToolExecutor:
                     timeout_s=self.timeout_s,
                     budget_left=budget_left,
                     max_chars=self.max_chars,
+                    started=started.set,
                 )
             )
         except BaseException as err:  # ToolError, or a bug: re-raised in the caller through the future
             box.append(err)
+        started.set()
         done.set()
 
     def _record(self, outcome: ToolOutcome, latency: float, *, abandoned: bool) -> None:

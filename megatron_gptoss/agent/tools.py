@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from megatron_gptoss.agent import calculator
 from megatron_gptoss.agent.sandbox import PythonResult, SandboxLauncher, run_python
@@ -58,12 +58,15 @@ class ToolFailed(Exception):
 class Tool:
     """One tool. `name` is the recipient the model writes (`python`, `functions.lookup`); `run` takes the
     parsed arguments (a dict for a function tool, the code for python) and the timeout in seconds and
-    returns the text the model reads."""
+    returns the text the model reads. With `reports_start` (a user tool, whose worker may have to start
+    first) `run` takes a third argument, a function it calls once the tool begins to run: the call's
+    timeout counts from then."""
 
     name: str
     description: str
     parameters: Mapping[str, Any] | None
-    run: Callable[[Any, float], str]
+    run: Callable[..., str]
+    reports_start: bool = False
 
     @property
     def builtin(self) -> bool:
@@ -122,10 +125,10 @@ def user_tool(spec: Mapping[str, Any], where: str, workers: ToolWorkers) -> Tool
     resolve_function(spec["function"], f"{where}.function")
     name, function = f"functions.{spec['name']}", spec["function"]
 
-    def run(arguments: dict, timeout: float) -> str:
-        return workers.call(name, function, arguments, timeout)
+    def run(arguments: dict, timeout: float, started: Callable[[], None]) -> str:
+        return workers.call(name, function, arguments, timeout, started)
 
-    return Tool(name, spec.get("description", ""), spec.get("parameters"), run)
+    return Tool(name, spec.get("description", ""), spec.get("parameters"), run, reports_start=True)
 
 
 class _Stop(Exception):
@@ -224,13 +227,13 @@ def _kill_all(processes: set, owner: int) -> None:
 class ToolWorkers:
     """Worker processes running user function tools, one call at a time each; thread-safe.
 
-    `call(name, function, arguments, timeout)` takes an idle worker (or starts one: `python -I
-    tool_worker.py`, which imports every function of `functions` once), sends it the call and waits at
-    most `timeout` seconds, the worker's start included, for its answer:
+    `call(name, function, arguments, timeout, started)` takes an idle worker (or starts one: `python -I
+    tool_worker.py`, which imports every function of `functions` once), waits until it is ready, calls
+    `started()`, sends it the call and waits at most `timeout` seconds for its answer:
       - the function's text: returned (the worker is idle again);
       - it raised: ToolFailed("Type: message");
-      - the deadline passed: the worker is killed (with whatever it started), a replacement is started at
-        once, and ToolTimeout is raised; a worker still starting is kept for the next call instead;
+      - the timeout passed: the worker is killed (with whatever it started), a replacement is started at
+        once, and ToolTimeout is raised;
       - the worker died (os._exit, a crash): ToolFailed naming its exit status; a replacement is started.
     Raises ToolError (not the model's doing) when a worker cannot start or import the functions within
     WORKER_START_S; every later call then raises it at once. At most `max_idle` workers wait idle.
@@ -246,20 +249,26 @@ class ToolWorkers:
         self._broken: str | None = None
         self._finalizer = weakref.finalize(self, _kill_all, self._processes, os.getpid())
 
-    def call(self, name: str, function: str, arguments: Any, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
+    def call(
+        self,
+        name: str,
+        function: str,
+        arguments: Any,
+        timeout: float,
+        started: Callable[[], None] | None = None,
+    ) -> str:
         request = json.dumps({"function": function, "arguments": arguments}).encode() + b"\n"
         worker = self._take()
         try:
             if not worker.ready:
-                self._await_ready(worker, deadline)
+                self._await_ready(worker)
+            if started is not None:
+                started()
+            deadline = time.monotonic() + timeout
             worker.send(request, deadline)
             reply = worker.receive(deadline)
         except _Stop as stop:
-            if not worker.ready and not stop.died:  # still importing: kept, the call is answered
-                self._give_back(worker)
-            else:
-                self._retire(worker, replace=True)
+            self._retire(worker, replace=True)
             if not stop.died:
                 raise ToolTimeout(f"error: {name} timed out after {timeout:g} s") from None
             raise ToolFailed(
@@ -270,21 +279,17 @@ class ToolWorkers:
             raise ToolFailed(reply["error"])
         return reply["text"]
 
-    def _await_ready(self, worker: _Worker, deadline: float) -> None:
-        start_by = worker.started + WORKER_START_S
+    def _await_ready(self, worker: _Worker) -> None:
         try:
-            hello = worker.receive(min(deadline, start_by))
+            hello = worker.receive(worker.started + WORKER_START_S)
         except _Stop as stop:
-            if stop.died or time.monotonic() >= start_by:
-                self._fail(
-                    worker, f"a tool worker did not start within {WORKER_START_S:g} s ({_ended(stop.code)})"
-                )
-            raise
+            how = _ended(stop.code) if stop.died else "still starting"
+            self._fail(worker, f"a tool worker did not start within {WORKER_START_S:g} s ({how})")
         if not hello.get("ready"):
             self._fail(worker, f"a tool worker cannot import the user tools: {hello.get('error')}")
         worker.ready = True
 
-    def _fail(self, worker: _Worker, why: str) -> None:
+    def _fail(self, worker: _Worker, why: str) -> NoReturn:
         self._broken = why
         self._retire(worker, replace=False)
         raise ToolError(why)

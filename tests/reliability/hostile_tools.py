@@ -5,6 +5,9 @@ import os
 import re
 import signal
 import sys
+import time
+
+time.sleep(float(os.environ.get("HOSTILE_TOOLS_IMPORT_S", "0")))  # a slow import, where a test asks
 
 
 def hold_gil(pid_file: str) -> str:

@@ -5,7 +5,8 @@
 - a user tool holding the GIL is killed at `agent.tool_timeout_s` and answered as a timeout, while the
   trainer's threads keep running;
 - a user tool that ends its process (os._exit, SIGKILL) is an error observation naming how it ended, its
-  worker is replaced and the next call runs; sys.exit is an error observation too.
+  worker is replaced and the next call runs; sys.exit is an error observation too;
+- a worker's start (its imports) is not on the call's clock.
 """
 
 from __future__ import annotations
@@ -151,3 +152,15 @@ def test_sys_exit_in_a_tool_is_an_error_and_its_worker_stays(executor):
     outcome = executor.run(_call("functions.exit_politely", '{"code": 2}'))
     assert (outcome.status, outcome.text) == ("error", "error: functions.exit_politely failed: SystemExit: 2")
     assert executor.run(_call("functions.worker_pid", "{}")).text == worker
+
+
+def test_a_worker_start_is_not_on_the_call_clock(monkeypatch):
+    monkeypatch.setenv("HOSTILE_TOOLS_IMPORT_S", "1.5")  # this process imported them already
+    agent = AgentConfig(builtin_tools=[], tools=TOOLS[-1:], tool_timeout_s=0.5)
+    executor = ToolExecutor.from_config(ToolRegistry.from_config(agent, SandboxConfig()), agent)
+    try:
+        outcome = executor.run(_call("functions.worker_pid", "{}"))
+        assert outcome.status == "ok" and outcome.latency_s >= 1.5, outcome
+        assert executor.metrics().abandoned == 0
+    finally:
+        executor.close()
