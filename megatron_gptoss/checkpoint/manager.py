@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -56,18 +57,53 @@ def step_dir_name(step: int) -> str:
 _OS_ERRORS = {
     errno.ENOSPC: "disk full",
     errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit exceeded",
     errno.EACCES: "permission denied",
     errno.EPERM: "permission denied",
     errno.EROFS: "read-only file system",
 }
+WRITE_ERRNOS = frozenset(_OS_ERRORS)
 
 
 def describe_os_error(err: OSError, path: str | os.PathLike | None = None) -> str:
     """`err` in words a user acts on: "disk full writing <file>: [Errno 28] ...", "permission denied
-    writing <file>: ...", naming the file the error carries (else `path`)."""
+    writing <file>: ...", "file size limit exceeded (ulimit -f: N bytes) writing <file>: ...", naming the
+    file the error carries (else `path`)."""
     what = _OS_ERRORS.get(err.errno or 0, "cannot write")
+    if err.errno == errno.EFBIG:
+        what += f" ({file_size_limit()})"
     where = err.filename if err.filename is not None else path
     return f"{what} writing {where}: {err}" if where is not None else f"{what}: {err}"
+
+
+def file_size_limit() -> str:
+    """This process's file size limit (RLIMIT_FSIZE, `ulimit -f`) in words."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return "ulimit -f: unlimited" if soft == resource.RLIM_INFINITY else f"ulimit -f: {soft} bytes"
+
+
+# Free space below which a failed write is put down to a full disk.
+LOW_SPACE_BYTES = 1 << 30
+
+
+def write_limits(path: str | os.PathLike) -> str:
+    """What bounds a write under `path`, in words, the likely cause of a failed write first: this
+    process's file size limit when it has one, a file system with less than LOW_SPACE_BYTES free (a
+    library that writes through its own buffers may report either as a bare RuntimeError)."""
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError as err:
+        return f"free space of {where} unknown ({err}); {file_size_limit()}"
+    amount = f"{free / 2**30:.3g} GiB" if free >= 2**30 else f"{free / 2**20:.3g} MiB"
+    space = f"{amount} free on the file system of {where}"
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return f"likely cause: the file size limit of this process ({file_size_limit()}); {space}"
+    if free < LOW_SPACE_BYTES:
+        return f"likely cause: disk full ({space})"
+    return f"{space}; {file_size_limit()}"
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

@@ -4,13 +4,14 @@ stalls, and a graceful stop every rank agrees on.
     collective_timeout(seconds)    the `timeout` of init_process_group (gloo's default is 30 minutes)
     Watchdog(store, rank, world)   heartbeats through the rendezvous store; ends this process when another
                                    rank has not beaten for `stall_s` seconds
-    GracefulStop(group, device)    SIGTERM / SIGUSR1 or a stop file on any rank -> every rank stops at
-                                   the same step (`should_stop` is an all_reduce MAX)
+    GracefulStop(group, device)    SIGTERM / SIGUSR1 / SIGINT or a stop file on any rank -> every rank
+                                   stops at the same step (`should_stop` is an all_reduce MAX)
 
 Heartbeats, for a world of N ranks sharing one store (torchrun's, or the process group's):
 
-    rank r, thread "heartbeat"  every interval_s: store[watchdog/beat/r] = "<seq> <beats> <step>"
-                                (seq counts the thread's writes, beats the main loop's `beat(step)` calls)
+    rank r, thread "heartbeat"  every interval_s, and at once after each `beat(step)`:
+                                store[watchdog/beat/r] = "<seq> <beats> <step>" (seq counts the thread's
+                                writes, beats the main loop's `beat(step)` calls)
     rank r, thread "monitor"    every interval_s: one multi_get of the other ranks' keys; a rank whose seq
                                 has not changed for stall_s (stopped, dead, its host gone) or, with
                                 step_stall_s, whose beats have not changed for that long after its first
@@ -133,6 +134,7 @@ class Watchdog:
         self.store = dist.PrefixStore("watchdog", own)
         self._step, self._beats, self._seq = -1, 0, 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by beat(): the heartbeat thread publishes the step at once
         self._threads: list[threading.Thread] = []
 
     # ---------------------------------------------------------------------------------------------
@@ -147,12 +149,15 @@ class Watchdog:
         return self
 
     def beat(self, step: int) -> None:
-        """The main loop reached `step` (no store access here: the heartbeat thread publishes it)."""
+        """The main loop reached `step` (no store access here: the heartbeat thread, woken, publishes it
+        at once, so a rank stopped right after is reported with this step)."""
         self._step, self._beats = step, self._beats + 1
+        self._wake.set()
 
     def close(self) -> None:
         """Stop both threads and mark this rank done (the others no longer watch it)."""
         self._stop.set()
+        self._wake.set()
         for thread in self._threads:
             thread.join(timeout=self.stall_s)
         self._threads = []
@@ -174,7 +179,11 @@ class Watchdog:
 
     def _heartbeat_loop(self) -> None:
         failing = False
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)  # every interval_s, and at once after a beat
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._publish()
                 failing = False
@@ -263,8 +272,9 @@ class Watchdog:
 
 
 class GracefulStop:
-    """A graceful stop asked for by SIGTERM or SIGUSR1 to any rank, or by `stop_file` appearing (as seen
-    by any rank), agreed on by every rank of `group` so they all stop after the same step.
+    """A graceful stop asked for by SIGTERM, SIGUSR1 or SIGINT (Ctrl-C) to any rank, or by `stop_file`
+    appearing (as seen by any rank), agreed on by every rank of `group` so they all stop after the same
+    step. A second SIGINT, once a stop was asked, raises KeyboardInterrupt at once (nothing more is saved).
 
     Construct it in the main thread (signal handlers); `close` restores the previous handlers.
     `should_stop()` is a collective over `group` (one all_reduce MAX of one integer on `device`): call it
@@ -276,7 +286,7 @@ class GracefulStop:
         group: dist.ProcessGroup,
         device: torch.device,
         stop_file: str | Path | None = None,
-        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1),
+        signals: Sequence[signal.Signals] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT),
     ):
         self.group, self.device = group, device
         self.stop_file = Path(stop_file) if stop_file else None
@@ -285,6 +295,13 @@ class GracefulStop:
         self._previous = {sig: signal.signal(sig, self._ask) for sig in signals}
 
     def _ask(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT:
+            if self.reason:  # asked twice: the user does not want to wait for the step's end
+                raise KeyboardInterrupt
+            sys.stderr.write(
+                "interrupt: stopping after this step with a checkpoint (Ctrl-C again to stop at once, "
+                "unsaved)\n"
+            )
         self.reason = self.reason or signal.Signals(signum).name
 
     @property

@@ -15,7 +15,8 @@
   every `run.save_every` steps (> 0), at the last step (>= 0) and when a stop was asked (SIGTERM /
   SIGUSR1 to any rank, or `run.stop_file` appearing: every rank agrees after the same step, saves and
   leaves the loop).
-- finish: the background save awaited, the policy exported as HF (`run.export_hf`), plots.
+- finish: the background save awaited, the policy exported as HF (`run.export_hf`), plots; the result
+  says whether the run finished or stopped. A failed save names the free space and `ulimit -f`.
 - close: the log closed, the engine shut down (also after an error).
 """
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,10 +35,10 @@ from tqdm import tqdm
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer, RunState
-from megatron_gptoss.checkpoint.manager import MANIFEST
+from megatron_gptoss.checkpoint.manager import MANIFEST, write_limits
 from megatron_gptoss.checkpoint.run_dir import RunDir
 from megatron_gptoss.config import TrainConfig, config_to_dict
-from megatron_gptoss.errors import CorruptCheckpointError
+from megatron_gptoss.errors import CheckpointSaveError, CorruptCheckpointError
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.parallel.watchdog import GracefulStop
 from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard
@@ -63,6 +65,15 @@ class Stateful(Protocol):
     def close(self) -> None: ...
 
 
+class RunResult(dict[str, float]):
+    """A run's result metrics, with its `status` ("finished"; "stopped": a graceful stop saved a
+    checkpoint before the last step) and `step` (the last step run)."""
+
+    def __init__(self, metrics: dict[str, float], status: str, step: int):
+        super().__init__(metrics)
+        self.status, self.step = status, step
+
+
 class Cadence:
     """Checkpoints, logging, evaluation and stopping of one run (collective to build: every rank)."""
 
@@ -80,7 +91,7 @@ class Cadence:
         self.rank, self.out_dir = setup.dims.rank, Path(cfg.run.output_dir)
         if self.rank == 0:
             config = {"run_id": self.claim.run_id, **config_to_dict(cfg)}
-            (self.out_dir / "config.json").write_text(json.dumps(config, indent=2))
+            _write_text(self.out_dir / "config.json", json.dumps(config, indent=2))
         self.checkpointer = DistributedCheckpointer.for_run(cfg, setup.dims, run_id=self.claim.run_id)
         found = self.checkpointer.locate(cfg.run.resume)
         if found is None or cfg.model.lora.enabled:  # a checkpoint overwrites all of it (LoRA: the adapters)
@@ -98,6 +109,7 @@ class Cadence:
         assert world is not None
         self.stop = GracefulStop(world, device, cfg.run.stop_file or None)
         self.stopping = False
+        self.step = self.start  # the last step run
         self.evaluation: dict[str, float] = {}
         self._evaluate: Evaluation | None = None
         self._bar: tqdm | None = None
@@ -181,22 +193,36 @@ class Cadence:
             }
             state = RunState(step, data=data)
             modules, optimizers = self.setup.modules(), self.setup.group_optimizers()
-            if run.async_save and not last and not self.stopping:
-                self.checkpointer.save_async(step, modules, self.setup.optimizer, state, None, optimizers)
-            else:
-                self.checkpointer.save(step, modules, self.setup.optimizer, state, None, optimizers)
+            with self._saving():
+                if run.async_save and not last and not self.stopping:
+                    self.checkpointer.save_async(step, modules, self.setup.optimizer, state, None, optimizers)
+                else:
+                    self.checkpointer.save(step, modules, self.setup.optimizer, state, None, optimizers)
+        self.step = step
         if self.stopping and self.rank == 0:
             log.warning("stopped after step %d with a checkpoint; continue with --resume auto", step)
 
-    def finish(self, last: dict[str, float]) -> dict[str, float]:
-        """Wait for the background save, export, plot; the run's result."""
-        self.checkpointer.wait()
+    @contextmanager
+    def _saving(self) -> Iterator[None]:
+        """A failed checkpoint save says what bounds writes here (free space, `ulimit -f`): a full disk or a
+        file size limit reaches us from the checkpoint writer's own buffers as a bare RuntimeError."""
+        try:
+            yield
+        except CheckpointSaveError as err:
+            raise CheckpointSaveError(f"{err} [{write_limits(self.checkpointer.manager.root)}]") from err
+
+    def finish(self, last: dict[str, float]) -> RunResult:
+        """Wait for the background save, export, plot; the run's result: the last evaluation's metrics
+        (the last step's without evaluation), "stopped" after a graceful stop, else "finished"."""
+        with self._saving():
+            self.checkpointer.wait()
         if self.cfg.run.export_hf and not self.stopping:
             export_hf(self.setup, self.cfg, self.out_dir / "hf_final")
         if self.logger is not None:
             self.logger.close()
             plot_metrics(self.out_dir / "metrics.jsonl", self.out_dir / "metrics.png")
-        return self.evaluation if self._evaluate is not None else last
+        metrics = self.evaluation if self._evaluate is not None else last
+        return RunResult(metrics, "stopped" if self.stopping else "finished", self.step)
 
     def close(self) -> None:
         """Signal handlers restored, the log closed, the task's workers and the engine shut down (also
@@ -212,6 +238,14 @@ class Cadence:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _write_text(path: Path, text: str) -> None:
+    """`path.write_text(text)`, an OSError naming `path` (a failed write() names no file)."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(path)) from err
 
 
 def claim_output_dir(cfg: TrainConfig) -> RunDir:

@@ -44,22 +44,23 @@ from megatron_gptoss.rl.critic import critic_update
 from megatron_gptoss.rl.guards import drop_nonfinite_groups
 from megatron_gptoss.rl.kl_control import KLController
 from megatron_gptoss.trainer.agentic import AgentRollout, start_tools
-from megatron_gptoss.trainer.cadence import Cadence, claim_output_dir
+from megatron_gptoss.trainer.cadence import Cadence, RunResult, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
 from megatron_gptoss.trainer.rollouts import collect_rollouts
 from megatron_gptoss.trainer.session import check_memory, session
 
 
-def run(cfg: TrainConfig) -> dict[str, float]:
+def run(cfg: TrainConfig) -> RunResult:
     """Train (collective over the default process group, or a world of one made here); returns the last
-    evaluation's metrics (RL) or the last step's (SFT) on every rank. With rollout.bitwise_on_policy the
-    batch-invariant kernels run for the whole run, in the learner and the colocated engine alike."""
+    evaluation's metrics (RL) or the last step's (SFT) on every rank, with the run's `status` ("finished"
+    or "stopped") and last `step`. With rollout.bitwise_on_policy the batch-invariant kernels run for the
+    whole run, in the learner and the colocated engine alike."""
     with batch_invariant.enabled(cfg.rollout.bitwise_on_policy):
         return _run(cfg)
 
 
-def _run(cfg: TrainConfig) -> dict[str, float]:
+def _run(cfg: TrainConfig) -> RunResult:
     launcher = start_tools(cfg)  # the python tool's sandbox launcher, before CUDA
     with session(cfg.run) as run_session:
         device = run_session.device

@@ -58,7 +58,10 @@ def test_a_newest_checkpoint_without_manifest_is_named_when_skipped(tmp_path, ca
 
 def test_the_trainer_names_the_field_a_manifest_of_another_version_lacks(tmp_path):
     out = tmp_path / "run"
-    loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*TINY, f"run.output_dir={out}", "run.steps=1"]))
+    result = loop.run(
+        load_config(ROOT / "configs/demo_cpu.yaml", [*TINY, f"run.output_dir={out}", "run.steps=1"])
+    )
+    assert (result.status, result.step) == ("finished", 1)
     edit_manifest(out / "checkpoints" / "step_000001", "layout", FIELDS)  # as a manifest with no field list
     resumed = [*TINY, f"run.output_dir={out}", "run.steps=2", "run.resume=auto"]
     with pytest.raises(CorruptCheckpointError) as err:
