@@ -17,6 +17,12 @@ What is counted, for the heaviest pipeline rank (the one with the most bytes):
 Without an optimizer (forward + backward only) the gradients are the parameters' own bf16 `.grad`,
 allocated layer by layer during the backward, and the total is the peak of that walk.
 Not counted: the CUDA context and allocator fragmentation (reserved beyond allocated).
+
+With --rollout-rows, the embedded engine's paged KV cache for that many rows of --rollout-tokens tokens
+(prompt + response) is printed too, as the engine sizes it (`config.memory.kv_cache_bytes`, the same
+arithmetic the trainer uses to refuse a run that cannot fit):
+
+    python tools/estimate_memory.py --model gpt_oss_20b --gpus 1 --rollout-rows 256 --rollout-tokens 2048
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import itertools
 from dataclasses import dataclass
 
 from megatron_gptoss.config import MODEL_PRESETS, ModelConfig
+from megatron_gptoss.config.memory import kv_cache_bytes
 
 GIB = 1024**3
 
@@ -180,11 +187,30 @@ def main() -> None:
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
     parser.add_argument("--gpu-gib", type=float, default=80.0)
     parser.add_argument("--headroom", type=float, default=0.9, help="usable fraction of the GPU memory")
+    parser.add_argument("--rollout-rows", type=int, default=0, help="rows the engine generates at once")
+    parser.add_argument("--rollout-tokens", type=int, default=2048, help="prompt + response tokens per row")
+    parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size")
+    parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    parser.add_argument("--block-size", type=int, default=16, help="embedded.block_size")
+    parser.add_argument("--max-step-tokens", type=int, default=2048, help="embedded.max_step_tokens")
     args = parser.parse_args()
     config = MODEL_PRESETS[args.model]()
     print(
         f"{args.model}: {config.param_counts()['total'] / 1e9:.1f}B parameters; GiB per GPU (heaviest rank)"
     )
+    if args.rollout_rows:
+        cache = kv_cache_bytes(
+            config,
+            args.rollout_rows,
+            args.rollout_tokens,
+            dtype_bytes=2 if args.kv_dtype == "bfloat16" else 4,
+            block_size=args.block_size,
+            max_step_tokens=args.max_step_tokens,
+        )
+        print(
+            f"engine KV cache: {cache / args.engine_tp / GIB:.2f} GiB per engine rank (tp {args.engine_tp}) "
+            f"for {args.rollout_rows} rows of {args.rollout_tokens} tokens ({args.kv_dtype})"
+        )
     print(" gpus  tp  pp  ep   dp   weights gradients optimizer activations transient   total")
     if not args.search:
         layout = Layout(int(args.gpus), args.tp, args.pp, args.ep, args.vpp, sequence_parallel=args.tp > 1)
