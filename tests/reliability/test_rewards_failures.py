@@ -98,3 +98,15 @@ def test_a_run_on_a_raising_reward_stops_naming_it(tmp_path, caplog):
         "step_000001",
         "step_000002",
     ]
+
+
+def test_an_infinite_reward_is_kept_for_the_trainer_to_drop(caplog):
+    scorer = RewardScorer(RewardConfig(name="reward_fixtures:misbehave", workers=0))
+    scorer._fn = lambda messages, row: float("-inf")  # a user function in this process
+    with caplog.at_level(logging.WARNING, logger="megatron_gptoss.rewards.pool"):
+        rewards, metrics = scorer.score_batch([completion("x")] * 2, [row(), row()])
+    scorer.close()
+    assert rewards == [float("-inf")] * 2 and metrics["reward/nonfinite"] == 2.0
+    assert metrics["reward/mean"] == 0.0 and metrics["reward/failed"] == metrics["reward/rows"] == 2.0
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 1 and "returned a non-finite reward on row 0" in logged[0] and "-inf" in logged[0]
