@@ -192,9 +192,6 @@ class _Worker:
 
     def kill(self) -> None:
         _kill(self.process)
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                pipe.close()
 
 
 def _ready(fd: int, event: int, deadline: float) -> bool:
@@ -205,13 +202,17 @@ def _ready(fd: int, event: int, deadline: float) -> bool:
 
 
 def _kill(process: subprocess.Popen) -> None:
-    """SIGKILL to the worker's process group, then reap it (a reaped pid is never signalled again)."""
+    """SIGKILL to the worker's process group, then reap it (a reaped pid is never signalled again) and
+    close its pipes."""
     if process.poll() is None:
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
     process.wait()
+    for pipe in (process.stdin, process.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 def _ended(code: int | None) -> str:
