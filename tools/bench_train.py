@@ -47,6 +47,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train_peer import PEER_DEFECT, TORCHTITAN_VERSION, run_peer, time_steps, timing_summary  # noqa: E402
 from estimate_memory import GIB, Layout, estimate  # noqa: E402
+from step_probe import StepProbe  # noqa: E402
 
 from megatron_gptoss.config import OptimConfig, ParallelConfig, gpt_oss_120b  # noqa: E402
 from megatron_gptoss.ops import batch_invariant
@@ -236,8 +237,12 @@ def main() -> None:
         runner.forward_backward(packed, loss_fn)
 
     align = dist.barrier if world > 1 else None  # every rank's step starts together
-    step_times = time_steps(fwd_bwd_step, args.warmup, args.iters, device, prepare=zero, align=align)
+    probe = StepProbe(device)
+    step_times = time_steps(
+        fwd_bwd_step, args.warmup, args.iters, device, prepare=zero, align=align, probe=probe
+    )
     ours = timing_summary(step_times)
+    probe.report(step_times, "ours: forward + backward", print_fn=log)
     fwd_bwd = world_max(ours["median_s"], dims, device)
 
     # (3) optimizer step, gradients from one more backward before each
@@ -307,9 +312,12 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
         try:
+            peer_probe = StepProbe(device)
             peer = run_peer(
-                model_config=config, docs=docs, device=device, warmup=args.warmup, iters=args.iters
-            )
+                model_config=config, docs=docs, device=device, warmup=args.warmup, iters=args.iters,
+                probe=peer_probe,
+            )  # fmt: skip
+            peer_probe.report([t / 1e3 for t in peer["steps_ms"]], "peer: forward + backward", print_fn=log)
         except Exception as exc:  # the peer is another project's code: report its failure, keep our result
             traceback.print_exc()
             result["peer"] = {"name": f"torchtitan {TORCHTITAN_VERSION}", "error": repr(exc)}

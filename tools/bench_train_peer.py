@@ -78,13 +78,15 @@ def time_steps(
     device: torch.device,
     prepare: Callable[[], None] | None = None,
     align: Callable[[], None] | None = None,
+    probe=None,
 ) -> list[float]:
     """Wall time of `iters` calls of `step` after `warmup` untimed ones, the device synchronized around
     each; `prepare` (zeroing gradients) runs before each step, untimed. Python's garbage collector runs
     between steps, untimed, and is off during them (as trainers do: a collection inside a step stalls the
     host that feeds the GPU). `align` (a barrier across ranks) runs last before each step, untimed, so every
     rank's step starts together: without it a rank that starts early times its wait for the others at the
-    step's first collective."""
+    step's first collective. `probe` (a `step_probe.StepProbe`, or None) records each step's clocks and
+    allocator activity."""
     times = []
     for it in collect_between_steps(range(warmup + iters), every=1):
         if prepare is not None:
@@ -95,10 +97,16 @@ def time_steps(
             align()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+        if probe is not None:
+            probe.begin()
         start = time.perf_counter()
         step()
+        if probe is not None:
+            probe.launched()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if probe is not None:
+            probe.end()
         if it >= warmup:
             times.append(time.perf_counter() - start)
     return times
@@ -322,9 +330,11 @@ def run_peer(
     iters: int,
     seed: int = 0,
     compile_blocks: bool | None = None,
+    probe=None,
 ) -> dict:
     """Build the peer at `model_config`'s widths (a megatron_gptoss ModelConfig), time forward +
-    backward over one packed row of `docs`, and return the timing summary with the first loss."""
+    backward over one packed row of `docs`, and return the timing summary with the first loss (`probe`:
+    as in `time_steps`)."""
     config = peer_config(
         dim=model_config.hidden_size,
         hidden_dim=model_config.intermediate_size,
@@ -349,7 +359,9 @@ def run_peer(
     def step() -> None:
         losses.append(peer_step(model, tokens, positions, targets))
 
-    summary = timing_summary(time_steps(step, warmup, iters, device, prepare=zero))
+    times = time_steps(step, warmup, iters, device, prepare=zero, probe=probe)
+    summary = timing_summary(times)
+    summary["steps_ms"] = [round(t * 1e3, 2) for t in times]
     summary["loss"] = float(losses[0])
     if cuda:
         from torch.nn.attention.varlen import varlen_attn
