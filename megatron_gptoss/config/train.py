@@ -1,40 +1,28 @@
-"""Configuration of everything beside the model: layout, optimizer, PPO, rollout, environment, run."""
+"""Configuration of everything beside the model: layout, optimizer, PPO, rollout, SFT, and the whole
+`TrainConfig` (the environment and the run have their own modules: `config.env`, `config.run`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from megatron_gptoss.config.agent import AgentConfig, SandboxConfig
 from megatron_gptoss.config.algorithm import AlgorithmConfig
+from megatron_gptoss.config.checks import DTYPES, check_at_least, check_positive
 from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.config.env import EnvConfig
 from megatron_gptoss.config.model import ModelConfig
 from megatron_gptoss.config.moe import MoEReplayConfig
 from megatron_gptoss.config.reward import RewardConfig
+from megatron_gptoss.config.run import RunConfig
 from megatron_gptoss.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-tis", "geo-mis")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
-DTYPES = ("float32", "bfloat16")
-
-
-def check_at_least(section: str, part: object, minimum: float, *names: str) -> None:
-    """ConfigError naming `section.name` and its value when a field of `part` is below `minimum`."""
-    for name in names:
-        if getattr(part, name) < minimum:
-            raise ConfigError(f"{section}.{name} must be >= {minimum}, got {getattr(part, name)}")
-
-
-def check_positive(section: str, part: object, *names: str) -> None:
-    """ConfigError naming `section.name` and its value when a field of `part` is not > 0."""
-    for name in names:
-        if not getattr(part, name) > 0:
-            raise ConfigError(f"{section}.{name} must be > 0, got {getattr(part, name)}")
 
 
 @dataclass
@@ -256,59 +244,6 @@ class RolloutConfig:
             )
 
 
-@dataclass
-class EnvConfig:
-    """The verifiable task."""
-
-    # Task name (see megatron_gptoss.envs.TASKS).
-    name: str = "arithmetic"
-    # Largest operand of the arithmetic task.
-    max_operand: int = 9
-    # Operators used by the arithmetic task.
-    operators: str = "+-"
-    # Held-out prompts for evaluation.
-    eval_size: int = 64
-    # Seed of the prompt stream.
-    seed: int = 1234
-    # Seed choosing the held-out evaluation problems (apart from `seed`: runs share one eval set).
-    eval_seed: int = 0
-    # Reward partial credit (eos, well-formed number, closeness) below the 1.0 of an exact answer.
-    partial_credit: bool = True
-    # Weight of the closeness part of the partial credit (0 rewards only format and exact answers).
-    closeness_credit: float = 0.3
-    # Partial credit for the answer's leading characters written correctly (even without <eos>):
-    # prefix_credit x matched prefix length / answer length. Conditions the policy on the operands early.
-    prefix_credit: float = 0.0
-
-    def validate(self) -> None:
-        check_at_least("env", self, 1, "max_operand", "eval_size")
-        check_at_least("env", self, 0, "closeness_credit", "prefix_credit")
-        if not self.operators:
-            raise ConfigError("env.operators is empty: name at least one operator")
-        if self.name == "arithmetic":
-            check_arithmetic_size(self.max_operand, self.operators)
-
-
-# The arithmetic task lists every problem (a, op, b) in memory, about this many bytes each (measured).
-ARITHMETIC_BYTES_PER_PROBLEM = 400
-MAX_ARITHMETIC_PROBLEMS = 1_000_000
-
-
-def check_arithmetic_size(max_operand: int, operators: str) -> None:
-    """ConfigError when the arithmetic task would list more than MAX_ARITHMETIC_PROBLEMS problems (it holds
-    every one), naming the count and its estimated memory."""
-    ops = len(set(operators))
-    problems = ops * (max_operand + 1) ** 2
-    if problems > MAX_ARITHMETIC_PROBLEMS:
-        largest = math.isqrt(MAX_ARITHMETIC_PROBLEMS // ops) - 1
-        gib = problems * ARITHMETIC_BYTES_PER_PROBLEM / 2**30
-        raise ConfigError(
-            f"env.max_operand={max_operand} with {ops} operator(s) makes {problems:.3g} arithmetic problems, "
-            f"which the task holds in memory (about {gib:.3g} GiB); at most {MAX_ARITHMETIC_PROBLEMS} are "
-            f"allowed: env.max_operand <= {largest} with {ops} operator(s)"
-        )
-
-
 SFT_DATA = ("task", "conversations", "synthetic")
 
 
@@ -347,121 +282,6 @@ class SFTConfig:
             )
         if self.data == "synthetic" and not self.token_budget:
             raise ConfigError("sft.data='synthetic' needs sft.token_budget > 0 (tokens per micro-batch)")
-
-
-RUN_MODES = ("rl", "sft")
-
-
-@dataclass
-class RunConfig:
-    """The run: what it trains, length, precision, logging, checkpoints."""
-
-    # "rl": the RL loop (generate, score, PPO update, weight sync); "sft": supervised next-token training.
-    mode: str = "rl"
-    # Training steps (RL: one rollout batch each; SFT: one optimizer step each).
-    steps: int = 100
-    # Evaluate every this many steps (0: only at start and end; >= 0).
-    eval_every: int = 10
-    # Parameter dtype of the learner: "float32" or "bfloat16" (fp32 master weights either way).
-    dtype: str = "float32"
-    # Directory of metrics, plots and checkpoints.
-    output_dir: str = "outputs/run"
-    # Resumable checkpoints: > 0 every this many steps and after the last step, 0 only after the last step,
-    # < 0 never (benchmarks).
-    save_every: int = 0
-    # Resumable checkpoints kept (the newest complete ones; >= 1).
-    keep_last: int = 2
-    # Resume: "" starts fresh, "auto" takes the newest complete checkpoint in output_dir, or a path.
-    # A fresh run (resume "") into an output_dir holding another run's checkpoints is refused unless this is
-    # set; then those checkpoints are deleted and the metrics log restarts.
-    overwrite: bool = False
-    resume: str = ""
-    # Write checkpoints in a background thread (host copies first) so training goes on during the write.
-    async_save: bool = False
-    # Seed of model initialisation and sampling.
-    seed: int = 0
-    # Start from an HF GPT-OSS directory instead of a random initialisation.
-    init_from_hf: str = ""
-    # Torch intra-op threads on the CPU (0 leaves torch's default).
-    num_threads: int = 0
-    # Python's garbage collector: off during the steps and a full collection every this many steps, between
-    # them (a collection inside a step stalls the host that feeds the GPU); 0 leaves it to Python.
-    gc_every: int = 10
-    # Write TensorBoard events beside the JSONL log.
-    tensorboard: bool = True
-    # Show a progress bar.
-    progress: bool = True
-    # Write the final policy as an HF directory (bf16) to output_dir/hf_final at the end of the run.
-    export_hf: bool = True
-    # Stop gracefully (checkpoint at the end of the current step, exit 0) once this file exists; SIGTERM or
-    # SIGUSR1 to any rank does the same.
-    stop_file: str = ""
-    # Seconds a collective may wait for the other ranks before the run fails (a stalled or lost rank).
-    collective_timeout_s: float = 300.0
-    # Seconds without a heartbeat from a rank (stopped, dead, host lost) before every other rank ends the job
-    # with exit code 87 naming it (0: no watchdog; runs only where the trainer made the process group).
-    watchdog_stall_s: float = 120.0
-    # Seconds between heartbeats and between checks of the other ranks (< watchdog_stall_s / 2).
-    watchdog_interval_s: float = 5.0
-    # Seconds a rank's loop may go without a new step before the job is ended (0: off); must exceed the
-    # longest step, generation, evaluation and checkpoint save included.
-    watchdog_step_stall_s: float = 0.0
-    # Skipped steps in a row (non-finite loss or gradient norm) that stop the run with DivergenceError
-    # (0: never).
-    max_consecutive_skips: int = 5
-    # A finite |loss| above this stops the run without saving the step's weights.
-    max_loss: float = 1.0e4
-    # A finite gradient norm (before clipping) above this stops the run without saving the step's weights.
-    max_grad_norm: float = 1.0e6
-    # An update moving the weights by more than this fraction of their norm (||after - before|| / ||before||)
-    # stops the run without saving them (a learning rate that destroys the weights).
-    max_update_ratio: float = 1.0
-    # Steps in a row in which every reward of the step failed (the reward function raised, returned no finite
-    # number, timed out or killed its worker) that stop the run, naming the function (0: never).
-    max_reward_error_steps: int = 3
-
-    def validate(self) -> None:
-        check_positive("run", self, "steps")
-        check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every", "max_reward_error_steps")
-        check_at_least("run", self, 1, "keep_last")
-        if self.mode not in RUN_MODES:
-            raise ConfigError(f"run.mode={self.mode!r} not in {RUN_MODES}")
-        if not self.output_dir.strip():
-            raise ConfigError(
-                "run.output_dir is empty: name the run's own directory (it holds the run's lock, metrics and "
-                "checkpoints; '.' for the current directory)"
-            )
-        if self.collective_timeout_s <= 0:
-            raise ConfigError(f"run.collective_timeout_s must be > 0, got {self.collective_timeout_s}")
-        check_at_least("run", self, 0, "watchdog_stall_s", "watchdog_step_stall_s", "max_consecutive_skips")
-        check_positive("run", self, "watchdog_interval_s", "max_loss", "max_grad_norm", "max_update_ratio")
-        if self.watchdog_stall_s and self.watchdog_interval_s * 2 > self.watchdog_stall_s:
-            raise ConfigError(
-                f"run.watchdog_interval_s={self.watchdog_interval_s} must be at most half of "
-                f"run.watchdog_stall_s={self.watchdog_stall_s}"
-            )
-        self._check_watchdog_before_timeout()
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"run.dtype={self.dtype!r} not in {DTYPES}")
-
-    def _check_watchdog_before_timeout(self) -> None:
-        """The watchdog must name a stalled rank (within its stall bound plus two intervals) before a
-        collective times out on the others, which ends them in a timeout error that names no rank."""
-        if not self.watchdog_stall_s:
-            return
-        bounds = [("run.watchdog_stall_s", self.watchdog_stall_s)]
-        if self.watchdog_step_stall_s:
-            bounds.append(("run.watchdog_step_stall_s", self.watchdog_step_stall_s))
-        for name, stall in bounds:
-            needed = stall + 2 * self.watchdog_interval_s
-            if self.collective_timeout_s <= needed:
-                raise ConfigError(
-                    f"run.collective_timeout_s={self.collective_timeout_s} must exceed {name}={stall} + 2 x "
-                    f"run.watchdog_interval_s={self.watchdog_interval_s} (= {needed}): otherwise a stalled "
-                    "rank ends the job in a collective timeout that does not name it, before the watchdog "
-                    f"does. Raise run.collective_timeout_s or lower {name} (run.watchdog_stall_s=0 turns the "
-                    "watchdog off)"
-                )
 
 
 # Advantage estimators that compare a sample with the other samples of its prompt (a group of one has no
