@@ -99,19 +99,25 @@ class Children:
         with self._lock:  # held until the pid is registered: the reaper looks it up under the lock
             proc = subprocess.Popen(argv, **popen)  # type: ignore[call-overload]
             self._waiting[proc.pid] = exited
-            pidfd = os.pidfd_open(proc.pid)  # not reaped yet: the reaper waits for the lock
+            pidfd = os.pidfd_open(proc.pid)  # not reaped yet: the reaper reaps under the lock
         self._spawned.set()
         return Stage(proc, pidfd, exited)
 
     def _reap(self) -> None:
         while True:
             try:
-                pid, status = os.waitpid(-1, 0)
+                ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)  # a child ended, left unreaped
             except ChildProcessError:  # no child: wait for the next spawn
                 self._spawned.wait()
                 self._spawned.clear()
                 continue
+            if ended is None:
+                continue
             with self._lock:
+                try:
+                    pid, status = os.waitpid(ended.si_pid, 0)
+                except ChildProcessError:  # reaped by Popen itself (its exec failed)
+                    continue
                 exited = self._waiting.pop(pid, None)
             if exited is not None:
                 exited.set_result(status)

@@ -66,6 +66,11 @@ class SandboxConfig:
                 raise ConfigError(f"sandbox.{name} must be >= 1, got {getattr(self, name)}")
         if self.memory_bytes < 64 << 20:
             raise ConfigError(f"sandbox.memory_bytes={self.memory_bytes} is too small for an interpreter")
+        if self.disk_bytes < 1 << 20:
+            raise ConfigError(
+                f"sandbox.disk_bytes={self.disk_bytes} is too small: the sandbox's tmpfs holds its code "
+                "too (at least 1 MiB)"
+            )
         if self.processes < 2:
             raise ConfigError(
                 f"sandbox.processes must be >= 2 (the interpreter and one), got {self.processes}"

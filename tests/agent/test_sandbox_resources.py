@@ -13,6 +13,7 @@ import pytest
 
 from megatron_gptoss.agent import SandboxLauncher, run_python
 from megatron_gptoss.config import SandboxConfig
+from megatron_gptoss.errors import ConfigError
 
 LIMITS = SandboxConfig(cpu_s=5, processes=12)
 
@@ -118,6 +119,11 @@ def test_host_budgets_aio_and_inotify_refused(sandbox_launcher, limits):
     assert len(result.stdout.splitlines()) == 4
     assert int(open("/proc/sys/fs/aio-nr").read()) <= aio_before
     _host_clean(sandbox_launcher, limits)
+
+
+def test_disk_limit_too_small_for_the_code_refused():
+    with pytest.raises(ConfigError, match="sandbox.disk_bytes=4096 is too small"):
+        SandboxConfig(disk_bytes=4096).validate()
 
 
 def test_code_that_is_not_utf8_is_an_error_result(sandbox_launcher, limits):
