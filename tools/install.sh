@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install megatron-gptoss and what it needs into the current Python (CPU build of torch 2.13.0).
-# Usage: bash tools/install.sh [extras]   (extras default: dev)
+# Usage: bash tools/install.sh [extras]   (extras default: dev: the test tools, and the wandb and mlflow
+# trackers of run.loggers)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-dev}"

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_gptoss.config.checks import DTYPES, check_at_least, check_positive
+from megatron_gptoss.config.loggers import check_loggers
 from megatron_gptoss.errors import ConfigError
 
 RUN_MODES = ("rl", "sft")
@@ -45,7 +46,14 @@ class RunConfig:
     # Python's garbage collector: off during the steps and a full collection every this many steps, between
     # them (a collection inside a step stalls the host that feeds the GPU); 0 leaves it to Python.
     gc_every: int = 10
-    # Write TensorBoard events beside the JSONL log.
+    # Where each step's metrics go (rank 0): "jsonl" (output_dir/metrics.jsonl: always written, listed or
+    # not), "tensorboard" (output_dir/tensorboard), "wandb" (Weights & Biases: its run id is run.json's, so
+    # `--resume auto` continues it; WANDB_MODE=offline keeps it on disk, in output_dir/wandb), "mlflow"
+    # (MLflow: a local store, output_dir/mlflow.db, unless MLFLOW_TRACKING_URI names one). wandb and mlflow
+    # need the extras of the same names (pip install -e '.[wandb,mlflow]').
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    # TensorBoard events are written when this is true and run.loggers lists "tensorboard" (false turns
+    # them off whatever run.loggers says).
     tensorboard: bool = True
     # Show a progress bar.
     progress: bool = True
@@ -82,6 +90,7 @@ class RunConfig:
         check_positive("run", self, "steps")
         check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every", "max_reward_error_steps")
         check_at_least("run", self, 1, "keep_last")
+        check_loggers(self.loggers)
         if self.mode not in RUN_MODES:
             raise ConfigError(f"run.mode={self.mode!r} not in {RUN_MODES}")
         if not self.output_dir.strip():

@@ -5,7 +5,8 @@
 - start: the checkpoint located (`run.resume`: "" fresh, "auto" the newest verified one, or a path); the
   weights initialised only when nothing is resumed (with LoRA always: the checkpoint holds the adapters,
   the base comes from its source); the optimizer; the first weight sync; rank 0's
-  metrics log (restarted by a fresh run); signal handlers for a graceful stop.
+  metrics log (restarted by a fresh run) with the trackers of `run.loggers` (W&B, MLflow: their runs carry
+  the run's id, so a resumed run continues them); signal handlers for a graceful stop.
 - steps: the step numbers still to run (a progress bar on rank 0), after an evaluation at step 0.
 - end_step: the reward guard (`rewards.guard`: every reward of `run.max_reward_error_steps` steps in a row
   failed raises RewardError naming the function); the divergence guards (`rl.guards`: skipped steps
@@ -17,7 +18,8 @@
   leaves the loop).
 - finish: the background save awaited, the policy exported as HF (`run.export_hf`), plots; the result
   says whether the run finished or stopped. A failed save names the free space and `ulimit -f`.
-- close: the log closed, the engine shut down (also after an error).
+- close: the log closed (after an error, the trackers' runs marked failed), the engine shut down (also
+  after an error).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from megatron_gptoss.trainer.session import Session, from_rank0
 from megatron_gptoss.utils.host import collect_between_steps
 from megatron_gptoss.utils.metrics import MetricsLogger
 from megatron_gptoss.utils.plot import plot_metrics
+from megatron_gptoss.utils.trackers import open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +92,8 @@ class Cadence:
         self.rewards = RewardFailureGuard(cfg.reward.name, run.max_reward_error_steps)
         self.kl_ctrl = KLController(cfg.algorithm)  # the reward's KL coefficient travels with checkpoints
         self.rank, self.out_dir = setup.dims.rank, Path(cfg.run.output_dir)
+        config = {"run_id": self.claim.run_id, **config_to_dict(cfg)}
         if self.rank == 0:
-            config = {"run_id": self.claim.run_id, **config_to_dict(cfg)}
             _write_text(self.out_dir / "config.json", json.dumps(config, indent=2))
         self.checkpointer = DistributedCheckpointer.for_run(cfg, setup.dims, run_id=self.claim.run_id)
         found = self.checkpointer.locate(cfg.run.resume)
@@ -102,9 +105,11 @@ class Cadence:
             self.start = self._resume(found)
         setup.sync()
         resume_step = self.start + 1 if self.start else 0  # a fresh run starts a fresh log
-        self.logger = (
-            MetricsLogger(self.out_dir, cfg.run.tensorboard, resume_step) if self.rank == 0 else None
-        )
+        self.logger: MetricsLogger | None = None
+        if self.rank == 0:
+            tensorboard = cfg.run.tensorboard and "tensorboard" in cfg.run.loggers
+            trackers = open_trackers(cfg.run.loggers, self.out_dir, self.claim.run_id, config)
+            self.logger = MetricsLogger(self.out_dir, tensorboard, resume_step, trackers)
         world = dist.group.WORLD
         assert world is not None
         self.stop = GracefulStop(world, device, cfg.run.stop_file or None)
@@ -229,8 +234,8 @@ class Cadence:
         after an error)."""
         self.stop.close()
         self.task.close()
-        if self.logger is not None:
-            self.logger.close()
+        if self.logger is not None:  # still open only when `finish` did not run: the run failed
+            self.logger.close(failed=True)
         self.setup.shutdown()
 
     def __enter__(self) -> Cadence:

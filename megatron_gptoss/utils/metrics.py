@@ -1,4 +1,5 @@
-"""Per-step metrics: one JSON object per line in `<output_dir>/metrics.jsonl`, mirrored to TensorBoard.
+"""Per-step metrics: one JSON object per line in `<output_dir>/metrics.jsonl`, mirrored to TensorBoard and
+to experiment trackers (W&B, MLflow: `utils.trackers`).
 
 File format: each line is `{"step": <int>, "<name>": <float>, ...}`, names flat and slash-separated
 ("reward/train_mean", "mismatch/k3"), values floats (ints and bools converted). Non-finite values
@@ -12,9 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_gptoss.utils.trackers import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -23,17 +27,22 @@ TENSORBOARD_DIR = "tensorboard"
 
 
 class MetricsLogger:
-    """Append-only JSONL log of scalar metrics (and TensorBoard scalars when enabled).
+    """Append-only JSONL log of scalar metrics (and TensorBoard scalars when enabled, and `trackers`).
 
     On construction an existing `<output_dir>/metrics.jsonl` is kept: with `resume_step`, only its
     lines with step < resume_step survive (the run restarts at resume_step and rewrites the rest);
     without it, new lines are appended. TensorBoard events go to `<output_dir>/tensorboard`
     (purged from resume_step on); if TensorBoard cannot be imported, a warning is logged once
-    and only the JSONL is written.
+    and only the JSONL is written. Each of `trackers` receives what each line holds; one that raises is
+    reported in one line and dropped (the JSONL keeps every step); `close` closes them.
     """
 
     def __init__(
-        self, output_dir: str | os.PathLike, tensorboard: bool = True, resume_step: int | None = None
+        self,
+        output_dir: str | os.PathLike,
+        tensorboard: bool = True,
+        resume_step: int | None = None,
+        trackers: Sequence[Tracker] = (),
     ):
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -44,6 +53,7 @@ class MetricsLogger:
         self._writer = (
             _summary_writer(self.output_dir / TENSORBOARD_DIR, resume_step) if tensorboard else None
         )
+        self._trackers = list(trackers)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """Write one line for `step` and return the flat dict written (without "step").
@@ -62,21 +72,41 @@ class MetricsLogger:
         if self._writer is not None:
             for name, value in flat.items():
                 self._writer.add_scalar(name, value, int(step))
+        for tracker in list(self._trackers):
+            try:
+                tracker.log(int(step), flat)
+            except Exception as err:  # a tracker's failure (a server gone, say) does not stop training
+                logger.error(
+                    "%s failed at step %d and receives no more metrics (%s: %s); %s keeps every step",
+                    type(tracker).__name__, step, type(err).__name__, err, self.path,
+                )  # fmt: skip
+                self._trackers.remove(tracker)
+                _close_quietly(tracker, failed=True)
         return flat
 
-    def close(self) -> None:
-        """Flush and close the JSONL file and the TensorBoard writer; calling it again does nothing."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close the JSONL file, the TensorBoard writer and the trackers (`failed`: their runs are
+        marked failed); calling it again does nothing."""
         if not self._file.closed:
             self._file.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            _close_quietly(tracker, failed)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(failed=exc[0] is not None)
+
+
+def run_name(output_dir: str | os.PathLike) -> str:
+    """The name a run is shown under (plot titles, W&B, MLflow): its output directory's name, never the
+    machine's path to it."""
+    return Path(output_dir).resolve().name or "run"
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
@@ -143,6 +173,14 @@ def _parses(line: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
+
+
+def _close_quietly(tracker: Tracker, failed: bool) -> None:
+    """Close a tracker, reporting rather than raising its failure (the run's own outcome stands)."""
+    try:
+        tracker.close(failed)
+    except Exception as err:
+        logger.error("closing %s failed (%s: %s)", type(tracker).__name__, type(err).__name__, err)
 
 
 def _summary_writer(log_dir: Path, resume_step: int | None) -> Any:

@@ -4,7 +4,9 @@ python -m megatron_gptoss.utils.plot outputs/run/metrics.jsonl [outputs/run/metr
 python -m megatron_gptoss.utils.plot rl/metrics.jsonl both.png --before cold_start/metrics.jsonl
 
 With --before, the earlier runs' metrics (a supervised cold start, say) come first on one step axis: each
-run's steps follow the previous run's last step, and a dashed line marks where each run begins.
+run's steps follow the previous run's last step, and a dashed line marks where each run begins. The title
+(also the PNG's Title) names the runs by their directories' names (`plot_title`), never by the machine's
+paths.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import os
 from pathlib import Path
 
-from megatron_gptoss.utils.metrics import read_metrics
+from megatron_gptoss.utils.metrics import read_metrics, run_name
 
 # (title, y label, metric names, log y-axis when every value is positive). A panel lists every
 # name its quantity is logged under (the rl package's names beside the generic ones).
@@ -64,7 +66,8 @@ def plot_metrics(
     PANELS; given keys keep those groupings and any other key gets a panel of its own. Keys absent
     from the log, and non-finite values, are skipped. With nothing to plot the PNG says so.
     `before`: metrics logs of earlier runs, plotted first on the same step axis (`join_runs`), each
-    run's start marked. Uses matplotlib's Agg canvas directly (no pyplot state, no display needed).
+    run's start marked. The title, also the PNG's Title, is `plot_title(runs)`. Uses matplotlib's Agg canvas
+    directly (no pyplot state, no display needed).
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -89,7 +92,8 @@ def plot_metrics(
         wspace=0.38,
         hspace=0.5,
     )
-    fig.suptitle(" -> ".join(str(path) for path in paths), fontsize=10)
+    heading = plot_title(paths)
+    fig.suptitle(heading, fontsize=10)
     if not panels:
         fig.text(0.5, 0.5, "no metrics to plot", ha="center", va="center")
     plotted: list[str] = []
@@ -121,8 +125,14 @@ def plot_metrics(
         else:
             ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
     Path(png_path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png_path, dpi=100)
+    fig.savefig(png_path, dpi=100, metadata={"Title": heading})
     return plotted
+
+
+def plot_title(paths: list[str | os.PathLike]) -> str:
+    """The runs of the metrics logs `paths`, in order: each the name of the directory holding its log
+    ("cold_start -> rl"), which says which run it is without the machine's path to it."""
+    return " -> ".join(run_name(Path(path).parent) for path in paths)
 
 
 def join_runs(runs: list[list[dict]]) -> tuple[list[dict], list[int]]:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gptoss.utils.metrics import MetricsLogger, flatten_metrics, read_metrics
-from megatron_gptoss.utils.plot import DEFAULT_KEYS, join_runs, plot_metrics
+from megatron_gptoss.utils.plot import DEFAULT_KEYS, join_runs, plot_metrics, plot_title
 
 pytest.importorskip("matplotlib.backends.backend_agg")
 
@@ -129,3 +129,18 @@ def test_runs_join_on_one_step_axis(tmp_path):
     png = tmp_path / "both.png"
     plotted = plot_metrics(rl / "metrics.jsonl", png, before=[cold / "metrics.jsonl"])
     assert set(plotted) == {"reward/train_mean", "loss/total"} and png.stat().st_size > 10_000
+
+
+def test_plot_title_names_runs_not_paths(tmp_path, monkeypatch):
+    """The title (and the PNG's Title) names each run by its directory, not by where it lies: the demo
+    drivers plot runs kept in temporary directories."""
+    from PIL import Image
+
+    cold, rl = tmp_path / "cold_start", tmp_path / "rl"
+    _log_steps(cold, range(2))
+    _log_steps(rl, range(2))
+    png = tmp_path / "both.png"
+    plot_metrics(rl / "metrics.jsonl", png, before=[cold / "metrics.jsonl"])
+    assert Image.open(png).text["Title"] == "cold_start -> rl"
+    monkeypatch.chdir(rl)  # a log named relative to the working directory: the directory's name
+    assert plot_title(["metrics.jsonl"]) == "rl"
