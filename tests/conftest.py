@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 

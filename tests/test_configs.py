@@ -8,17 +8,14 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.parallel.dims import validate_layout  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.config import load_config
+from megatron_gptoss.parallel.dims import validate_layout
+from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 # the world size each config is written for

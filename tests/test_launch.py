@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_logs import logged
+from helpers.run_logs import logged
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/layouts/tiny_tp2_pp2_cpu.yaml"

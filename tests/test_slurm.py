@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_logs import logged
+from helpers.run_logs import logged
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "launch/slurm_train.sbatch"

@@ -7,4 +7,6 @@ python3 -m ruff check megatron_gptoss tests tools launch
 python3 -m ruff format --check megatron_gptoss tests tools launch
 python3 -m mypy megatron_gptoss
 lint-imports  # the package layers (pyproject.toml, docs/architecture.md)
-python3 -m pytest -q -ra --durations=15 "$@"
+# Each test folder in its own process (each must pass alone), then the slowest tests of all; arguments
+# go to pytest, and test paths among them run just those paths.
+python3 tools/run_tests.py "$@"

@@ -2,7 +2,7 @@
 sandbox launcher for the module."""
 
 import pytest
-from harmony_encoding import load_reference
+from helpers.harmony_encoding import load_reference
 
 from megatron_gptoss.agent import SandboxLauncher
 

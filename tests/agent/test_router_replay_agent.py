@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from router_ties import tied
+from helpers.router_ties import tied
 from test_loop_engine import LOOKUP, TEST_FORMAT
 
 from megatron_gptoss.agent import TOOL, AgentLoop, ToolExecutor, ToolRegistry

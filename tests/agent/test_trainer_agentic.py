@@ -15,19 +15,15 @@ norms agree to float32 reduction order."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.harness import pool
+from scripted_policy import write_scripted_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import pool  # noqa: E402
-from scripted_policy import write_scripted_checkpoint  # noqa: E402
-
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.config import load_config
+from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 2

@@ -9,17 +9,14 @@ from its whole-trajectory record), against world 1 re-generating."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.harness import pool
+from scripted_policy import write_scripted_checkpoint
+from test_trainer_agentic import STEPS, metrics, problems, train
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-from scripted_policy import write_scripted_checkpoint  # noqa: E402
-from test_trainer_agentic import STEPS, metrics, problems, train  # noqa: E402
-
-from megatron_gptoss.config import ConfigError, load_config  # noqa: E402
+from megatron_gptoss.config import ConfigError, load_config
 
 R3 = ["moe.router_replay=r3"]
 REGEN = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing

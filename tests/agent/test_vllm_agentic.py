@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scripted_policy import write_scripted_checkpoint  # noqa: E402
-from test_trainer_agentic import STEPS, overrides, problems  # noqa: E402
+from scripted_policy import write_scripted_checkpoint
+from test_trainer_agentic import STEPS, overrides, problems
 
 pytest.importorskip("vllm")
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ bound `bridge.export` states: one bucket on dst plus the transfers in flight, fa
 
 import pytest
 import torch
-from bridge_layouts import LAYOUTS, export_layout, measure_layout
-from vllm_helpers import seeded_learner, train_steps, vllm_tiny_config
+from helpers.bridge_layouts import LAYOUTS, export_layout, measure_layout
+from helpers.vllm_checks import seeded_learner, train_steps, vllm_tiny_config
 
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout

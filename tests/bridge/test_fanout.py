@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_layouts import LAYOUTS, _rss, _stages
-from harness import pool
-from vllm_helpers import CORRUPTIONS, max_delta
+from helpers.bridge_layouts import LAYOUTS, _rss, _stages
+from helpers.harness import pool
+from helpers.vllm_checks import CORRUPTIONS, max_delta
 
 from megatron_gptoss.bridge.fanout import FanoutExporter
 from megatron_gptoss.bridge.plan import EngineLayout

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from bridge_layouts import export_layout
+from helpers.bridge_layouts import export_layout
 
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout

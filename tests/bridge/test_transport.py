@@ -5,8 +5,8 @@ feeds the embedded engine in a second process, whose log-probs then equal the le
 import pytest
 import torch
 import torch.distributed as dist
-from bridge_layouts import POOL_TIMEOUT, _stages
-from harness import pool
+from helpers.bridge_layouts import POOL_TIMEOUT, _stages
+from helpers.harness import pool
 
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout

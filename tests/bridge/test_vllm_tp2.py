@@ -4,7 +4,7 @@ learner's log-probs; a wrong export is caught. One engine for the whole module."
 
 import pytest
 import torch
-from vllm_helpers import (
+from helpers.vllm_checks import (
     CORRUPTIONS,
     TOLERANCE,
     fixed_sequences,

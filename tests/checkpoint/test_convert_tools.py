@@ -13,29 +13,23 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.harness import pool
+from helpers.hf_checkpoints import write_mxfp4_checkpoint
+from helpers.sharded import build_dims, tiny_config
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import build_dims, tiny_config  # noqa: E402
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.checkpoint.dist_boxes import Box  # noqa: E402
-from megatron_gptoss.checkpoint.dist_convert import dist_to_hf, hf_to_dist  # noqa: E402
-from megatron_gptoss.checkpoint.dist_planner import Piece, write_virtual_ranks  # noqa: E402
-from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer  # noqa: E402
-from megatron_gptoss.checkpoint.manager import CheckpointManager  # noqa: E402
-from megatron_gptoss.config import ConfigError, OptimConfig, ParallelConfig  # noqa: E402
-from megatron_gptoss.errors import (
-    CheckpointError,  # noqa: E402
-    CorruptCheckpointError,  # noqa: E402
-)
-from megatron_gptoss.hf import iter_hf_tensors, load_hf, save_hf  # noqa: E402
+from megatron_gptoss.checkpoint.dist_boxes import Box
+from megatron_gptoss.checkpoint.dist_convert import dist_to_hf, hf_to_dist
+from megatron_gptoss.checkpoint.dist_planner import Piece, write_virtual_ranks
+from megatron_gptoss.checkpoint.distributed import DistributedCheckpointer
+from megatron_gptoss.checkpoint.manager import CheckpointManager
+from megatron_gptoss.config import ConfigError, OptimConfig, ParallelConfig
+from megatron_gptoss.errors import CheckpointError, CorruptCheckpointError
+from megatron_gptoss.hf import iter_hf_tensors, load_hf, save_hf
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0
@@ -103,8 +97,6 @@ def test_bf16_round_trip_is_bitwise_and_loads_in_transformers(converted):
 
 
 def test_mxfp4_round_trip_equals_the_dequantized_weights(tmp_path):
-    from test_mxfp4 import write_mxfp4_checkpoint
-
     source = write_mxfp4_checkpoint(tiny_model(seed=4), tmp_path / "mxfp4")
     hf_to_dist(
         source, tmp_path / "dist", ParallelConfig(expert_model_parallel_size=2), 2, **OURS, progress=False

@@ -27,27 +27,25 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from helpers.harness import pool
+from helpers.reference_learner import MasterWeightAdamW
+from helpers.sharded import build_dims, reference_model, rel_err, tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from common import build_dims, reference_model, rel_err, tiny_config  # noqa: E402
-from harness import pool  # noqa: E402
-from reference_learner import MasterWeightAdamW  # noqa: E402
-
-from megatron_gptoss.checkpoint.dist_boxes import shard_spec_of  # noqa: E402
-from megatron_gptoss.checkpoint.dist_planner import CheckpointReader  # noqa: E402
-from megatron_gptoss.checkpoint.distributed import (  # noqa: E402
+from megatron_gptoss.checkpoint.dist_boxes import shard_spec_of
+from megatron_gptoss.checkpoint.dist_planner import CheckpointReader
+from megatron_gptoss.checkpoint.distributed import (
     CheckpointSaveError,
     DistributedCheckpointer,
     RunState,
 )
-from megatron_gptoss.checkpoint.manager import CheckpointManager  # noqa: E402
-from megatron_gptoss.config import OptimConfig  # noqa: E402
-from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
-from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel  # noqa: E402
-from megatron_gptoss.parallel.loading import init_parallel  # noqa: E402
-from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans  # noqa: E402
-from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard  # noqa: E402
-from megatron_gptoss.rl.ppo_loss import loss_denominators  # noqa: E402
+from megatron_gptoss.checkpoint.manager import CheckpointManager
+from megatron_gptoss.config import OptimConfig
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel
+from megatron_gptoss.parallel.loading import init_parallel
+from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans
+from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard
+from megatron_gptoss.rl.ppo_loss import loss_denominators
 
 WORLD, LAYERS, SEED, BUDGET, STEPS = 4, 2, 0, 32, 4
 OPTIM = OptimConfig(lr=1e-3, weight_decay=0.1, clip_grad=0.5)
@@ -383,7 +381,7 @@ def test_another_model_shape_or_vocabulary_is_refused(tmp_path):
 
 _KILLED_SAVE = """
 import sys
-sys.path[:0] = [sys.argv[2], sys.argv[3], sys.argv[4]]
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
 import torch.distributed as dist
 import test_distributed as t
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".init", rank=0, world_size=1)
@@ -394,7 +392,7 @@ t.run_case({}, True, sys.argv[1], 2, {"save_at": (1, 2), "hang_in_save_at": 2})
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint_for_resume_auto(tmp_path, reference):
     root = tmp_path / "ckpt"
     here = Path(__file__).resolve().parent
-    args = [str(root), str(here), str(here.parent / "parallel"), str(here.parent)]
+    args = [str(root), str(here), str(here.parent)]  # this folder, and tests/ for `helpers`
     proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, *args], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"

@@ -2,7 +2,7 @@
 0.0.11 under tools/install.sh), reading the o200k_base vocabulary written offline from quicktok's."""
 
 import pytest
-from harmony_encoding import load_reference
+from helpers.harmony_encoding import load_reference
 
 
 @pytest.fixture(scope="session")

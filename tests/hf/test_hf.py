@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_reference import hf_twin, rel_err
+from helpers.hf_reference import hf_twin, rel_err
 from safetensors.torch import load_file, save_file
 
 import megatron_gptoss

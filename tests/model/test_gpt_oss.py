@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from hf_reference import hf_twin, rel_err
-from triton_cpu import interpreted
+from helpers.hf_reference import hf_twin, rel_err
+from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.model import build_model

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hf_reference import rel_err
+from helpers.hf_reference import rel_err
 
 from megatron_gptoss.model import logprobs, token_logprobs
 

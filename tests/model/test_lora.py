@@ -9,9 +9,9 @@ import dataclasses
 
 import pytest
 import torch
-from hf_reference import hf_twin
+from helpers.hf_reference import hf_twin
+from helpers.triton_cpu import interpreted
 from torch.func import functional_call
-from triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig

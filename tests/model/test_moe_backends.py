@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from triton_cpu import interpreted
+from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.model.moe import MoE

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import rel_err
-from triton_cpu import needs_triton
+from helpers.hf_reference import rel_err
+from helpers.triton_cpu import needs_triton
 
 from megatron_gptoss.model import logprobs, token_logprobs
 from megatron_gptoss.ops import fused_logprobs

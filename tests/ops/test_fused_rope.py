@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cpu import needs_triton
+from helpers.triton_cpu import needs_triton
 
 from megatron_gptoss.config import gpt_oss_20b
 from megatron_gptoss.model.rope import RotaryEmbedding, apply_rotary

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cpu import needs_triton
+from helpers.triton_cpu import needs_triton
 
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.ops import fused_sampling

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from tests.rollout.helpers_engine import engine_of, perturbed_learner
-from triton_cpu import interpreted
+from helpers.embedded_engine import engine_of, perturbed_learner
+from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.config.lora import LoRAConfig

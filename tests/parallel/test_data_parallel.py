@@ -7,9 +7,10 @@ import copy
 import logging
 
 import torch
-from common import build_dims, tiny_config
-from harness import pool
-from test_layouts import BUDGET, DOCS, OPTIM, batch_of, build_stages, check_layout, full_params, loss_of
+from helpers.harness import pool
+from helpers.sharded import build_dims, tiny_config
+from helpers.stages import build_stages, full_params
+from test_layouts import BUDGET, DOCS, OPTIM, batch_of, check_layout, loss_of
 
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, grad_group
 from megatron_gptoss.parallel.pipeline import PipelineRunner

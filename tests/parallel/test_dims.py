@@ -1,7 +1,7 @@
 """Layout arithmetic (no processes) and group construction on gloo."""
 
 import pytest
-from harness import pool
+from helpers.harness import pool
 
 from megatron_gptoss.config import ConfigError, ParallelConfig, gpt_oss_tiny
 from megatron_gptoss.parallel.dims import Layout, ParallelDims, validate_layout

@@ -5,7 +5,8 @@ load-balancing loss."""
 import pytest
 import torch
 import torch.distributed as dist
-from common import (
+from helpers.harness import pool
+from helpers.sharded import (
     POOL_TIMEOUT,
     assert_all_close,
     build_dims,
@@ -20,7 +21,6 @@ from common import (
     tiny_config,
     training_errors,
 )
-from harness import pool
 from test_tensor_parallel import VOCAB, training_steps
 from torch import nn
 

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from common import build_dims, reference_model, rel_err, tiny_config
-from harness import pool
-from reference_learner import MasterWeightAdamW
+from helpers.harness import pool
+from helpers.reference_learner import MasterWeightAdamW
+from helpers.sharded import build_dims, reference_model, rel_err, tiny_config
+from helpers.stages import build_stages, full_params, reduced_full_grads
 from torch import Tensor
 
 from megatron_gptoss.config import OptimConfig
-from megatron_gptoss.model.gpt_oss import GPTOSSModel
-from megatron_gptoss.parallel.apply import parallelize
-from megatron_gptoss.parallel.data_parallel import DistributedOptimizer, apply_data_parallel
-from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans
-from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard
-from megatron_gptoss.parallel.tensor_parallel import is_partial_over_tp
+from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
+from megatron_gptoss.parallel.pipeline import PipelineRunner
 from megatron_gptoss.rl.ppo_loss import loss_denominators
 
 SEED = 0
@@ -85,45 +82,6 @@ def reference_run(layers: int, docs: list[list[list[int]]], steps: int = 2) -> d
             lp, ent = model.token_logprobs(model.hidden_states(b["input_ids"]), b["targets"], TEMPERATURE)
             out["logprobs"].append((lp * b["valid"], ent * b["valid"]))
     return out
-
-
-def build_stages(config, dims, cfg, counts=None) -> tuple[list[GPTOSSModel], list]:
-    """This rank's parallelised stage models, loaded with their shards of the reference model."""
-    ref = reference_model(SEED, config)
-    full = dict(ref.named_parameters())
-    plans = stage_plans(dims, config.num_layers, counts)
-    models = []
-    for plan in plans:
-        model = parallelize(build_stage_model(config, plan), dims, cfg)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(local_shard(full[name], get_shard(p), dims, config.padded_vocab_size(dims.tp)))
-        models.append(apply_data_parallel(model, dims))
-    return models, plans
-
-
-@torch.no_grad()
-def reduced_full_grads(models, dims) -> dict[str, Tensor]:
-    """The data-parallel reduction of every local gradient (a copy of `main_grad`, or of `.grad`
-    without a DistributedOptimizer), gathered to full shape."""
-    out = {}
-    for model in models:
-        for name, p in model.named_parameters():
-            g = getattr(p, "main_grad", p.grad).clone()
-            if is_partial_over_tp(p) and dims.tp > 1:
-                dist.all_reduce(g, group=dims.group("tp"))
-            kind = "edp" if ".mlp.experts." in name else "dp"
-            dist.all_reduce(g, group=dims.group(kind))
-            out[name] = gather_full(g, get_shard(p), dims, VOCAB)
-    return out
-
-
-def full_params(models, dims) -> dict[str, Tensor]:
-    return {
-        n: gather_full(p.detach(), get_shard(p), dims, VOCAB).float()
-        for model in models
-        for n, p in model.named_parameters()
-    }
 
 
 def run_layout(parallel: dict, layers: int, docs: list[list[list[int]]], options: dict) -> dict:

@@ -1,13 +1,13 @@
 """An HF checkpoint (bf16, or MXFP4 experts) loaded straight into a parallel layout, every rank reading
 only its slices, equals the single-process model sharded through the ShardSpec tags, bit for bit."""
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from common import build_dims, reference_model, tiny_config
-from harness import pool
+from helpers.harness import pool
+from helpers.hf_checkpoints import write_mxfp4_checkpoint
+from helpers.sharded import build_dims, reference_model, tiny_config
 
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf import load_hf, save_hf
@@ -16,9 +16,6 @@ from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel, materialize
 from megatron_gptoss.parallel.pipeline import StagePlan, build_stage_model, stage_plans
 from megatron_gptoss.parallel.sharding import gather_full, get_shard, local_shard
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf.test_mxfp4 import write_mxfp4_checkpoint  # noqa: E402
 
 LAYERS = 4
 

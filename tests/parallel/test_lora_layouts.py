@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from common import POOL_TIMEOUT, build_dims, reference_model, rel_err, tiny_config
-from harness import pool
-from reference_learner import MasterWeightAdamW
-from test_layouts import BUDGET, DOCS, OPTIM, SEED, TEMPERATURE, batch_of, build_stages, loss_of
+from helpers.harness import pool
+from helpers.reference_learner import MasterWeightAdamW
+from helpers.sharded import POOL_TIMEOUT, build_dims, reference_model, rel_err, tiny_config
+from helpers.stages import build_stages
+from test_layouts import BUDGET, DOCS, OPTIM, SEED, TEMPERATURE, batch_of, loss_of
 
 from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig
 from megatron_gptoss.model.lora import is_adapter_param

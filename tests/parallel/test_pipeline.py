@@ -4,10 +4,11 @@
 
 import pytest
 import torch
-from common import VOCAB_PARAMS, build_dims, reference_model, rel_err, tiny_config
-from harness import pool
-from reference_learner import accumulate_gradients, prepare
-from test_layouts import BUDGET, SEED, TEMPERATURE, build_stages, check_layout, reduced_full_grads
+from helpers.harness import pool
+from helpers.reference_learner import accumulate_gradients, prepare
+from helpers.sharded import VOCAB_PARAMS, build_dims, reference_model, rel_err, tiny_config
+from helpers.stages import build_stages, reduced_full_grads
+from test_layouts import BUDGET, SEED, TEMPERATURE, check_layout
 
 from megatron_gptoss.config import ConfigError, PPOConfig
 from megatron_gptoss.parallel.pipeline import (

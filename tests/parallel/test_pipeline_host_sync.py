@@ -5,7 +5,7 @@ and a step runs with the device-side boundary derivation disabled; the results e
 formulas bitwise."""
 
 import torch
-from common import tiny_config
+from helpers.sharded import tiny_config
 
 import megatron_gptoss.parallel.pipeline as pipeline
 from megatron_gptoss.config import ParallelConfig

@@ -3,7 +3,8 @@ every gradient, parameters after two AdamW steps, the RL log-prob path and the l
 
 import pytest
 import torch
-from common import (
+from helpers.harness import pool
+from helpers.sharded import (
     POOL_TIMEOUT,
     assert_all_close,
     build_dims,
@@ -18,7 +19,6 @@ from common import (
     tiny_config,
     training_errors,
 )
-from harness import pool
 
 from megatron_gptoss.config import ConfigError, ParallelConfig
 from megatron_gptoss.model import build_model

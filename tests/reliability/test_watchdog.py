@@ -17,11 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.parallel.watchdog import (  # noqa: E402
+from megatron_gptoss.parallel.watchdog import (
     STALL_EXIT_CODE,
     GracefulStop,
     Watchdog,

@@ -5,29 +5,25 @@ single-process value model."""
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers.harness import pool
+from helpers.sharded import build_dims, reference_model, rel_err, tiny_config
+from helpers.stages import reduced_full_grads
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from common import build_dims, reference_model, rel_err, tiny_config  # noqa: E402
-from harness import pool  # noqa: E402
-from test_layouts import reduced_full_grads  # noqa: E402
-
-from megatron_gptoss.config import AlgorithmConfig, PPOConfig  # noqa: E402
-from megatron_gptoss.model.value import VALUE_HEAD, ValueModel  # noqa: E402
-from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
-from megatron_gptoss.parallel.data_parallel import apply_data_parallel  # noqa: E402
-from megatron_gptoss.parallel.pipeline import PipelineRunner, stage_plans  # noqa: E402
-from megatron_gptoss.parallel.sharding import get_shard, local_shard  # noqa: E402
-from megatron_gptoss.rl.advantages import explained_variance, gae, masked_whiten, token_rewards  # noqa: E402
-from megatron_gptoss.rl.batch import build_batch, packed_logprobs  # noqa: E402
-from megatron_gptoss.rl.critic import critic_gradients, value_loss  # noqa: E402
-from megatron_gptoss.rl.learner import prepare_with  # noqa: E402
-from megatron_gptoss.rl.parallel_learner import ParallelPolicy  # noqa: E402
-from megatron_gptoss.rl.ppo_loss import loss_denominators  # noqa: E402
+from megatron_gptoss.config import AlgorithmConfig, PPOConfig
+from megatron_gptoss.model.value import VALUE_HEAD, ValueModel
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.data_parallel import apply_data_parallel
+from megatron_gptoss.parallel.pipeline import PipelineRunner, stage_plans
+from megatron_gptoss.parallel.sharding import get_shard, local_shard
+from megatron_gptoss.rl.advantages import explained_variance, gae, masked_whiten, token_rewards
+from megatron_gptoss.rl.batch import build_batch, packed_logprobs
+from megatron_gptoss.rl.critic import critic_gradients, value_loss
+from megatron_gptoss.rl.learner import prepare_with
+from megatron_gptoss.rl.parallel_learner import ParallelPolicy
+from megatron_gptoss.rl.ppo_loss import loss_denominators
 
 SEED, LAYERS, VOCAB, CLIP = 0, 4, 96, 0.2
 PPO = PPOConfig(num_micro_batches=2)

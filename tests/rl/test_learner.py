@@ -6,9 +6,9 @@ tokens. The parallel policy runs the same pieces (tests/rl/test_parallel_learner
 import dataclasses
 
 import pytest
-import reference_learner as learner
 import torch
-from hf_reference import rel_err
+from helpers import reference_learner as learner
+from helpers.hf_reference import rel_err
 
 from megatron_gptoss.config import OptimConfig, PPOConfig, gpt_oss_tiny
 from megatron_gptoss.model import build_model

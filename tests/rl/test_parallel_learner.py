@@ -6,24 +6,19 @@ pipeline, tensor / sequence, expert and data parallel layouts with uneven rows p
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import reference_learner as learner
+from helpers.harness import pool
+from helpers.reference_learner import MasterWeightAdamW
+from helpers.sharded import build_dims, reference_model, rel_err, tiny_config
+from helpers.stages import build_stages, full_params
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-import reference_learner as learner  # noqa: E402
-from common import build_dims, reference_model, rel_err, tiny_config  # noqa: E402
-from harness import pool  # noqa: E402
-from reference_learner import MasterWeightAdamW  # noqa: E402
-from test_layouts import build_stages, full_params  # noqa: E402
-
-from megatron_gptoss.config import OptimConfig, PPOConfig  # noqa: E402
-from megatron_gptoss.parallel.data_parallel import DistributedOptimizer  # noqa: E402
-from megatron_gptoss.parallel.pipeline import PipelineRunner  # noqa: E402
-from megatron_gptoss.rl import parallel_learner  # noqa: E402
-from megatron_gptoss.rl.batch import RolloutBatch, build_batch  # noqa: E402
+from megatron_gptoss.config import OptimConfig, PPOConfig
+from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
+from megatron_gptoss.parallel.pipeline import PipelineRunner
+from megatron_gptoss.rl import parallel_learner
+from megatron_gptoss.rl.batch import RolloutBatch, build_batch
 
 SEED, REF_SEED, LAYERS, VOCAB = 0, 5, 4, 96
 TEMPERATURE = 0.8

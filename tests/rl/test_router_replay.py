@@ -11,27 +11,22 @@ Single process (the gates' gradient against float64) and on 4 gloo ranks under e
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.harness import pool
+from helpers.router_ties import DELTA, tied
+from helpers.sharded import build_dims, reference_model, tiny_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from common import build_dims, reference_model, tiny_config  # noqa: E402
-from harness import pool  # noqa: E402
-from router_ties import DELTA, tied  # noqa: E402
-
-from megatron_gptoss.config import PPOConfig  # noqa: E402
-from megatron_gptoss.config.model import ModelConfig  # noqa: E402
-from megatron_gptoss.config.moe import MoEReplayConfig  # noqa: E402
-from megatron_gptoss.model.gpt_oss import GPTOSSModel  # noqa: E402
-from megatron_gptoss.model.moe import Router, no_route  # noqa: E402
-from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
-from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans  # noqa: E402
-from megatron_gptoss.parallel.sharding import get_shard, local_shard  # noqa: E402
-from megatron_gptoss.rl import parallel_learner  # noqa: E402
-from megatron_gptoss.rl.batch import RolloutBatch, build_batch, packed_logprobs  # noqa: E402
+from megatron_gptoss.config import PPOConfig
+from megatron_gptoss.config.model import ModelConfig
+from megatron_gptoss.config.moe import MoEReplayConfig
+from megatron_gptoss.model.gpt_oss import GPTOSSModel
+from megatron_gptoss.model.moe import Router, no_route
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.pipeline import PipelineRunner, build_stage_model, stage_plans
+from megatron_gptoss.parallel.sharding import get_shard, local_shard
+from megatron_gptoss.rl import parallel_learner
+from megatron_gptoss.rl.batch import RolloutBatch, build_batch, packed_logprobs
 
 SEED, LAYERS, VOCAB, TEMPERATURE, GROUP = 3, 2, 96, 1.0, 2
 PPO = PPOConfig(correction_mode="none")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from helpers_engine import CONFIG, engine_of, perturbed_learner
+from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
 
 from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig
 from megatron_gptoss.errors import EngineError

@@ -4,26 +4,21 @@ those of the single-process engine holding the merged weights W + scale * B A; s
 touch the shared base (level 2 drops only the engine's adapters, refilled by the next adapter sync), and
 the engine refuses to write a shared tensor."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.config import ParallelConfig, gpt_oss_tiny  # noqa: E402
-from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig  # noqa: E402
-from megatron_gptoss.errors import CheckpointError, EngineError  # noqa: E402
-from megatron_gptoss.hf.convert import iter_hf_tensors  # noqa: E402
-from megatron_gptoss.model import build_model  # noqa: E402
-from megatron_gptoss.model.lora import base_config, is_adapter_param  # noqa: E402
-from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
-from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
-from megatron_gptoss.parallel.sharding import get_shard, local_shard  # noqa: E402
-from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams  # noqa: E402
-from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine  # noqa: E402
+from megatron_gptoss.config import ParallelConfig, gpt_oss_tiny
+from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig
+from megatron_gptoss.errors import CheckpointError, EngineError
+from megatron_gptoss.hf.convert import iter_hf_tensors
+from megatron_gptoss.model import build_model
+from megatron_gptoss.model.lora import base_config, is_adapter_param
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.sharding import get_shard, local_shard
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
 CONFIG = gpt_oss_tiny(lora=LoRAConfig(rank=2, alpha=3.0, targets=list(LORA_TARGETS)))
 SEQUENCES = [[5, 17, 3, 40, 2, 2, 9, 61, 7, 7, 30], [11, 8, 8, 90, 12, 1]]

@@ -3,21 +3,16 @@ batch slots than prompts, rows stopping apart, and ranks of one expert-parallel 
 prompts (one finishes early and joins the other's steps with padding), every rank's generations equal the
 single-process engine's; tp2 sessions extended with outside tokens equal the single-process sessions."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402  (the pools the parallel tests share)
-
-from megatron_gptoss.config import EmbeddedEngineConfig, ParallelConfig, gpt_oss_tiny  # noqa: E402
-from megatron_gptoss.hf.convert import iter_hf_tensors  # noqa: E402
-from megatron_gptoss.model import build_model  # noqa: E402
-from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
-from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams  # noqa: E402
-from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine  # noqa: E402
+from megatron_gptoss.config import EmbeddedEngineConfig, ParallelConfig, gpt_oss_tiny
+from megatron_gptoss.hf.convert import iter_hf_tensors
+from megatron_gptoss.model import build_model
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
 CONFIG = gpt_oss_tiny(num_experts=8)
 OPTIONS = dict(max_batch_slots=2, block_size=4, max_step_tokens=5)

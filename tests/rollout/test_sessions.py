@@ -3,7 +3,7 @@ router replay, and sleep / wake freeing the cache and the weights."""
 
 import pytest
 import torch
-from helpers_engine import CONFIG, engine_of, perturbed_learner
+from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
 
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.engine_api import SessionEngine

@@ -4,7 +4,7 @@ convention; wrong exports are caught; incomplete updates are refused. One engine
 
 import pytest
 import torch
-from vllm_helpers import (
+from helpers.vllm_checks import (
     CORRUPTIONS,
     TOLERANCE,
     fixed_sequences,

@@ -8,17 +8,14 @@ never stopped."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.trainer import colocated, loop  # noqa: E402
+from megatron_gptoss.config import load_config
+from megatron_gptoss.trainer import colocated, loop
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/layouts/tiny_rl_tp2_pp2_cpu.yaml"

@@ -6,17 +6,14 @@ policy's loss, equal the uninterrupted run's to float32 rounding."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.config import load_config
+from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=4", "run.tensorboard=false",

@@ -12,22 +12,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.harness import pool
 from torch.distributed.checkpoint import FileSystemReader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.checkpoint.lora import load_policy  # noqa: E402
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.hf.names import match_ours, to_hf  # noqa: E402
-from megatron_gptoss.model.lora import adapters_disabled  # noqa: E402
-from megatron_gptoss.trainer import colocated, loop  # noqa: E402
+from megatron_gptoss.checkpoint.lora import load_policy
+from megatron_gptoss.config import load_config
+from megatron_gptoss.hf.names import match_ours, to_hf
+from megatron_gptoss.model.lora import adapters_disabled
+from megatron_gptoss.trainer import colocated, loop
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs/layouts/tiny_rl_tp2_pp2_cpu.yaml"

@@ -8,17 +8,14 @@ the learner's (max |delta| <= 1e-6) and the on-policy ratio is exactly 1."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.harness import pool
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
-from harness import pool  # noqa: E402
-
-from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.config import load_config
+from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["rollout.prompts_per_step=6", "rollout.n_samples_per_prompt=4", "run.tensorboard=false",

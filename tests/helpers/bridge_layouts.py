@@ -1,4 +1,4 @@
-"""Exports of one learner from several parallel layouts, run on pools of gloo ranks (`parallel/harness`).
+"""Exports of one learner from several parallel layouts, run on pools of gloo ranks (`helpers.harness`).
 
 The test process builds the learner (seeded, trained two steps) and hands its full weights to every rank;
 each rank keeps its pipeline stages' shards (`parallelize`, `local_shard`), then all ranks run the
@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "parallel"))
-from harness import pool  # noqa: E402  (the pools the parallel tests share)
-
-from megatron_gptoss.bridge.export import WeightExporter  # noqa: E402
-from megatron_gptoss.bridge.plan import EngineLayout  # noqa: E402
-from megatron_gptoss.config import ModelConfig, ParallelConfig  # noqa: E402
-from megatron_gptoss.model import GPTOSSModel  # noqa: E402
-from megatron_gptoss.parallel.apply import parallelize  # noqa: E402
-from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
-from megatron_gptoss.parallel.pipeline import build_stage_model, stage_plans  # noqa: E402
-from megatron_gptoss.parallel.sharding import get_shard, local_shard  # noqa: E402
+from helpers.harness import pool
+from megatron_gptoss.bridge.export import WeightExporter
+from megatron_gptoss.bridge.plan import EngineLayout
+from megatron_gptoss.config import ModelConfig, ParallelConfig
+from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.parallel.apply import parallelize
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.pipeline import build_stage_model, stage_plans
+from megatron_gptoss.parallel.sharding import get_shard, local_shard
 
 # name -> (world size, Megatron-named layout)
 LAYOUTS: dict[str, tuple[int, dict[str, int]]] = {

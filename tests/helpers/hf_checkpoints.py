@@ -1,0 +1,39 @@
+"""HF checkpoint directories written the way the released gpt-oss checkpoints are."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import save_file
+
+from megatron_gptoss.hf import iter_hf_tensors, quantize_mxfp4
+
+
+def write_mxfp4_checkpoint(model, path, scales_apart: bool = False):
+    """An HF directory as the released checkpoints are: expert weights as MXFP4 blocks/scales (quantized
+    along their input dimension), everything else bf16. With `scales_apart`, every `_scales` tensor is
+    in a second shard, away from its blocks."""
+    path.mkdir()
+    shards: dict[str, dict[str, torch.Tensor]] = {"model-00001-of-00002.safetensors": {}}
+    shards["model-00002-of-00002.safetensors"] = {}
+    first, second = list(shards)
+    for name, tensor in iter_hf_tensors(model, model.config):
+        if name.endswith(("gate_up_proj", "down_proj")):
+            blocks, scales = quantize_mxfp4(tensor.transpose(1, 2))
+            shards[first][name + "_blocks"] = blocks.contiguous()
+            shards[second if scales_apart else first][name + "_scales"] = scales.contiguous()
+        else:
+            shards[first][name] = tensor.to(torch.bfloat16).contiguous()
+    weight_map = {}
+    for file, tensors in shards.items():
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = model.config.to_hf_config()
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
