@@ -23,6 +23,7 @@ that raises while logging is reported once and dropped; metrics.jsonl keeps ever
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import re
@@ -55,11 +56,13 @@ class Tracker(Protocol):
 
 def import_extra(logger: str, module: str) -> ModuleType:
     """`import module` for tracker `logger` (a key of config.loggers.EXTRAS); ConfigError of one line naming
-    the extra when it cannot be imported."""
+    the extra when it is not installed, or the import's error when it is installed but fails to import."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise ConfigError(missing_package_message(logger, module)) from err
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(missing_package_message(logger, module)) from err
+        raise ConfigError(f"run.loggers lists {logger!r}, but importing {module!r} failed: {err}") from err
 
 
 def open_trackers(
