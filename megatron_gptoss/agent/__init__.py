@@ -4,10 +4,17 @@ plumbing that turns a tool call the model wrote into the tokens of its result.
 Public API:
 
     Sandbox (megatron_gptoss.agent.sandbox)
-      run_python(code, *, timeout_s, limits=None, launcher=None) -> PythonResult
-          PythonResult(stdout, stderr, exit_code: int | None, timed_out, truncated, wall_s)
+      run_python(code, *, timeout_s, limits=None, launcher=None) -> PythonResult   (never raises for
+          anything the code does; ToolError only when the sandbox cannot run on this machine)
+          PythonResult(stdout, stderr, exit_code: int | None, timed_out, truncated, out_of_memory,
+                       out_of_disk, wall_s, error: str | None)   error: a failure outside the code's control
       start_launcher(uid_base=...) -> SandboxLauncher   start the sandbox launcher now (before CUDA)
+      SandboxLauncher(uid_base, python, read_paths=None, landlock_abi=None)   read_paths: host paths bound read-only
+          into every sandbox (default: the interpreter's installation and the system libraries);
+          landlock_abi: a cap below the kernel's (simulates an older kernel)
       SandboxLauncher.layers: {layer: None if it works here, else why not}
+      SandboxLauncher.check(limits): ToolError for a missing layer or a Landlock ABI below the minimum
+          (unless limits.allow_weak_kernel)
 
     Tools (megatron_gptoss.agent.tools)
       Tool(name, description, parameters, run)   name is the recipient: "python", "functions.NAME"

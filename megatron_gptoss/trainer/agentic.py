@@ -34,7 +34,9 @@ from megatron_gptoss.trainer.engines import EmbeddedHost
 
 def start_tools(cfg: TrainConfig) -> SandboxLauncher | None:
     """The sandbox launcher when the rollouts offer the python tool (None otherwise), started now: call it
-    before CUDA is initialised. Raises ToolError naming every isolation layer this machine lacks."""
+    before CUDA is initialised. Raises ToolError naming every isolation layer this machine lacks, or the
+    protections a Landlock ABI below the minimum lacks (unless `sandbox.allow_weak_kernel`), before any
+    step runs."""
     if not (cfg.agent.enabled and "python" in cfg.agent.builtin_tools):
         return None
     launcher = start_launcher(cfg.sandbox.uid_base)
@@ -44,6 +46,7 @@ def start_tools(cfg: TrainConfig) -> SandboxLauncher | None:
             "refusing to run the python tool: sandbox layers missing on this machine: "
             + "; ".join(f"{name}: {why}" for name, why in missing.items())
         )
+    launcher.check(cfg.sandbox)
     return launcher
 
 
