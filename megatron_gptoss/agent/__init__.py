@@ -9,9 +9,9 @@ Public API:
           PythonResult(stdout, stderr, exit_code: int | None, timed_out, truncated, out_of_memory,
                        out_of_disk, wall_s, error: str | None)   error: a failure outside the code's control
       start_launcher(uid_base=...) -> SandboxLauncher   start the sandbox launcher now (before CUDA)
-      SandboxLauncher(uid_base, python, read_paths=None, landlock_abi=None)   read_paths: host paths bound read-only
-          into every sandbox (default: the interpreter's installation and the system libraries);
-          landlock_abi: a cap below the kernel's (simulates an older kernel)
+      SandboxLauncher(uid_base, python, read_paths=None, landlock_abi=None)
+          read_paths: host paths bound read-only into every sandbox (default: the interpreter's
+          installation and the system libraries); landlock_abi: a cap below the kernel's (an older kernel)
       SandboxLauncher.layers: {layer: None if it works here, else why not}
       SandboxLauncher.check(limits): ToolError for a missing layer or a Landlock ABI below the minimum
           (unless limits.allow_weak_kernel)
