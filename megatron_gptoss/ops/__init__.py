@@ -1,5 +1,6 @@
 """Kernels with PyTorch references: sink-aware attention (eager, flex, triton, fa4 backends)."""
 
+from megatron_gptoss.ops import interpreter  # noqa: F401  (the CPU interpreter's row-invariant dot)
 from megatron_gptoss.ops.sink_attention import (
     BACKENDS,
     AttentionInputError,
