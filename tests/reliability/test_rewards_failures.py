@@ -8,18 +8,15 @@ from __future__ import annotations
 import json
 import logging
 import math
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.reward_rows import completion
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rewards"))  # reward_fixtures, for the workers
-from helpers_rewards import completion  # noqa: E402
-
-from megatron_gptoss.config import RewardConfig, load_config  # noqa: E402
-from megatron_gptoss.rewards import RewardScorer  # noqa: E402
-from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard  # noqa: E402
-from megatron_gptoss.trainer import loop  # noqa: E402
+from megatron_gptoss.config import RewardConfig, load_config
+from megatron_gptoss.rewards import RewardScorer
+from megatron_gptoss.rewards.guard import RewardError, RewardFailureGuard
+from megatron_gptoss.trainer import loop
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +28,9 @@ def row(do: str | None = None) -> dict:
 def test_the_first_failure_of_each_kind_is_logged_once_with_its_traceback(caplog):
     actions = [None, "raise", "raise", "text", "nan", "die", "nan", None]
     with caplog.at_level(logging.WARNING, logger="megatron_gptoss.rewards.pool"):
-        with RewardScorer(RewardConfig(name="reward_fixtures:misbehave", workers=1, timeout_s=20)) as scorer:
+        with RewardScorer(
+            RewardConfig(name="helpers.reward_fixtures:misbehave", workers=1, timeout_s=20)
+        ) as scorer:
             rewards, metrics = scorer.score_batch([completion("x")] * len(actions), [row(a) for a in actions])
             scorer.score_batch([completion("x")] * 2, [row("raise"), row("nan")])  # kinds already logged
     assert rewards[0] == rewards[7] == 1.0 and rewards[1:4] == [0.0] * 3 and rewards[5] == 0.0
@@ -44,7 +43,7 @@ def test_the_first_failure_of_each_kind_is_logged_once_with_its_traceback(caplog
     assert metrics["reward/rows"] == 8.0 and metrics["reward/mean"] == pytest.approx(2 / 6)
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 4, lines  # raised, bad value, non-finite, died: each once
-    assert all(line.startswith("reward function 'reward_fixtures:misbehave' ") for line in lines)
+    assert all(line.startswith("reward function 'helpers.reward_fixtures:misbehave' ") for line in lines)
     raised = next(line for line in lines if " raised on row 1 " in line)
     assert "RuntimeError: boom" in raised and "Traceback (most recent call last)" in raised
     assert 'raise RuntimeError("boom")' in raised  # the user's own line
@@ -79,14 +78,16 @@ def test_a_run_on_a_raising_reward_stops_naming_it(tmp_path, caplog):
     train.write_text("".join(json.dumps(r) + "\n" for r in rows))
     overrides = [
         "model.preset=gpt_oss_tiny", "model.vocab_size=201088", "model.max_position_embeddings=512",
-        "env.name=dataset", f"data.train_files=[{train}]", "reward.name=reward_fixtures:misbehave",
+        "env.name=dataset", f"data.train_files=[{train}]", "reward.name=helpers.reward_fixtures:misbehave",
         "reward.workers=1", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
         "rollout.max_new_tokens=4", "run.eval_every=0", "run.progress=false", "run.tensorboard=false",
         "run.export_hf=false", "run.steps=5", "run.save_every=1", f"run.output_dir={tmp_path / 'out'}",
     ]  # fmt: skip
     with caplog.at_level(logging.WARNING), pytest.raises(RewardError) as err:
         loop.run(load_config(ROOT / "configs/demo_cpu.yaml", overrides))
-    assert "reward function 'reward_fixtures:misbehave' failed on every row of 3 steps" in str(err.value)
+    assert "reward function 'helpers.reward_fixtures:misbehave' failed on every row of 3 steps" in str(
+        err.value
+    )
     assert "steps 1-3" in str(err.value) and "run.max_reward_error_steps=3" in str(err.value)
     logged = [r.getMessage() for r in caplog.records if r.name == "megatron_gptoss.rewards.pool"]
     assert len(logged) == 1 and "RuntimeError: boom" in logged[0] and "Traceback" in logged[0]
@@ -101,7 +102,7 @@ def test_a_run_on_a_raising_reward_stops_naming_it(tmp_path, caplog):
 
 
 def test_an_infinite_reward_is_kept_for_the_trainer_to_drop(caplog):
-    scorer = RewardScorer(RewardConfig(name="reward_fixtures:misbehave", workers=0))
+    scorer = RewardScorer(RewardConfig(name="helpers.reward_fixtures:misbehave", workers=0))
     scorer._fn = lambda messages, row: float("-inf")  # a user function in this process
     with caplog.at_level(logging.WARNING, logger="megatron_gptoss.rewards.pool"):
         rewards, metrics = scorer.score_batch([completion("x")] * 2, [row(), row()])

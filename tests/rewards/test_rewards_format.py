@@ -1,5 +1,5 @@
 import pytest
-from helpers_rewards import completion, gsm8k_row
+from helpers.reward_rows import completion, gsm8k_row
 
 from megatron_gptoss.config import RewardConfig
 from megatron_gptoss.rewards import format_reward, format_violation, resolve, score_one

@@ -2,7 +2,7 @@ import time
 from fractions import Fraction
 
 import pytest
-from helpers_rewards import completion, gsm8k_row
+from helpers.reward_rows import completion, gsm8k_row
 
 from megatron_gptoss.rewards import gsm8k_reward, model_answer, reference_answer
 from megatron_gptoss.rewards.numbers import MAX_DIGITS, parse_number

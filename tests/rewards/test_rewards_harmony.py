@@ -1,6 +1,6 @@
 """The rewards on what harmony's parser makes of rendered completions (the trainer's path)."""
 
-from helpers_rewards import gsm8k_row
+from helpers.reward_rows import gsm8k_row
 
 from megatron_gptoss.config import RewardConfig
 from megatron_gptoss.harmony import parse_completion, render_conversation

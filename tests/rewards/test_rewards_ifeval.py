@@ -2,7 +2,7 @@ import json
 import time
 
 import pytest
-from helpers_rewards import completion, ifeval_row
+from helpers.reward_rows import completion, ifeval_row
 
 from megatron_gptoss.rewards import VERIFIERS, follows, ifeval_reward, instructions
 

@@ -4,7 +4,7 @@ import os
 import time
 
 import pytest
-from helpers_rewards import completion, gsm8k_row
+from helpers.reward_rows import completion, gsm8k_row
 
 from megatron_gptoss.config import RewardConfig
 from megatron_gptoss.errors import ConfigError
@@ -20,7 +20,9 @@ def row(do=None):
 @pytest.fixture(scope="module")
 def scorer():
     others = set(multiprocessing.active_children())  # e.g. the gloo pools of other test modules
-    with RewardScorer(RewardConfig(name="reward_fixtures:misbehave", timeout_s=TIMEOUT_S, workers=2)) as s:
+    with RewardScorer(
+        RewardConfig(name="helpers.reward_fixtures:misbehave", timeout_s=TIMEOUT_S, workers=2)
+    ) as s:
         s.score_batch([completion("x")] * 2, [row(), row()])  # the workers are up
         yield s
     assert set(multiprocessing.active_children()) <= others  # killed, replaced and closed workers are gone
@@ -100,13 +102,13 @@ def test_rows_are_scored_in_parallel_worker_processes(scorer):
     rewards, _, seconds = timed_batch(scorer, ["slow"] * 4)
     assert rewards == [1.0] * 4
     assert seconds < 1.9  # two workers: about 1 s; one after the other: 2 s
-    with RewardScorer(RewardConfig(name="reward_fixtures:pid", workers=1)) as s:
+    with RewardScorer(RewardConfig(name="helpers.reward_fixtures:pid", workers=1)) as s:
         rewards, _ = s.score_batch([completion("x")] * 2, [row()] * 2)
     assert os.getpid() not in rewards
 
 
 def test_in_process_scoring_counts_errors():
-    s = RewardScorer(RewardConfig(name="reward_fixtures:misbehave", workers=0))
+    s = RewardScorer(RewardConfig(name="helpers.reward_fixtures:misbehave", workers=0))
     rewards, metrics = s.score_batch([completion("x")] * 3, [row(), row("raise"), row("nan")])
     assert rewards[:2] == [1.0, 0.0] and math.isnan(rewards[2])
     assert (metrics["reward/errors"], metrics["reward/nonfinite"]) == (1.0, 1.0)
@@ -121,8 +123,8 @@ def test_mismatched_lengths_and_bad_names():
         s.score_batch([[], []], [row()])
     for name, message in [
         ("no_such_module_xyz:f", "cannot import"),
-        ("reward_fixtures:absent", "no function 'absent'"),
-        ("reward_fixtures:not_callable", "no function 'not_callable'"),
+        ("helpers.reward_fixtures:absent", "no function 'absent'"),
+        ("helpers.reward_fixtures:not_callable", "no function 'not_callable'"),
         ("gsm9k", "neither one of"),
     ]:
         with pytest.raises(ConfigError, match=message):
@@ -130,6 +132,6 @@ def test_mismatched_lengths_and_bad_names():
 
 
 def test_a_worker_that_dies_while_starting_fails_the_batch():
-    s = RewardScorer(RewardConfig(name="reward_fixtures_dying:score", workers=1))
+    s = RewardScorer(RewardConfig(name="helpers.reward_fixtures_dying:score", workers=1))
     with pytest.raises(RuntimeError, match=r"died while starting \(exit code 5\)"):
         s.score_batch([completion("x")], [row()])
