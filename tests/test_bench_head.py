@@ -1,10 +1,10 @@
-"""tools/bench_head.py's CPU smoke test: each variant's log-probs, entropy and gradients agree with the
+"""benchmarks/bench_head.py's CPU smoke test: each variant's log-probs, entropy and gradients agree with the
 unchunked peer in the same run, and a frozen head's weight gets no gradient."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_head  # noqa: E402
 
 

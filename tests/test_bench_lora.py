@@ -1,4 +1,4 @@
-"""tools/bench_lora.py's CPU smoke test: its correctness checks pass (B = 0 leaves the logits bitwise the
+"""benchmarks/bench_lora.py's CPU smoke test: its correctness checks pass (B = 0 leaves the logits bitwise the
 base's; the merged weights compute the LoRA model's function, in fp32 and in bf16 against the fp32 LoRA
 model), LoRA trains the adapters only, and the shared-base sync moves the adapters' bytes, fewer than the
 merged export's."""
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_lora", ROOT / "tools" / "bench_lora.py")
+    spec = importlib.util.spec_from_file_location("bench_lora", ROOT / "benchmarks" / "bench_lora.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

@@ -1,11 +1,11 @@
-"""tools/bench_rl_step.py at toy size on the CPU: the LoRA RL step runs through the one trainer from a
+"""benchmarks/bench_rl_step.py at toy size on the CPU: the LoRA RL step runs through the one trainer from a
 synthetic MXFP4 checkpoint, reports every phase, and its sync sends exactly the adapters (the engine shares
 the frozen base)."""
 
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_rl_step  # noqa: E402
 
 from megatron_gptoss.config import load_config  # noqa: E402

@@ -1,4 +1,4 @@
-"""tools/bench_train_peer.py on the CPU: the timing summary, the packed positions, and the plain-torch
+"""benchmarks/bench_train_peer.py on the CPU: the timing summary, the packed positions, and the plain-torch
 stand-in for the peer's varlen attention against a float64 sink-attention reference (forward and
 gradients); with torchtitan installed, the peer model builds at tiny width and trains a step."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_train_peer as peer  # noqa: E402
 
 

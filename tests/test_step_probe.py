@@ -1,5 +1,5 @@
-"""tools/step_probe.py on the CPU: the per-step table (times, host times, clock samples falling inside each
-step, the allocator columns), the spread and its flag over 5%, and `time_steps` marking each step."""
+"""benchmarks/step_probe.py on the CPU: the per-step table (times, host times, clock samples falling inside
+each step, the allocator columns), the spread and its flag over 5%, and `time_steps` marking each step."""
 
 import sys
 import time
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_train_peer as peer  # noqa: E402
 import step_probe  # noqa: E402
 

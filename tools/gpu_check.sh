@@ -14,7 +14,7 @@ echo "== GPU tests"
 python3 -m pytest -q -m gpu -ra --durations=10 tests --ignore=tests/rl/test_mismatch_gpu.py "$@" || status=1
 echo "== the trainer's bf16 mismatch guard (tests/rl/test_mismatch_gpu.py)"
 python3 -m pytest -q -s -m gpu tests/rl/test_mismatch_gpu.py || status=1
-echo "== engine/learner fidelity at gpt-oss-120b width (tools/bench_bitwise.py --rows 128)"
-python3 tools/bench_bitwise.py --rows 128 2>&1 | grep -v " \.\.\.$" || status=1
+echo "== engine/learner fidelity at gpt-oss-120b width (benchmarks/bench_bitwise.py --rows 128)"
+python3 benchmarks/bench_bitwise.py --rows 128 2>&1 | grep -v " \.\.\.$" || status=1
 echo "gpu_check: $([[ $status == 0 ]] && echo passed || echo FAILED) in $(( $(date +%s) - start )) s"
 exit $status

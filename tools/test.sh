@@ -3,8 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh dev
-python3 -m ruff check megatron_gptoss tests tools launch
-python3 -m ruff format --check megatron_gptoss tests tools launch
+python3 -m ruff check megatron_gptoss tests tools benchmarks launch
+python3 -m ruff format --check megatron_gptoss tests tools benchmarks launch
 python3 -m mypy megatron_gptoss
 lint-imports  # the package layers (pyproject.toml, docs/architecture.md)
 # Each test folder in its own process (each must pass alone), then the slowest tests of all; arguments

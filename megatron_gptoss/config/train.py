@@ -211,7 +211,7 @@ class RolloutConfig:
     # normaliser with batch-invariant kernels (`ops.batch_invariant`), so the engine samples from logits
     # equal to the learner's training forward bit for bit and reports its log-probs (mismatch exactly 0).
     # Needs the embedded engine and the learner at tensor parallel 1, model.attention_backend='triton' and
-    # rollout.dtype = run.dtype; slower than the library GEMMs (tools/bench_bitwise.py measures it).
+    # rollout.dtype = run.dtype; slower than the library GEMMs (benchmarks/bench_bitwise.py measures it).
     bitwise_on_policy: bool = False
 
     def validate(self) -> None:

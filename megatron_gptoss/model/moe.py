@@ -17,8 +17,8 @@ from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
 # The decode expert kernels (`ops.moe_decode`) take a forward of at most this many rows per expert on
 # average. They stream each hit expert's weight once per tile of at most 128 of its rows, so their time is
 # the weight read while the rows are few; with more rows the GEMMs turn compute-bound, where the library's
-# grouped GEMM is the faster. Measured at gpt-oss-20b widths on an H100 (tools/bench_moe_decode.py): 8 and
-# 32 rows per expert 1.20x and 1.14x faster than the library, 128 rows 0.96x; 64 lies between, untimed.
+# grouped GEMM is the faster. Measured at gpt-oss-20b widths on an H100 (benchmarks/bench_moe_decode.py):
+# 8 and 32 rows per expert 1.20x and 1.14x faster than the library, 128 rows 0.96x; 64 lies between, untimed.
 DECODE_ROWS_PER_EXPERT = 64
 
 

@@ -27,7 +27,7 @@ around its forward steps; the learner's forwards (with or without gradients) nev
 come from one expert path whatever autograd records.
 
 Tiles (`DecodeConfig`): `default_config` picks them from the average rows per expert and fits the K loop's
-buffers to the shared memory (`fit_shared_memory`); `python tools/bench_moe_decode.py` times the
+buffers to the shared memory (`fit_shared_memory`); `python benchmarks/bench_moe_decode.py` times the
 alternatives at gpt-oss-20b widths against the library path.
 """
 

@@ -74,7 +74,7 @@ def default_config(
     """The config used when none is given. The forward fields depend on (device, head_dim, dtype,
     windowed) only, so training and decode tile a row alike (batch invariance); the backward fields may
     also depend on the longest sequence. Tiles measured on H100/H200 at GPT-OSS shapes (head_dim 64,
-    64 q heads, 8 kv heads, bf16; tools/bench_attention.py --sweep)."""
+    64 q heads, 8 kv heads, bf16; benchmarks/bench_attention.py --sweep)."""
     long = max_seqlen is not None and max_seqlen > 4096
     if device.type != "cuda":  # interpreter: small tiles keep CPU tests fast and multi-block
         return KernelConfig(16, 16, 1, 1, 16, 16, 1, 1, 16, 16, 1, 1, tma=True)

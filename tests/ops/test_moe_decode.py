@@ -1,8 +1,8 @@
 """Decode expert kernels (megatron_gptoss.ops.moe_decode) against float64 references, fp32 on the CPU
 under the Triton interpreter (tiny shapes: experts without rows, experts with more rows than a tile,
 partial column and K blocks, both product orientations, with and without bias), the MoE block's decode
-path against its library path and when it is taken, tools/bench_moe_decode.py at toy widths; on a CUDA GPU
-(`gpu`): bf16 and fp32 against float64 and the library path, replays of a captured CUDA graph on new
+path against its library path and when it is taken, benchmarks/bench_moe_decode.py at toy widths; on a CUDA
+GPU (`gpu`): bf16 and fp32 against float64 and the library path, replays of a captured CUDA graph on new
 routings. Errors per tensor are ||ours - ref|| / ||ref||."""
 
 from __future__ import annotations
@@ -184,14 +184,15 @@ def test_fused_references_keep_float64():
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_moe_decode", ROOT / "tools" / "bench_moe_decode.py")
+    path = ROOT / "benchmarks" / "bench_moe_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_moe_decode", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_bench_tiny_checks_and_times(monkeypatch, capsys):
-    """tools/bench_moe_decode.py at toy widths: its check passes, the sweep and the table run; a decode
+    """benchmarks/bench_moe_decode.py at toy widths: its check passes, the sweep and the table run; a decode
     path with a wrong result fails the check."""
     bench = _bench()
     assert bench.main(["--tiny", "--budget-s", "0.01", "--reps", "1"]) == 0

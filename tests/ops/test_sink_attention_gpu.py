@@ -5,7 +5,7 @@ is at most 2x the error of eager attention computed in bf16: operands and matmul
 softmax in fp32 (as flash-attn's own tests define the low-precision reference). fp32 Triton (IEEE dots):
 1e-5. Triton's gradients are bitwise identical across runs, its packed rows equal its padded rows, and
 its decode rows equal its training rows bit for bit; so are flash-attn-4's with its deterministic backward
-(`fa4det`), the like-for-like peer of ours in `tools/bench_attention.py`.
+(`fa4det`), the like-for-like peer of ours in `benchmarks/bench_attention.py`.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""tools/bench_rollout.py at toy size on the CPU: the synthetic MXFP4 checkpoint loads, every part runs and
-reports what it measures, the schedule check passes."""
+"""benchmarks/bench_rollout.py at toy size on the CPU: the synthetic MXFP4 checkpoint loads, every part runs
+and reports what it measures, the schedule check passes."""
 
 import sys
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import bench_rollout  # noqa: E402
 
 from megatron_gptoss.hf.io import iter_checkpoint  # noqa: E402

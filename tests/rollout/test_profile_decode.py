@@ -1,4 +1,4 @@
-"""tools/profile_decode.py at toy size on the CPU: it profiles a decode-only step of every asked mode and
+"""benchmarks/profile_decode.py at toy size on the CPU: it profiles a decode-only step of every asked mode and
 prints the step's kernels (CPU ops here) by time, the median step time, and with --ops the op table."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
-    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "tools/profile_decode.py")
+    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)

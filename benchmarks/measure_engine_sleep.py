@@ -2,7 +2,7 @@
 `wake_up()`, for gpt-oss-20b's width at --layers layers (bf16, random weights) with a KV cache sized by a
 generation of --rows prompts of --prompt-len tokens.
 
-    python tools/measure_engine_sleep.py [--layers 24] [--rows 64] [--prompt-len 512]
+    python benchmarks/measure_engine_sleep.py [--layers 24] [--rows 64] [--prompt-len 512]
 """
 
 from __future__ import annotations

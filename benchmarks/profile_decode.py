@@ -3,8 +3,8 @@ weights drawn on the device), B rows decoding after prompts of --prompt-len toke
 torch.profiler with its decode step eager (`cuda_graphs=off`: kernels attributed to their ops) and replayed
 from a CUDA graph; prints the kernels by GPU time and the median time of the decode-only steps.
 
-    python tools/profile_decode.py --slots 256
-    python tools/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
+    python benchmarks/profile_decode.py --slots 256
+    python benchmarks/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 intermediate 2880, all 128 experts, --layers layers, vocabulary --vocab) in bf16, expert parallel over all
 GPUs (NCCL), exported through the bridge into a colocated receiver, on 1, 2 or 4 GPUs:
 
-    torchrun --nproc_per_node 4 tools/bench_weight_sync.py
-    torchrun --nproc_per_node 2 tools/bench_weight_sync.py --tiny      # a CPU check of the logic (gloo)
+    torchrun --nproc_per_node 4 benchmarks/bench_weight_sync.py
+    torchrun --nproc_per_node 2 benchmarks/bench_weight_sync.py --tiny      # a CPU check of the logic (gloo)
 
 Three paths are timed, each after one untimed warm-up pass:
   (b) gathered  WeightExporter (whole experts, EngineLayout()) -> sync_in_process -> the embedded engine on

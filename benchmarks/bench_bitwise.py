@@ -1,7 +1,7 @@
 """Engine-vs-learner fidelity of a GPT-OSS MoE in bf16 on one GPU: router replay and bitwise on-policy mode.
 
-    python tools/bench_bitwise.py                         # 2 layers at gpt-oss-120b width, 256 rows
-    python tools/bench_bitwise.py --tiny                  # toy size (on the CPU without a GPU)
+    python benchmarks/bench_bitwise.py                         # 2 layers at gpt-oss-120b width, 256 rows
+    python benchmarks/bench_bitwise.py --tiny                  # toy size (on the CPU without a GPU)
 
 The embedded engine generates --rows responses (prompts of --prompt-len random tokens, --new-tokens sampled
 at temperature 1, no stop); the learner then computes the log-probs of the same tokens in its packed training

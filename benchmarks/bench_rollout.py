@@ -1,10 +1,10 @@
 """Rollout benchmark of the embedded engine: gpt-oss-20b at full size on one GPU, continuous batching against
 the static schedule, decode steps against the HBM roofline.
 
-    python tools/bench_rollout.py                          # check + decode + prefill (one call, < 10 min)
-    python tools/bench_rollout.py --part workload --slots 64      # the long-tailed workload, both schedules
-    python tools/bench_rollout.py --part slice             # 4 layers at gpt-oss-120b width
-    python tools/bench_rollout.py --tiny                   # every part at toy size, on the CPU if no GPU
+    python benchmarks/bench_rollout.py                     # check + decode + prefill (one call, < 10 min)
+    python benchmarks/bench_rollout.py --part workload --slots 64  # the long-tailed workload, both schedules
+    python benchmarks/bench_rollout.py --part slice        # 4 layers at gpt-oss-120b width
+    python benchmarks/bench_rollout.py --tiny              # every part at toy size, on the CPU if no GPU
 
 Weights: random, written once as a synthetic checkpoint in the released layout (expert weights MXFP4
 `_blocks` / `_scales` with random codes and a fixed scale, everything else bf16; --ckpt, reused when

@@ -1,8 +1,8 @@
 """Sink attention backends at GPT-OSS shapes: 64 query heads, 8 KV heads, head_dim 64, bf16, one GPU.
 
-    python tools/bench_attention.py                       # every case and backend that runs here
-    python tools/bench_attention.py --backends triton,sdpa --cases causal-4k,window128-16k
-    python tools/bench_attention.py --sweep --cases causal-16k   # time Triton tile configs (tuning)
+    python benchmarks/bench_attention.py                       # every case and backend that runs here
+    python benchmarks/bench_attention.py --backends triton,sdpa --cases causal-4k,window128-16k
+    python benchmarks/bench_attention.py --sweep --cases causal-16k   # time Triton tile configs (tuning)
 
 Times are medians of `triton.testing.do_bench` (L2 flushed between repeats): forward with autograd
 recording, backward from the kept graph for a given dO (loss on the output only). `kernel ms` is the GPU

@@ -1,18 +1,17 @@
 """The whole RL step of gpt-oss-20b with LoRA on one GPU, at full size: rollout with the embedded engine,
 log-probs, update, weight sync, through the one trainer (`configs/gpt_oss_20b_lora_1gpu.yaml`).
 
-    python tools/bench_rl_step.py                       # 64 prompts x 8 samples, responses up to 1024
-    python tools/bench_rl_step.py --tiny                # toy model and batch (a CPU smoke run)
+    python benchmarks/bench_rl_step.py                       # 64 prompts x 8 samples, responses up to 1024
+    python benchmarks/bench_rl_step.py --tiny                # toy model and batch (a CPU smoke run)
 
-Weights: random, as a synthetic checkpoint in the released layout (MXFP4 experts; `tools/bench_rollout.py`'s
-writer, --ckpt, reused when present), loaded by `run.init_from_hf`. Prompts: two-step word problems in
-GSM8K's format (`tools/make_word_problems.py`) rendered in harmony with the o200k_harmony tokenizer
-(`data.max_prompt_tokens: 512`). Random weights rarely sample a stop token, so most responses run to the
-budget: the step is close to its largest. Prints per step the seconds of each phase (`time/*`), the sampled
-tokens per second of generation, the tokens (prompt and response) per second of the whole step, the peak
-device memory (`perf/peak_gib`) and the bytes the sync sent (`sync/bytes`). The first step includes the
-Triton compilations and the capture of the decode graphs.
-"""
+Weights: random, as a synthetic checkpoint in the released layout (MXFP4 experts;
+`benchmarks/bench_rollout.py`'s writer, --ckpt, reused when present), loaded by `run.init_from_hf`. Prompts:
+two-step word problems in GSM8K's format (`tools/make_word_problems.py`) rendered in harmony with the
+o200k_harmony tokenizer (`data.max_prompt_tokens: 512`). Random weights rarely sample a stop token, so most
+responses run to the budget: the step is close to its largest. Prints per step the seconds of each phase
+(`time/*`), the sampled tokens per second of generation, the tokens (prompt and response) per second of the
+whole step, the peak device memory (`perf/peak_gib`) and the bytes the sync sent (`sync/bytes`). The first
+step includes the Triton compilations and the capture of the decode graphs."""
 
 from __future__ import annotations
 

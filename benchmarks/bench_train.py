@@ -1,13 +1,13 @@
 """Training-step benchmark of two gpt-oss-120b layers (sliding + full: hidden 2880, 64 query / 8 KV heads,
 all 128 experts, top-4) on 1, 2 or 4 GPUs with NCCL, bf16 parameters.
 
-    torchrun --nproc_per_node 1 tools/bench_train.py
-    torchrun --nproc_per_node 4 tools/bench_train.py              # experts split over the 4 GPUs
-    torchrun --nproc_per_node 2 tools/bench_train.py --small      # a CPU smoke test (gloo, 1024 tokens)
-    torchrun --nproc_per_node 1 tools/bench_train.py --no-optimizer --peer torchtitan
+    torchrun --nproc_per_node 1 benchmarks/bench_train.py
+    torchrun --nproc_per_node 4 benchmarks/bench_train.py              # experts split over the 4 GPUs
+    torchrun --nproc_per_node 2 benchmarks/bench_train.py --small      # a CPU smoke test (gloo, 1024 tokens)
+    torchrun --nproc_per_node 1 benchmarks/bench_train.py --no-optimizer --peer torchtitan
 
 With `--peer torchtitan` (one GPU, tp 1) the same invocation then times torchtitan's GPT-OSS at the same
-shapes and tokens (`tools/bench_train_peer.py`: pinned version, wheels, its gradient defect) and prints
+shapes and tokens (`benchmarks/bench_train_peer.py`: pinned version, wheels, its gradient defect) and prints
 both medians, their spreads and the ratio as one table.
 
 Layout: expert parallel over all GPUs (ep = world, unless --ep), dense parts data parallel, tp --tp.
@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tools"))  # a user tool: estimate_memory
 from bench_train_peer import PEER_DEFECT, TORCHTITAN_VERSION, run_peer, time_steps, timing_summary  # noqa: E402
 from estimate_memory import GIB, Layout, estimate  # noqa: E402
 from step_probe import StepProbe  # noqa: E402

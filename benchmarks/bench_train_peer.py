@@ -1,9 +1,9 @@
-"""The peer of `tools/bench_train.py`: torchtitan's GPT-OSS at the bench's shapes, timed the same way.
+"""The peer of `benchmarks/bench_train.py`: torchtitan's GPT-OSS at the bench's shapes, timed the same way.
 
 torchtitan is pinned to one release (`TORCHTITAN_VERSION`); its wheel and the pure-Python packages its
 model code imports (`PEER_PACKAGES`) travel in the repository's ignored `.whl/` directory, fetched there by
 
-    python3 tools/bench_train_peer.py --fetch      # pip download --no-deps -d .whl <the pinned packages>
+    python3 benchmarks/bench_train_peer.py --fetch      # pip download --no-deps -d .whl <the pinned packages>
 
 and installed on a machine without network by `pip install --no-index --no-deps --target DIR .whl/*.whl`
 with DIR on PYTHONPATH.

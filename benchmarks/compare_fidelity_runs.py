@@ -1,7 +1,7 @@
 """Short RL runs of one config with each MoE fidelity setting, and their mismatch, ratio and KL metrics on
 one plot: router replay off / r2 / r3, and bitwise on-policy mode.
 
-    python tools/compare_fidelity_runs.py [--out DIR] [--config CONFIG] [OVERRIDES...]
+    python benchmarks/compare_fidelity_runs.py [--out DIR] [--config CONFIG] [OVERRIDES...]
 
 Runs `python -m megatron_gptoss.train --config CONFIG OVERRIDES` once per setting (in DIR/<setting>), then
 writes DIR/fidelity.png (one panel per metric, one line per setting, against the step) and prints a table:

@@ -2,9 +2,9 @@
 experts top-4, bf16) on one GPU: the training step's time and peak memory, and the weight sync's bytes and
 time (the merged export a separate engine needs, against the adapter copy of an engine sharing the base).
 
-    python tools/bench_lora.py                       # 2 layers, rank 32, 8192 tokens
-    python tools/bench_lora.py --layers 4 --rank 16
-    python tools/bench_lora.py --small               # a CPU smoke test
+    python benchmarks/bench_lora.py                       # 2 layers, rank 32, 8192 tokens
+    python benchmarks/bench_lora.py --layers 4 --rank 16
+    python benchmarks/bench_lora.py --small               # a CPU smoke test
 
 Checks first (both must hold, else it exits non-zero): with B = 0 the LoRA model's logits equal the base
 model's bit for bit; with trained-looking adapters (B random) the base model holding the merged weights

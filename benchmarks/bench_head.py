@@ -3,9 +3,9 @@ rows, hidden 2880, bf16) on one GPU: ours (`token_logprobs`, fused kernels and P
 unchunked computation (the peer: the whole [tokens, vocab] fp32 logits, log_softmax and autograd), with the
 head trainable and frozen (LoRA trains adapters only and leaves the head's weight frozen).
 
-    python tools/bench_head.py                       # 4,096 tokens
-    python tools/bench_head.py --tokens 8192 --json head.json
-    python tools/bench_head.py --small               # a CPU smoke test (tiny widths, no fused kernels)
+    python benchmarks/bench_head.py                       # 4,096 tokens
+    python benchmarks/bench_head.py --tokens 8192 --json head.json
+    python benchmarks/bench_head.py --small               # a CPU smoke test (tiny widths, no fused kernels)
 
 Each row: median wall time of --iters forward + backward passes after one warm-up, the peak memory above
 the inputs during one pass (CUDA only), and the peer's time over this row's time (same trainable / frozen

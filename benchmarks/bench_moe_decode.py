@@ -1,8 +1,8 @@
 """Decode expert GEMMs (`ops.moe_decode`) against the library path at gpt-oss-20b widths, one GPU.
 
-    python tools/bench_moe_decode.py                  # check, tile sweep, table (~2-3 minutes on an H100)
-    python tools/bench_moe_decode.py --check-only     # bf16 errors of both paths only (seconds)
-    python tools/bench_moe_decode.py --tiny           # toy widths; CPU (TRITON_INTERPRET=1) or GPU smoke run
+    python benchmarks/bench_moe_decode.py               # check, tile sweep, table (~2-3 minutes on an H100)
+    python benchmarks/bench_moe_decode.py --check-only  # bf16 errors of both paths only (seconds)
+    python benchmarks/bench_moe_decode.py --tiny        # toy widths: CPU (TRITON_INTERPRET=1) or a GPU
 
 Shapes: 32 experts, top-4 random routing of N tokens (N * 4 expert-sorted rows), hidden = intermediate =
 2880, bf16, random weights and biases. Library path: `torch._grouped_mm` + `fused_moe.swiglu_bias` (fc1),
