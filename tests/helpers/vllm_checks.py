@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-from helpers.reference_learner import MasterWeightAdamW
 
+from helpers.reference_learner import MasterWeightAdamW
 from megatron_gptoss.config import ModelConfig, OptimConfig, gpt_oss_tiny
 from megatron_gptoss.model import GPTOSSModel, build_model
 
@@ -103,7 +103,6 @@ def layout_sync_delta(engine, layout: str, seed: int, bucket_bytes: int = 32 * 1
     """Train a fresh learner (seed), export it from `layout` on gloo ranks, update `engine` with rank 0's
     stream; returns (max |delta| against the learner, max change of the engine's log-probs)."""
     from helpers.bridge_layouts import export_layout
-
     from megatron_gptoss.bridge.plan import EngineLayout
 
     config = engine.config
