@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # the world size each config is written for
 WORLDS = {
     "configs/demo_cpu.yaml": 1,
+    "configs/demo_reverse.yaml": 1,
     "configs/demo_word_problems.yaml": 1,
     "configs/demo_lookup.yaml": 1,
     "configs/layouts/tiny_tp2_pp2_cpu.yaml": 4,

@@ -24,7 +24,7 @@ def test_demo_runs_both_phases(tmp_path):
     assert spec is not None and spec.loader is not None
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    summary = demo.main(["--out", str(tmp_path), "--train", "12", "--cold-start-steps", "2", *TINY])
+    summary = demo.main(["--train", "12", "--cold-start-steps", "2", *TINY, f"run.output_dir={tmp_path}"])
 
     assert len((tmp_path / "data/sft.jsonl").read_text().splitlines()) == 12
     assert len((tmp_path / "data/test.jsonl").read_text().splitlines()) == 200
@@ -37,7 +37,9 @@ def test_demo_runs_both_phases(tmp_path):
     rl = read_metrics(tmp_path / "rl/metrics.jsonl")
     evals = [(r["step"], r["eval/accuracy"]) for r in rl if "eval/accuracy" in r]
     assert [s for s, _ in evals] == [0, 2]
-    assert summary["cold_start_accuracy"] == evals[0][1] and summary["rl_accuracy"] == evals[-1][1]
+    assert (
+        summary["start"]["eval/accuracy"] == evals[0][1] and summary["final"]["eval/accuracy"] == evals[-1][1]
+    )
     assert all("reward/train_mean" in r for r in rl if r["step"] > 0)
     assert (tmp_path / "both_phases.png").stat().st_size > 10_000
     # plots name the runs by their directories, never by this machine's (temporary) paths

@@ -2,33 +2,35 @@
 cannot know (`megatron_gptoss.envs.lookup`), after a cold start in which at most 5% of the conversations call
 it.
 
-    python tools/demo_lookup.py [--out DIR] [--cold-start-steps N] [OVERRIDES...]
+    python tools/demo_lookup.py [--cold-start-steps N] [--sft N] [OVERRIDES...]
 
-    data        DIR/data (tools/make_lookup_task.py): train.jsonl (a question on each of 157 training keys),
+    data        OUT/data (tools/make_lookup_task.py): train.jsonl (a question on each of 157 training keys),
                 test.jsonl (the 43 held-out keys), sft.jsonl (cold-start conversations: 80% calculator
                 calls, 5% lookup calls on training keys, the rest "I do not know." to a lookup question)
-    cold start  configs/demo_lookup.yaml with run.mode=sft on sft.jsonl (DIR/cold_start)
+    cold start  configs/demo_lookup.yaml with run.mode=sft on sft.jsonl (OUT/cold_start)
     RL          the same config with agent.enabled=true (the calculator and lookup tools), run.init_from_hf =
-                the cold start's HF export (DIR/rl); its step-0 evaluation is the cold start's: greedy, every
+                the cold start's HF export (OUT/rl); its step-0 evaluation is the cold start's: greedy, every
                 held-out key, the call rate (eval/call_rate) and the reward (eval/accuracy)
-    plot        DIR/both_phases.png: the cold start's metrics, then RL's, on one step axis
+    plot        OUT/both_phases.png: the cold start's metrics, then RL's, on one step axis
     copies      teacher-forced on a lookup conversation of every held-out key, how often the cold start's
                 most likely token is the key where the call copies it and the value where the answer
-                copies it (`copy_rates`; in DIR/summary.json)
+                copies it (`copy_rates`; in OUT/summary.json)
 
 OVERRIDES (config fields, e.g. run.steps=30 rollout.temperature=0.7) apply to both phases, except that the
-cold start's mode, length, learning rate and schedule are its own (set last). Prints and writes
-(DIR/summary.json) the held-out call rate and reward before and after RL and the wall times.
+cold start's mode, length, learning rate and schedule are its own (set last); run.output_dir=OUT (default
+outputs/demo_lookup) names the output directory. The last line printed is the summary
+(megatron_gptoss.two_phase): the held-out reward (eval/accuracy) and call rate (eval/call_rate) where RL
+started ("start") and after RL ("final"), the copy rates and the wall times.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from megatron_gptoss import two_phase
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/demo_lookup.yaml"
@@ -37,12 +39,6 @@ COLD_START = ["run.mode=sft", "optim.lr=3.0e-3", "optim.warmup_steps=5", "optim.
 PLOTTED = ["loss/total", "reward/train_mean", "reward/eval_mean", "eval/accuracy", "agent/call_rate",
            "eval/call_rate", "mismatch/abs_diff_mean", "mismatch/abs_diff_max", "train/grad_norm",
            "response/length_mean"]  # fmt: skip
-
-
-def train(overrides: list[str]) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "megatron_gptoss.train", "--config", str(CONFIG), *overrides], check=True
-    )
 
 
 def copy_rates(hf_dir: Path, out: Path) -> dict[str, float]:
@@ -63,7 +59,7 @@ def copy_rates(hf_dir: Path, out: Path) -> dict[str, float]:
     out.write_text("".join(json.dumps(lookup.lookup_call(k, rng)) + "\n" for k in lookup.split_keys(True)))
     examples = ConversationSet([str(out)], 0, "low", 4096).examples
     tokenizer = get_tokenizer()
-    model = load_hf(hf_dir, dtype=torch.float32).eval()
+    model = load_hf(hf_dir, dtype=torch.float32, attention_backend="eager").eval()  # as the trainer
     weight = model.output_weight()
 
     def is_number(token: int) -> bool:
@@ -89,15 +85,12 @@ def copy_rates(hf_dir: Path, out: Path) -> dict[str, float]:
     return {name: count / len(examples) for name, count in hits.items()}
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="outputs/demo_lookup", help="output directory")
-    parser.add_argument("--cold-start-steps", type=int, default=600, help="supervised steps (default 600)")
+def main(argv: list[str] | None = None) -> dict:
+    parser = two_phase.make_parser(__doc__, cold_start_steps=600)
     parser.add_argument("--sft", type=int, default=2000, help="cold-start conversations (default 2000)")
-    args, overrides = parser.parse_known_args(argv)
-    out = Path(args.out)
-    start = time.perf_counter()
-    data = out / "data"
+    args, overrides = two_phase.parse(parser, argv, "outputs/demo_lookup")
+    demo = two_phase.TwoPhase(CONFIG, args.out, overrides)
+    data = args.out / "data"
     subprocess.run(
         [sys.executable, str(ROOT / "tools/make_lookup_task.py"), "--sft", str(args.sft), "--out", str(data)],
         check=True,
@@ -107,52 +100,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         f"data.eval_files=[{data / 'test.jsonl'}]",
         f"sft.train_files=[{data / 'sft.jsonl'}]",
     ]
-    cold_start = out / "cold_start"
-    train(
-        [
-            *files,
-            *overrides,
-            *COLD_START,
-            f"run.steps={args.cold_start_steps}",
-            f"run.output_dir={cold_start}",
-        ]
-    )
-    cold_done = time.perf_counter()
-    copies = copy_rates(cold_start / "hf_final", out / "held_out_calls.jsonl")
+    cold_start = demo.cold_start(args.cold_start_steps, COLD_START, files)
+    copies = copy_rates(cold_start, args.out / "held_out_calls.jsonl")
     print(f"cold start, teacher-forced on the held-out keys: {copies}")
-    rl_start = time.perf_counter()
-    rl = out / "rl"
-    train(
-        [
-            *files,
-            "agent.enabled=true",
-            f"run.init_from_hf={cold_start / 'hf_final'}",
-            f"run.output_dir={rl}",
-            *overrides,
-        ]
-    )
-    done = time.perf_counter()
-    from megatron_gptoss.utils.metrics import read_metrics
-    from megatron_gptoss.utils.plot import plot_metrics
-
-    plot_metrics(
-        rl / "metrics.jsonl", out / "both_phases.png", PLOTTED, before=[cold_start / "metrics.jsonl"]
-    )
-    evals = [r for r in read_metrics(rl / "metrics.jsonl") if "eval/accuracy" in r]
-    summary = {
-        "cold_start_call_rate": evals[0]["eval/call_rate"],
-        "cold_start_reward": evals[0]["eval/accuracy"],
-        "rl_call_rate": evals[-1]["eval/call_rate"],
-        "rl_reward": evals[-1]["eval/accuracy"],
-        "rl_steps": evals[-1]["step"],
-        **{f"cold_start_copies_{name}": rate for name, rate in copies.items()},
-        "cold_start_s": cold_done - start,
-        "rl_s": done - rl_start,
-        "total_s": time.perf_counter() - start,
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(json.dumps(summary))
-    return summary
+    demo.rl(["agent.enabled=true"], files)
+    return demo.finish(PLOTTED, {f"cold_start_copies_{name}": rate for name, rate in copies.items()})
 
 
 if __name__ == "__main__":

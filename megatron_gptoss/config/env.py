@@ -1,4 +1,5 @@
-"""Configuration of the verifiable task (`envs`): which task, the arithmetic task's size and reward."""
+"""Configuration of the verifiable task (`envs`): which task, the arithmetic and digit tasks' sizes and
+rewards."""
 
 from __future__ import annotations
 
@@ -32,10 +33,14 @@ class EnvConfig:
     # Partial credit for the answer's leading characters written correctly (even without <eos>):
     # prefix_credit x matched prefix length / answer length. Conditions the policy on the operands early.
     prefix_credit: float = 0.0
+    # Digits in a question of the digit-string tasks ("reverse", "sort"; 10**digits questions, at most 6).
+    digits: int = 4
+    # Digit tasks: a wrong response earns digit_credit x the share of the answer's positions it writes right.
+    digit_credit: float = 0.5
 
     def validate(self) -> None:
         check_at_least("env", self, 1, "max_operand", "eval_size")
-        check_at_least("env", self, 0, "closeness_credit", "prefix_credit")
+        check_at_least("env", self, 0, "closeness_credit", "prefix_credit", "digit_credit")
         if not self.operators:
             raise ConfigError("env.operators is empty: name at least one operator")
         if self.name == "arithmetic":
