@@ -49,6 +49,19 @@ NUMBER_CREDIT = 0.1
 CANONICAL_INTEGER = re.compile(r"0|-?[1-9][0-9]*")
 
 
+def draw_indices(
+    population: int, n: int, rng: random.Random | torch.Generator | None, own: random.Random
+) -> list[int]:
+    """`n` indices in [0, population) drawn uniformly with replacement: with `rng` (a `random.Random` or a
+    `torch.Generator`; same state -> same indices), or from `own` (a task's own stream) when it is None."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if isinstance(rng, torch.Generator):
+        return torch.randint(population, (n,), generator=rng).tolist()
+    draw = rng if rng is not None else own
+    return [draw.randrange(population) for _ in range(n)]
+
+
 @dataclass(frozen=True)
 class Prompt:
     """One problem. `token_ids` start with <bos> and end with "="; `text` is the problem ("3+5=")."""
@@ -98,14 +111,7 @@ class ArithmeticTask:
         `rng`: a `random.Random` or `torch.Generator` to draw with (same state -> same prompts);
         None draws from the task's own stream, seeded by `EnvConfig.seed` and advanced by each call.
         """
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if isinstance(rng, torch.Generator):
-            indices = torch.randint(len(self._train), (n,), generator=rng).tolist()
-        else:
-            draw = rng if rng is not None else self._rng
-            indices = [draw.randrange(len(self._train)) for _ in range(n)]
-        return [self._train[i] for i in indices]
+        return [self._train[i] for i in draw_indices(len(self._train), n, rng, self._rng)]
 
     def eval_prompts(self) -> list[Prompt]:
         """The `EnvConfig.eval_size` held-out prompts, in a fixed order; the same on every call."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_gptoss.config.env import EnvConfig
+from megatron_gptoss.envs.arithmetic import draw_indices
 from megatron_gptoss.envs.tokenizer import CharTokenizer
 from megatron_gptoss.errors import ConfigError
 
@@ -82,14 +83,7 @@ class DigitTask:
     def sample_prompts(self, n: int, rng: random.Random | torch.Generator | None = None) -> list[DigitPrompt]:
         """`n` training prompts drawn uniformly with replacement from the non-held-out strings; `rng` as in
         `ArithmeticTask.sample_prompts` (None: the task's own stream, seeded by `EnvConfig.seed`)."""
-        if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
-        if isinstance(rng, torch.Generator):
-            indices = torch.randint(len(self._train), (n,), generator=rng).tolist()
-        else:
-            draw = rng if rng is not None else self._rng
-            indices = [draw.randrange(len(self._train)) for _ in range(n)]
-        return [self._train[i] for i in indices]
+        return [self._train[i] for i in draw_indices(len(self._train), n, rng, self._rng)]
 
     def eval_prompts(self) -> list[DigitPrompt]:
         """The `EnvConfig.eval_size` held-out prompts, in a fixed order; the same on every call."""
