@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from step_probe import spread_pct
 
 from megatron_gptoss.utils.host import collect_between_steps
 
@@ -67,7 +68,7 @@ def timing_summary(times: Sequence[float]) -> dict[str, float]:
         "median_s": median,
         "min_s": min(times),
         "max_s": max(times),
-        "spread_pct": 100.0 * (max(times) - min(times)) / median,
+        "spread_pct": spread_pct(list(times)),
     }
 
 
