@@ -3,7 +3,7 @@
 names    the one declarative table between our parameter names/layouts and HF's
 convert  streams of HF-named tensors from and into a model (fused QKV assembled on the fly)
 io       load_hf / save_hf of whole directories: sharded safetensors, index, config.json; shard readers
-mxfp4    the MXFP4 expert-weight format: dequantize (import) and quantize (test checkpoints)
+mxfp4    the MXFP4 expert-weight format: dequantize (import) and quantize (MXFP4 export, weight sync)
 """
 
 from megatron_gptoss.hf.convert import iter_hf_tensors, load_hf_tensors

@@ -14,7 +14,14 @@ two within their exponent range), so dequantization is exact in those dtypes.
 
 Checkpoint orientation: the HF expert tensors `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H]
 are stored quantized along their input dimension, as `<name>_blocks` [E, out, in / 32, 16] and
-`<name>_scales` [E, out, in / 32]; `unpack_expert_weight` returns the HF orientation [E, in, out].
+`<name>_scales` [E, out, in / 32]; `unpack_expert_weight` returns the HF orientation [E, in, out] and
+`pack_expert_weight` stores it back.
+
+Quantization (`quantize_mxfp4`): per block, the smallest power-of-two scale that brings the largest
+magnitude to at most 6 (nothing saturates), then round to the nearest code, ties away from zero, the sign
+kept (-0.0 is code 8). Blocks whose largest magnitude is 4 or 6 times their scale (every released block)
+come back byte for byte; any other block comes back with the same values (`scale_bytes` says why this scale
+rule and not the OCP specification's).
 """
 
 from __future__ import annotations
@@ -28,7 +35,10 @@ SCALE_BIAS = 127
 # Magnitudes of the FP4 codes 0..7 (codes 8..15 are their negatives).
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
-# Rows of blocks decoded at once: bounds the temporaries to a few tens of MB whatever the tensor size.
+# Halfway points between consecutive FP4 magnitudes (a value at one rounds up: `fp4_codes`).
+_MIDPOINTS = tuple((a + b) / 2 for a, b in zip(FP4_MAGNITUDES, FP4_MAGNITUDES[1:]))
+
+# Blocks decoded or encoded at once: bounds the temporaries to a few tens of MB whatever the tensor size.
 _CHUNK_BLOCKS = 1 << 18
 
 
@@ -77,26 +87,70 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def quantize_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """values [..., K] (K a multiple of 32) -> (blocks [..., K / 32, 16] uint8, scales [..., K / 32] uint8).
+    """values [..., K] (K a multiple of 32, any float dtype, finite) -> (blocks [..., K / 32, 16] uint8,
+    scales [..., K / 32] uint8) on the values' device, by the rule below (`scale_bytes`, `fp4_codes`).
 
-    Each block's scale is the smallest power of two that brings its largest magnitude to at most 6;
-    each value is then rounded to the nearest FP4 code (ties to the smaller magnitude). Values already
-    on a block's FP4 grid come back exactly: dequantize(quantize(dequantize(b, s))) == dequantize(b, s)."""
+    Scale: the smallest power of two 2 ** (s - 127), s in 0..254, that brings the block's largest
+    magnitude to at most 6 (an all-zero block gets s = 0). Codes: each value divided by the scale
+    (exact: a power of two) is rounded to the nearest FP4 magnitude, ties to the larger magnitude (away
+    from zero); the sign bit is the value's, so -0.0 (and a negative value that rounds to 0) is code 8.
+
+    Round trips (tests/hf/test_mxfp4_rule.py): for every block whose largest magnitude is 4 or 6 times its
+    scale, as every block of the released checkpoints is, quantize(dequantize(b, s)) gives b and s back
+    byte for byte, signed zeros included; for any other finite block it gives back the same values (the
+    scale then shrinks to the smallest that holds them, and the codes follow).
+
+    Raises ValueError for a last dimension that is not a multiple of 32 or a non-finite value."""
     if values.shape[-1] % BLOCK:
         raise ValueError(f"MXFP4 needs a last dimension divisible by {BLOCK}, got {values.shape[-1]}")
     *lead, width = values.shape
-    x = values.detach().float().reshape(-1, BLOCK)
-    amax = x.abs().amax(dim=-1)
-    exponent = torch.ceil(torch.log2(amax / FP4_MAGNITUDES[-1]))
-    exponent = torch.where(amax > 0, exponent, torch.zeros_like(exponent)).clamp(-SCALE_BIAS, SCALE_BIAS)
-    scales = (exponent + SCALE_BIAS).to(torch.uint8)
-    scaled = x / _power_of_two(scales).unsqueeze(-1)
-    magnitudes = torch.tensor(FP4_MAGNITUDES, dtype=torch.float32, device=x.device)
-    codes = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
-    codes = codes | (scaled < 0).long() << 3
-    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).to(torch.uint8)
+    flat = values.detach().reshape(-1, BLOCK)
+    blocks = torch.empty(flat.shape[0], BLOCK_BYTES, dtype=torch.uint8, device=values.device)
+    scales = torch.empty(flat.shape[0], dtype=torch.uint8, device=values.device)
+    for start in range(0, flat.shape[0], _CHUNK_BLOCKS):
+        stop = start + _CHUNK_BLOCKS
+        x = flat[start:stop].float()
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError("MXFP4 quantization of a non-finite value (NaN or inf)")
+        scales[start:stop] = scale_bytes(x.abs().amax(dim=-1))
+        codes = fp4_codes(x / _power_of_two(scales[start:stop]).unsqueeze(-1))
+        blocks[start:stop] = codes[:, 0::2] | codes[:, 1::2] << 4
     groups = width // BLOCK
-    return packed.reshape(*lead, groups, BLOCK_BYTES), scales.reshape(*lead, groups)
+    return blocks.reshape(*lead, groups, BLOCK_BYTES), scales.reshape(*lead, groups)
+
+
+def scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+    """E8M0 scale byte of blocks with largest magnitudes `amax` (float32, finite, >= 0): the smallest s in
+    0..254 with amax <= 6 * 2 ** (s - 127).
+
+    Read from amax's float32 bits, exactly (no division, no logarithm): amax = (1 + m) * 2 ** (e - 127)
+    needs 2 ** (e - 129) when m <= 1/2 (amax / 2 ** (e - 129) = 4 (1 + m) <= 6), else 2 ** (e - 128);
+    below byte 0 (amax < 3 * 2 ** -126, zero and subnormals) it is byte 0. Float32's largest value is
+    below 6 * 2 ** 127, so the byte never exceeds 254 (255 is E8M0's NaN).
+
+    Why this rule and not the OCP MX specification's 2 ** (floor(log2(amax)) - 2): the two agree on
+    every block whose largest magnitude is 4 or 6 times its scale (the released blocks: floor(log2(4s)) - 2
+    and floor(log2(6s)) - 2 are both log2(s), and 4s, 6s <= 6s), so both give the released bytes back.
+    They differ on blocks with amax / 2 ** floor(log2(amax)) in (1.5, 2): the specification's scale puts
+    the largest values in (6, 8) and saturates them to 6 (up to 25% off on the block's largest weights);
+    this one takes the next power of two, so nothing saturates: every value goes to its nearest code (the
+    largest at most 1/5 off, as 5 -> 4 or 6; clamped from just below 8 to 6 is 1/4 off), at the price of a
+    step twice as coarse for the block's small values.
+    It is the scale triton_kernels' downcast_to_mxfp computes by default (DequantScaleRoundingMode.ROUND_UP,
+    2 ** ceil(log2(amax / 6))), here exact where a float32 division by 6 rounds."""
+    bits = amax.float().contiguous().view(torch.int32)
+    above_half = ((bits & 0x7FFFFF) > 0x400000).to(torch.int32)
+    return ((bits >> 23) - 2 + above_half).clamp(min=0).to(torch.uint8)
+
+
+def fp4_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """FP4 codes (uint8, 0..15) of values already divided by their block's scale (float32, |x| <= 6 for
+    the nearest code to be within half a step): the nearest magnitude, ties to the larger one (0.25 -> 0.5,
+    0.75 -> 1, 1.25 -> 1.5, 1.75 -> 2, 2.5 -> 3, 3.5 -> 4, 5 -> 6, as triton_kernels' e2m1 conversion
+    rounds), larger magnitudes to 6; bit 3 is the sign bit, so -0.0 gives code 8."""
+    midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=scaled.device)
+    codes = torch.bucketize(scaled.abs(), midpoints, right=True).to(torch.uint8)
+    return codes | torch.signbit(scaled).to(torch.uint8) << 3
 
 
 def unpack_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,6 +159,15 @@ def unpack_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torc
     if blocks.dim() != 4:
         raise ValueError(f"MXFP4 expert blocks must be [E, out, in / 32, 16], got {tuple(blocks.shape)}")
     return dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
+
+
+def pack_expert_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `unpack_expert_weight`: an HF expert weight [E, in, out] (any float dtype) ->
+    (`<name>_blocks` [E, out, in / 32, 16], `<name>_scales` [E, out, in / 32]) by `quantize_mxfp4`."""
+    if weight.dim() != 3:
+        raise ValueError(f"an HF expert weight must be [E, in, out], got {tuple(weight.shape)}")
+    blocks, scales = quantize_mxfp4(weight.transpose(1, 2))
+    return blocks.contiguous(), scales.contiguous()
 
 
 def packed_shapes(hf_shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

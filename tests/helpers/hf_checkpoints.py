@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 from safetensors.torch import save_file
 
 from megatron_gptoss.hf import iter_hf_tensors, quantize_mxfp4
+
+
+def released_blocks(gen: torch.Generator, lead: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 (blocks [*lead, 16], scales [*lead]) with the released checkpoints' property: every
+    block's largest magnitude is 4 or 6 times its scale (half the blocks each, their largest code at a random
+    place with a random sign); scales uniform in 0..252 (0 and 252 included), so values stay finite in float32
+    and bf16."""
+    count = math.prod(lead)
+    nibbles = torch.randint(0, 16, (count, 32), generator=gen)
+    top = torch.where(torch.arange(count) % 2 == 0, 7, 6)[:, None]  # 6.0 or 4.0
+    nibbles = torch.where((nibbles & 7) > top, (nibbles & 8) | top, nibbles)
+    place = torch.randint(0, 32, (count, 1), generator=gen)
+    sign = torch.randint(0, 2, (count, 1), generator=gen) << 3
+    nibbles.scatter_(1, place, top | sign)
+    blocks = (nibbles[:, 0::2] | nibbles[:, 1::2] << 4).to(torch.uint8)
+    scales = torch.randint(0, 253, (count,), dtype=torch.uint8, generator=gen)
+    scales[0], scales[-1] = 0, 252
+    return blocks.reshape(*lead, 16), scales.reshape(lead)
 
 
 def write_mxfp4_checkpoint(model, path, scales_apart: bool = False):
