@@ -10,6 +10,10 @@ from megatron_gptoss.errors import ConfigError
 
 ATTENTION_BACKENDS = ("auto", "eager", "flex", "triton", "fa4")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+EXPERT_FORMATS = ("bf16", "mxfp4")
+# Values per MXFP4 block and bits per stored value (4-bit codes plus one 8-bit scale per 32 values).
+MXFP4_BLOCK = 32
+MXFP4_BITS = 4.25
 
 
 @dataclass
@@ -73,6 +77,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Expert GEMM implementation: auto uses torch._grouped_mm where it runs, else a loop over experts.
     expert_backend: str = "auto"
+    # How the experts' fc1 / fc2 weights are held: "bf16" (parameters in the run's dtype) or "mxfp4" (frozen
+    # uint8 blocks and scales as the released checkpoints store them, 4.25 bits a value; biases, router and
+    # every non-expert weight stay in the run's dtype). The learner needs a frozen base for mxfp4 (LoRA).
+    expert_format: str = "bf16"
     # Recompute each layer's activations in the backward pass.
     activation_checkpointing: bool = False
     # Special token ids written into the HF config.
@@ -145,6 +153,15 @@ class ModelConfig:
             )
         if self.expert_backend not in EXPERT_BACKENDS:
             raise ConfigError(f"model.expert_backend={self.expert_backend!r} not in {EXPERT_BACKENDS}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(f"model.expert_format={self.expert_format!r} not in {EXPERT_FORMATS}")
+        if self.expert_format == "mxfp4":
+            for name in ("hidden_size", "intermediate_size"):  # the experts' input widths
+                if getattr(self, name) % MXFP4_BLOCK:
+                    raise ConfigError(
+                        f"model.expert_format='mxfp4' quantizes the experts' inputs in blocks of "
+                        f"{MXFP4_BLOCK}: model.{name}={getattr(self, name)} is not a multiple of it"
+                    )
         if self.yarn_factor < 1.0:
             raise ConfigError(f"model.yarn_factor={self.yarn_factor} must be >= 1")
         self.lora.validate()
@@ -169,7 +186,8 @@ class ModelConfig:
 
     def param_counts(self) -> dict[str, int]:
         """Total and active parameters (HF shapes, unpadded vocab). Active counts the unembedding,
-        not the embedding, and top-k of the experts (OpenAI's convention)."""
+        not the embedding, and top-k of the experts (OpenAI's convention). `expert_weights`: the values of
+        every expert's fc1 and fc2 weights (biases excluded), the part MXFP4 stores."""
         h, i, e, d = self.hidden_size, self.intermediate_size, self.num_experts, self.head_dim
         q, kv = self.num_attention_heads, self.num_query_groups
         bias = 1 if self.add_bias_linear else 0
@@ -182,7 +200,17 @@ class ModelConfig:
         unembed = self.vocab_size * h
         total = self.num_layers * (per_layer_dense + e * expert) + embed + unembed + h
         active = self.num_layers * (per_layer_dense + self.moe_router_topk * expert) + unembed + h
-        return {"total": total, "active": active, "embedding": embed}
+        expert_weights = self.num_layers * e * 3 * i * h  # fc1 [2I, H] and fc2 [H, I] of every expert
+        return {"total": total, "active": active, "embedding": embed, "expert_weights": expert_weights}
+
+    def weight_bytes(self, dtype_bytes: int) -> float:
+        """Bytes of the model's weights (HF shapes) with every value in `dtype_bytes` bytes, except the expert
+        fc1 / fc2 weights at 4.25 bits a value when `expert_format` is mxfp4."""
+        counts = self.param_counts()
+        if self.expert_format != "mxfp4":
+            return counts["total"] * dtype_bytes
+        experts = counts["expert_weights"]
+        return (counts["total"] - experts) * dtype_bytes + experts * MXFP4_BITS / 8
 
     def to_hf_config(self) -> dict:
         """The config.json of the equivalent HF GptOssForCausalLM."""

@@ -349,6 +349,12 @@ class TrainConfig:
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
                 "and train only adapters; LoRA critics are not supported (use a critic-free advantage)"
             )
+        if self.model.expert_format == "mxfp4" and not self.model.lora.enabled:
+            raise ConfigError(
+                "model.expert_format='mxfp4' holds the experts frozen in 4 bits, so it needs a frozen base: "
+                "LoRA (model.lora.rank > 0). A full-parameter run trains the experts in the run's dtype; "
+                "to generate from MXFP4 experts there, set rollout.expert_format='mxfp4' (the engine's copy)"
+            )
 
     def _check_rollout_sizes(self) -> None:
         """Groups of one sample under a group estimator, and responses longer than the model's context."""

@@ -34,7 +34,12 @@ from torch import nn
 from megatron_gptoss.config import ConfigError, ModelConfig
 from megatron_gptoss.errors import CheckpointError, CorruptCheckpointError
 from megatron_gptoss.hf.convert import iter_hf_tensors, load_hf_tensors
-from megatron_gptoss.hf.mxfp4 import packed_shapes, unpack_expert_weight
+from megatron_gptoss.hf.mxfp4 import (
+    QUANTIZATION_CONFIG,
+    pack_expert_weight,
+    packed_shapes,
+    unpack_expert_weight,
+)
 from megatron_gptoss.hf.names import Match, hf_shapes, match_hf
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.utils.files import fsync_path
@@ -65,6 +70,7 @@ LOCAL_FIELDS = (
     "make_vocab_size_divisible_by",
     "attention_backend",
     "expert_backend",
+    "expert_format",
     "activation_checkpointing",
     "moe_router_fp32",
     "lora",
@@ -160,6 +166,11 @@ def load_hf(
     unreadable (truncated, corrupt) safetensors file."""
     path = Path(path)
     config = read_config(path, **overrides)
+    if config.expert_format != "bf16":
+        raise ConfigError(
+            f"load_hf builds float experts (model.expert_format='bf16'), got {config.expert_format!r}: "
+            "MXFP4 experts load through parallel.loading.load_hf_parallel"
+        )
     model = _empty_model(config, dtype, device)
     load_hf_tensors(model, config, iter_checkpoint(path, config, dtype))
     return model
@@ -343,9 +354,15 @@ def save_hf_tensors(
     path: str | os.PathLike,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     dtype: torch.dtype = torch.bfloat16,
+    experts: str = "bf16",
 ) -> Path:
     """`save_hf` of a stream of (HF name, full unpadded tensor) pairs, e.g. the bridge's export of a
-    sharded model gathered on one rank; written as they come (the stream is consumed once)."""
+    sharded model gathered on one rank; written as they come (the stream is consumed once). `experts`:
+    "bf16" writes the expert weights in `dtype` like every tensor, "mxfp4" as the released checkpoints store
+    them (`<name>_blocks` / `<name>_scales` by `mxfp4.pack_expert_weight`, the released
+    `quantization_config` in config.json)."""
+    if experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"experts={experts!r} not in ('bf16', 'mxfp4')")
     path = Path(path)
     _check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,12 +371,20 @@ def save_hf_tensors(
     try:
         writer = _ShardWriter(staging, max_shard_bytes)
         for name, tensor in tensors:
+            match = match_hf(name) if experts == "mxfp4" else None
+            if match is not None and match.rule.kind in ("fc1", "fc2"):
+                blocks, scales = pack_expert_weight(tensor)
+                writer.add(name + BLOCKS, blocks.cpu())
+                writer.add(name + SCALES, scales.cpu())
+                continue
             writer.add(name, tensor.to(device="cpu", dtype=dtype, copy=True).contiguous())
         weight_map, total_bytes = writer.finish()
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         _write_json(staging / INDEX_FILE, index)
         hf_config = config.to_hf_config()
         hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        if experts == "mxfp4":
+            hf_config["quantization_config"] = QUANTIZATION_CONFIG
         _write_json(staging / CONFIG_FILE, hf_config)
         _replace(staging, path)
     except BaseException:

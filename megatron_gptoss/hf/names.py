@@ -198,6 +198,18 @@ def from_hf(match: Match, tensors: list[torch.Tensor], config: ModelConfig) -> t
     raise KeyError(kind)
 
 
+def fc1_rows_from_hf(t: torch.Tensor) -> torch.Tensor:
+    """Rows (dim 1) of an fc1 expert tensor [E, 2I, ...] in HF's interleaved gate/up order -> [gate; up]
+    (the MXFP4 blocks and scales of `gate_up_proj`, whose rows are its output columns)."""
+    return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+
+def fc1_rows_to_hf(t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `fc1_rows_from_hf`: [gate; up] rows -> interleaved."""
+    gate, up = t.chunk(2, dim=1)
+    return torch.stack([gate, up], dim=2).flatten(1, 2)
+
+
 def to_hf(match: Match, tensor: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
     """Our tensor -> [(hf_name, tensor)], the exact inverse of `from_hf` (vocabulary padding dropped)."""
     kind, names = match.rule.kind, match.hf

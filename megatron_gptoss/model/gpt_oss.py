@@ -25,6 +25,7 @@ from megatron_gptoss.model.attention import SelfAttention
 from megatron_gptoss.model.logprobs import token_logprobs
 from megatron_gptoss.model.lora import adapters, freeze_base, is_adapter_param
 from megatron_gptoss.model.moe import MoE
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 from megatron_gptoss.model.norm import RMSNorm
 from megatron_gptoss.model.rope import RotaryEmbedding
 from megatron_gptoss.ops import batch_invariant
@@ -135,7 +136,13 @@ class GPTOSSModel(nn.Module):
     def init_weights(self, generator: torch.Generator | None = None) -> GPTOSSModel:
         """Normal(0, std) matrices, sinks and embeddings (`config.init_std_of(name)`); zero biases; unit
         norms; zero padded rows; then the adapters (`LoRA.reset`), so the base weights do not depend on LoRA
-        being on."""
+        being on. Raises ValueError for MXFP4 experts (`parallel.loading.init_parallel` draws and quantizes
+        them)."""
+        if mxfp4_weights(self):
+            raise ValueError(
+                "init_weights draws float experts: a model with model.expert_format='mxfp4' gets its random "
+                "experts from parallel.loading.init_parallel (drawn, then quantized) or a checkpoint"
+            )
         for name, p in self.named_parameters():
             if is_adapter_param(name):
                 continue

@@ -12,7 +12,8 @@ from torch import nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.lora import LoRA, active, make_adapter
-from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight
+from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode, mxfp4_gemm
 
 # The decode expert kernels (`ops.moe_decode`) take a forward of at most this many rows per expert on
 # average. They stream each hit expert's weight once per tile of at most 128 of its rows, so their time is
@@ -123,6 +124,12 @@ class Experts(nn.Module):
     SwiGLU as `ops.moe_decode`'s kernels.
     `loop` (auto on the CPU) is the eager reference: a loop over experts with the per-expert counts read
     on the host.
+
+    MXFP4 experts (`expert_format: mxfp4`): the fc1 / fc2 weights are `MXFP4Weight`s (frozen uint8 blocks
+    and scales, no gradient). The fused path multiplies by them as they are
+    (`ops.mxfp4_gemm.grouped_linear_mxfp4`, differentiable in the rows), the decode path with
+    `fc1_swiglu_mxfp4` and `grouped_linear_mxfp4`; the `loop` reference and the batch-invariant mode
+    multiply by the dequantized weights. Biases and adapters are as with bf16 experts.
     """
 
     def __init__(self, config: ModelConfig, dtype=None, device=None, num_experts: int | None = None):
@@ -131,8 +138,9 @@ class Experts(nn.Module):
         h, i = config.hidden_size, config.intermediate_size
         self.num_experts, self.limit, self.alpha = e, config.swiglu_limit, config.swiglu_alpha
         self.backend = config.expert_backend
-        self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device)
-        self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device)
+        packed = config.expert_format == "mxfp4"
+        self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device, packed)
+        self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device, packed)
         self.linear_fc1.lora = make_adapter(config.lora, "linear_fc1", h, 2 * i, e, dtype, device)
         self.linear_fc2.lora = make_adapter(config.lora, "linear_fc2", i, h, e, dtype, device)
 
@@ -159,12 +167,12 @@ class Experts(nn.Module):
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if not moe_decode.in_decode_scope():
             return False
-        if not self.fused(x) or batch_invariant.active() or x.dtype != fc1.weight.dtype:
+        if not self.fused(x) or batch_invariant.active() or x.dtype != fc1.dtype:
             return False
         if active(fc1.lora) is not None or active(fc2.lora) is not None:
             return False
         params = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
-        if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in params):
+        if torch.is_grad_enabled() and any(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return False
         return x.shape[0] <= DECODE_ROWS_PER_EXPERT * self.num_experts
 
@@ -173,12 +181,21 @@ class Experts(nn.Module):
         bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if self.decode_kernels(x):
-            h = moe_decode.decode_fc1(x, fc1.weight, fc1.bias, bounds, self.limit, self.alpha)
-            return moe_decode.decode_fc2(h, fc2.weight, fc2.bias, bounds)
+            w1, w2 = fc1.weight, fc2.weight
+            if isinstance(w1, MXFP4Weight) and isinstance(w2, MXFP4Weight):
+                h = mxfp4_gemm.fc1_swiglu_mxfp4(
+                    x, w1.blocks, w1.scales, fc1.bias, bounds, self.limit, self.alpha
+                )
+                y = mxfp4_gemm.grouped_linear_mxfp4(h, w2.blocks, w2.scales, bounds)
+                return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
+            assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)
+            h = moe_decode.decode_fc1(x, w1, fc1.bias, bounds, self.limit, self.alpha)
+            return moe_decode.decode_fc2(h, w2, fc2.bias, bounds)
         if self.fused(x):
             gemm = "grouped_mm" if x.is_cuda else "loop"
-            h = fused_moe.swiglu_bias(fc1(x, bounds, gemm), fc1.bias, bounds, self.limit, self.alpha)
-            y = fc2(h, bounds, gemm)
+            h = fc1(x, bounds, gemm, packed=True)
+            h = fused_moe.swiglu_bias(h, fc1.bias, bounds, self.limit, self.alpha)
+            y = fc2(h, bounds, gemm, packed=True)
             return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
         expert = fused_moe.expert_of_rows(bounds, x.shape[0])
         h = fc1(x, bounds, "loop")
@@ -207,21 +224,41 @@ class Experts(nn.Module):
 
 
 class _ExpertLinear(nn.Module):
-    """`weight` [E, out, in], `bias` [E, out] (applied by the caller) and an optional per-expert adapter
-    `lora`. Called on rows sorted by expert: the grouped product with `weight` plus the adapter's."""
+    """`weight` [E, out, in] (a parameter, or an `MXFP4Weight` with `packed`), `bias` [E, out] (applied by
+    the caller) and an optional per-expert adapter `lora`. Called on rows sorted by expert: the grouped
+    product with `weight` plus the adapter's."""
 
-    def __init__(self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device):
+    def __init__(
+        self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device, packed=False
+    ):
         super().__init__()
-        self.weight = nn.Parameter(
-            torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
-        )
+        self.weight: nn.Parameter | MXFP4Weight
+        if packed:
+            self.weight = MXFP4Weight(experts, out_features, in_features, dtype, device)
+        else:
+            self.weight = nn.Parameter(
+                torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
+            )
         self.bias = (
             nn.Parameter(torch.zeros(experts, out_features, dtype=dtype, device=device)) if bias else None
         )
         self.lora: LoRA | None = None
 
-    def forward(self, x: torch.Tensor, bounds: torch.Tensor, gemm: str) -> torch.Tensor:
-        y = grouped_linear(x, self.weight, bounds, gemm)
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the product runs in (an MXFP4 weight's: the run's dtype)."""
+        return self.weight.dtype
+
+    def forward(self, x: torch.Tensor, bounds: torch.Tensor, gemm: str, packed: bool = False) -> torch.Tensor:
+        """Rows x sorted by expert -> x W^T (+ the adapter's update). An MXFP4 weight is multiplied as it is
+        stored when `packed` (the fused path) and the batch-invariant mode is off, else dequantized."""
+        weight = self.weight
+        if not isinstance(weight, MXFP4Weight):
+            y = grouped_linear(x, weight, bounds, gemm)
+        elif packed and not batch_invariant.active():
+            y = mxfp4_gemm.grouped_linear_mxfp4(x, weight.blocks, weight.scales, bounds)
+        else:
+            y = grouped_linear(x, weight.dequantize(x.dtype), bounds, gemm)
         lora = active(self.lora)
         if lora is None:
             return y

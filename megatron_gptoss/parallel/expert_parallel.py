@@ -13,7 +13,7 @@
 
 Who holds what: ep rank r of an ep group holds the experts above (`linear_fc1`/`linear_fc2` weights,
 biases and per-expert LoRA adapters, ShardSpec dim 0 over "ep"; the tag is set for ep == 1 too, marking
-expert parameters).
+expert parameters; MXFP4 weights: the blocks and scales buffers of those experts, untagged).
 Ranks of an expert-data-parallel (edp) group hold the same experts and process disjoint tokens, so
 expert gradients are summed over edp, dense ones over dp (the data-parallel step). Router gradients
 cover this rank's tokens only: they are tagged `partial over tp` when tp > 1.
@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.model.moe import Experts, MoE, Router
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.parallel.collectives import (
     AsyncAllToAll,
@@ -78,9 +79,15 @@ class ExpertParallelExperts(Experts):
         self.group, self.ep, self.total_experts = dims.group("ep"), dims.ep, full.num_experts
         spec = ShardSpec(0, "ep")
         for name in ("linear_fc1", "linear_fc2"):
-            for path in ("weight", "bias", "lora.a", "lora.b"):  # adapters: one per expert, dim 0 too
+            # adapters: one per expert, dim 0 too; MXFP4 weights: their blocks and scales buffers
+            for path in ("weight", "weight.blocks", "weight.scales", "bias", "lora.a", "lora.b"):
                 owner, _, attr = f"{name}.{path}".rpartition(".")
                 src = getattr(full.get_submodule(owner), attr) if _has(full, owner) else None
+                if isinstance(src, MXFP4Weight):  # its buffers follow
+                    continue
+                if src is not None and attr in ("blocks", "scales"):
+                    self.get_submodule(owner).register_buffer(attr, local_shard(src, spec, dims).clone())
+                    continue
                 if src is not None:
                     param = nn.Parameter(local_shard(src.detach(), spec, dims).clone(), src.requires_grad)
                     set_shard(param, spec)

@@ -30,9 +30,10 @@ from torch import nn
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.io import BLOCKS, SCALES, open_shard, weight_map_of
-from megatron_gptoss.hf.mxfp4 import packed_shapes, unpack_expert_weight
-from megatron_gptoss.hf.names import Match, from_hf, hf_shapes, match_ours
+from megatron_gptoss.hf.mxfp4 import packed_shapes, quantize_mxfp4, unpack_expert_weight
+from megatron_gptoss.hf.names import Match, fc1_rows_from_hf, from_hf, hf_shapes, match_ours
 from megatron_gptoss.model.lora import is_adapter_param
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, mxfp4_weights
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import ShardSpec, get_shard, local_shard
 
@@ -48,7 +49,8 @@ _HF_DIM = {
 
 def materialize(model: nn.Module, device: torch.device | str) -> None:
     """Allocate every meta parameter of `model` on `device`, uninitialised, keeping its tags (ShardSpec,
-    gradient group); buffers move to `device` with their values."""
+    gradient group); meta buffers (MXFP4 expert weights) are allocated zeroed, the others move to `device`
+    with their values."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if param.is_meta:
@@ -56,7 +58,9 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
                 new.__dict__.update(param.__dict__)
                 setattr(module, name, new)
         for name, buffer in list(module.named_buffers(recurse=False)):
-            if buffer is not None:
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.zeros_like(buffer, device=device)
+            elif buffer is not None:
                 module._buffers[name] = buffer.to(device)
 
 
@@ -239,7 +243,44 @@ def load_hf_parallel(
                     )
                 param.copy_(value)
                 written += 1
+            for name, weight in mxfp4_weights(model).items():
+                blocks, scales = _read_packed(reader, name, weight, config, dims)
+                weight.copy_packed_(blocks, scales)
+                written += 1
         return {"tensors": written, "bytes_read": reader.bytes_read}
+
+
+def _expert_range(weight: MXFP4Weight, config: ModelConfig, dims: ParallelDims) -> tuple[int, int]:
+    """[start, stop) of the experts an MXFP4 weight holds: all of them, or this ep rank's slice."""
+    local = weight.shape[0]
+    start = 0 if local == config.num_experts else dims.coord("ep") * local
+    return start, start + local
+
+
+def _read_packed(
+    reader: _Reader | HFTensors, name: str, weight: MXFP4Weight, config: ModelConfig, dims: ParallelDims
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(blocks, scales) of this rank's experts of the MXFP4 weight `name`, our row order: the checkpoint's
+    MXFP4 bytes as they are (fc1's rows de-interleaved), or its float experts quantized (`quantize_mxfp4`)."""
+    match = match_ours(name)
+    hf_name, hf_shape = match.hf[0], hf_shapes(match, config)[0]
+    start, stop = _expert_range(weight, config, dims)
+    if not reader.has(hf_name + BLOCKS) and reader.has(hf_name):
+        dense = reader.read(hf_name, _index(3, 0, start, stop), hf_shape)
+        return quantize_mxfp4(from_hf(match, [dense], config))
+    shapes = packed_shapes(tuple(hf_shape))
+    if shapes is None:
+        raise CheckpointError(f"tensor {hf_name + BLOCKS!r}: {hf_name!r} of shape {hf_shape} cannot be MXFP4")
+    blocks = reader.read(hf_name + BLOCKS, _index(4, 0, start, stop), shapes[0])
+    scales = reader.read(hf_name + SCALES, _index(3, 0, start, stop), shapes[1])
+    for part, tensor in ((BLOCKS, blocks), (SCALES, scales)):
+        if tensor.dtype != torch.uint8:
+            raise CheckpointError(
+                f"tensor {hf_name + part!r} has dtype {tensor.dtype}, expected torch.uint8 (MXFP4)"
+            )
+    if match.rule.kind == "fc1":
+        blocks, scales = fc1_rows_from_hf(blocks), fc1_rows_from_hf(scales)
+    return blocks, scales
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,8 +302,20 @@ def init_parallel(
     from a generator seeded by (seed, name) (experts: by (seed, name, expert), so a rank draws only its
     experts), and each rank keeps its chunk. Norms 1, biases 0, the rest Normal(0, config.init_std_of(name)),
     padded vocabulary rows 0 (the conventions of `GPTOSSModel.init_weights`); LoRA adapters as `LoRA.reset`: A
-    uniform in +-1/sqrt(in), B zero. `adapters_only`: the adapters alone (a base loaded from HF)."""
+    uniform in +-1/sqrt(in), B zero. `adapters_only`: the adapters alone (a base loaded from HF).
+    MXFP4 expert weights: each of this rank's experts drawn as its parameter would be (the generator of
+    (seed, name, expert)), then quantized once (`quantize_mxfp4`)."""
     for model in models:
+        for name, weight in [] if adapters_only else mxfp4_weights(model).items():
+            std, device = config.init_std_of(name), weight.device
+            start, stop = _expert_range(weight, config, dims)
+            for i, e in enumerate(range(start, stop)):
+                values = torch.randn(
+                    weight.shape[1:], generator=_generator(seed, name, device, e), device=device
+                )
+                blocks, scales = quantize_mxfp4(values.mul_(std))
+                weight.blocks[i].copy_(blocks)
+                weight.scales[i].copy_(scales)
         for name, param in model.named_parameters():
             if adapters_only and not is_adapter_param(name):
                 continue

@@ -67,11 +67,12 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         device="cpu",
         seed=0,
         options: EmbeddedEngineConfig | None = None,
-        shared: Mapping[str, torch.nn.Parameter] | None = None,
+        shared: Mapping[str, torch.Tensor] | None = None,
     ):
-        """`shared`: parameters this engine uses as they are instead of its own (a LoRA run's frozen base,
-        the learner's shards of the same layout; never written, moved or freed here); the engine then
-        holds only the rest (the adapters), filled by `update_adapters`."""
+        """`shared`: parameters (and MXFP4 expert buffers, `model.mxfp4_weight.frozen_base`) this engine uses
+        as they are instead of its own (a LoRA run's frozen base, the learner's shards of the same layout;
+        never written, moved or freed here); the engine then holds only the rest (the adapters), filled by
+        `update_adapters`."""
         if dims.pp != 1 or dims.vpp != 1:
             raise ConfigError(f"the embedded engine runs without pipeline stages, got pp={dims.pp}")
         if dims.sequence_parallel:
@@ -85,12 +86,14 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         model = GPTOSSModel(config, dtype=dtype, device="meta")
         parallelize(model, dims, parallel)  # modules swapped in place (no compile: the same object)
         shared = dict(shared or {})
-        own = dict(model.named_parameters())
+        own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         for name, tensor in shared.items():
-            if name not in own or own[name].shape != tensor.shape or tensor.dtype != dtype:
+            mine = own.get(name)
+            if mine is None or mine.shape != tensor.shape or tensor.dtype != mine.dtype:
                 raise ConfigError(
                     f"the shared parameter {name} ({tuple(tensor.shape)}, {tensor.dtype}) does not fit this "
-                    f"engine's layout ({tuple(own[name].shape) if name in own else 'absent'}, {dtype})"
+                    "engine's layout "
+                    f"({'absent' if mine is None else (tuple(mine.shape), mine.dtype)})"
                 )
             owner, _, attr = name.rpartition(".")
             setattr(model.get_submodule(owner), attr, tensor)

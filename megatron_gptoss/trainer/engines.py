@@ -36,6 +36,7 @@ from megatron_gptoss.config import ParallelConfig, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.lora import base_config, is_adapter_param
+from megatron_gptoss.model.mxfp4_weight import frozen_base
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 from megatron_gptoss.trainer.session import from_rank0
@@ -75,7 +76,7 @@ class EmbeddedHost:
         if cfg.moe.router_replay == "r3":  # the learner replays the experts the engine chose
             options = dataclasses.replace(options, record_routing=True)
         self.shared = shares_base(cfg)
-        base = {n: p for n, p in models[0].named_parameters() if not is_adapter_param(n)}
+        base = frozen_base(models[0])  # the parameters but the adapters, and any MXFP4 experts' buffers
         self.engine = ParallelEmbeddedEngine(  # LoRA: the shared base and adapters, or the merged weights
             cfg.model if self.shared else base_config(cfg.model),
             edims,

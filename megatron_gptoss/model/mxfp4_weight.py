@@ -1,0 +1,83 @@
+"""A frozen expert weight held in MXFP4, the 4-bit format of the released GPT-OSS expert weights.
+
+    logical weight  [E, out, in] in the run's dtype (what `Experts` multiplies by)
+    blocks          [E, out, in / 32, 16] uint8: 32 FP4 (e2m1) codes per block, two per byte, low nibble first
+    scales          [E, out, in / 32] uint8: one power of two per block, 2 ** (scale - 127)
+
+The buffers are the released checkpoints' `<name>_blocks` / `<name>_scales` bytes (fc1's rows reordered from
+HF's interleaved gate/up to our [gate; up], a permutation of whole rows), 4.25 bits a value. They are
+buffers, not parameters: they never train, never enter an optimizer, and the expert GEMMs read them as they
+are (`ops.mxfp4_gemm`). `dequantize` gives the logical weight, exactly (every MXFP4 value is exact in fp32 and
+bf16); `parallel.loading` fills the buffers from a checkpoint or quantizes a random initialisation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megatron_gptoss.model.lora import is_adapter_param
+from megatron_gptoss.ops.mxfp4_gemm import BLOCK, BLOCK_BYTES, dequantize
+
+
+class MXFP4Weight(nn.Module):
+    """Expert weights [experts, out_features, in_features] as MXFP4 buffers `blocks` and `scales` (zero until
+    filled). `dtype`: the dtype the weight is used in (the run's dtype: the experts' inputs and biases)."""
+
+    blocks: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, experts: int, out_features: int, in_features: int, dtype=None, device=None):
+        super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"an MXFP4 weight needs in_features divisible by {BLOCK}, got {in_features}")
+        groups = in_features // BLOCK
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.register_buffer(
+            "blocks",
+            torch.zeros(experts, out_features, groups, BLOCK_BYTES, dtype=torch.uint8, device=device),
+        )
+        self.register_buffer(
+            "scales", torch.zeros(experts, out_features, groups, dtype=torch.uint8, device=device)
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical weight's shape [E, out, in]."""
+        e, out, groups = self.scales.shape
+        return torch.Size((e, out, groups * BLOCK))
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    def extra_repr(self) -> str:
+        return f"experts={self.shape[0]}, out={self.shape[1]}, in={self.shape[2]}, dtype={self.dtype}"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logical weight [E, out, in] in `dtype` (default `self.dtype`); exact in fp32 and bf16."""
+        return dequantize(self.blocks, self.scales, dtype or self.dtype)
+
+    @torch.no_grad()
+    def copy_packed_(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write the buffers from packed bytes of the same shapes (uint8)."""
+        for name, src, dst in (("blocks", blocks, self.blocks), ("scales", scales, self.scales)):
+            if src.dtype != torch.uint8 or tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(
+                    f"MXFP4 {name} must be uint8 {tuple(dst.shape)}, got {src.dtype} {tuple(src.shape)}"
+                )
+            dst.copy_(src)
+
+
+def mxfp4_weights(model: nn.Module) -> dict[str, MXFP4Weight]:
+    """Every MXFP4 weight of `model` by the name its parameter would have (`...linear_fc1.weight`)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, MXFP4Weight)}
+
+
+def frozen_base(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The base tensors of a LoRA model that an engine of the same layout can use as they are: every
+    parameter but the adapters' and the MXFP4 weights' buffers (`<weight name>.blocks` / `.scales`)."""
+    base: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if not is_adapter_param(n)}
+    for name, weight in mxfp4_weights(model).items():
+        base[f"{name}.blocks"], base[f"{name}.scales"] = weight.blocks, weight.scales
+    return base
