@@ -28,13 +28,17 @@ no Triton) every path is the reference.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from megatron_gptoss.ops.fused_moe import expert_of_rows
+from megatron_gptoss.ops.fused_moe import _cdiv, expert_of_rows
+from megatron_gptoss.ops.moe_decode import row_tile
 
 BLOCK = 32  # values per MXFP4 block
 BLOCK_BYTES = BLOCK // 2
@@ -157,20 +161,178 @@ def reference_dequantized(
 
 
 # ------------------------------------------------------------------------------------------------
+# Kernels: tiles, dispatch, launches
+@dataclass(frozen=True)
+class Mxfp4Config:
+    """Tiles and launch parameters of the forward kernel (`block_n` output columns, `block_k` a multiple of
+    32) and of the input-gradient kernel (`bwd_*`: `block_k` columns of x, `bwd_block_r` of the reduction
+    over the output width)."""
+
+    block_m: int  # rows per tile (an expert with more rows loops over tiles, reading its weight again)
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    bwd_block_m: int = 64
+    bwd_block_r: int = 64
+    bwd_block_k: int = 64
+    bwd_warps: int = 4
+
+
+# Interpreter tiles (the CPU): small, few numpy calls.
+CPU_CONFIG = Mxfp4Config(
+    block_m=16, block_n=16, block_k=32, warps=1, stages=1, bwd_block_m=16, bwd_block_r=16, bwd_block_k=32,
+    bwd_warps=1,
+)  # fmt: skip
+_MAX_SPLIT = 16  # programs sharing one expert's row tiles, at most
+
+
+def default_config(rows: int, experts: int, device: torch.device, gated: bool) -> Mxfp4Config:
+    """Tiles for `rows` expert-sorted rows over `experts` experts: a row tile of twice the average rows per
+    expert in [16, 128] (`moe_decode.row_tile`), so at decode sizes each hit expert's weight is read once."""
+    if device.type != "cuda":
+        return CPU_CONFIG
+    block_m = row_tile(rows, experts, 2)
+    warps = 8 if gated and block_m >= 128 else 4
+    return Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3)
+
+
+def _split(rows: int, experts: int, block_m: int) -> int:
+    """Programs per (column block, expert): the average row tiles per expert, in [1, _MAX_SPLIT]."""
+    return max(1, min(_MAX_SPLIT, _cdiv(rows, max(experts, 1) * block_m)))
+
+
+def _kernels():
+    """The Triton kernels, imported on first use (TRITON_INTERPRET must be set before, on the CPU)."""
+    return importlib.import_module("megatron_gptoss.ops.mxfp4_kernels")
+
+
+_X_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # kernels' x dtypes
+_SCALED_FAILED: dict[str, str] = {}  # device name -> why the scaled kernel did not compile there
+
+
+def kernel_for(x: Tensor, path: str | None = None) -> str:
+    """Which implementation a call on x runs: "reference", "portable" or "scaled" (`tl.dot_scaled`, the
+    auto path for bf16 / fp16 rows on Hopper and later, and under the interpreter)."""
+    path = _resolve_path(path)
+    if path == "reference" or not kernels_can_run(x) or x.dtype not in _X_FORMATS:
+        return "reference"
+    if path == "portable" or x.dtype == torch.float32:
+        return "portable"
+    if x.is_cuda:
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return "portable"
+        if torch.cuda.get_device_name(x.device) in _SCALED_FAILED:
+            return "portable"
+    return "scaled"
+
+
+def _contiguous_rows(t: Tensor) -> Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _forward(
+    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
+    limit: float, alpha: float, kernel: str, config: Mxfp4Config | None, out_dtype: torch.dtype | None = None,
+) -> Tensor:  # fmt: skip
+    """One launch of the forward kernel; the output in x's dtype (`out_dtype`: another, which the products
+    are rounded to instead: the tests' fp32 view of the bf16 kernels under the interpreter)."""
+    x = _contiguous_rows(x)
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    bias = bias if bias is None else bias.contiguous()
+    m, k = x.shape
+    e, rows_w = blocks.shape[:2]
+    n = rows_w // 2 if gated else rows_w
+    out = x.new_empty(m, n, dtype=out_dtype)
+    if m == 0 or n == 0:
+        return out
+    cfg = default_config(m, e, x.device, gated) if config is None else config
+    has_bias = bias is not None
+    bias_arg = bias if has_bias else x
+    grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
+    _kernels().mxfp4_fwd_kernel[grid](
+        x, blocks, scales, bias_arg, out, bounds, n, k, x.stride(0), blocks.stride(0), blocks.stride(1),
+        scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0, out.stride(0),
+        float(limit), float(alpha),
+        GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
+        X_FORMAT=_X_FORMATS[x.dtype], num_warps=cfg.warps, num_stages=cfg.stages,
+    )  # fmt: skip
+    return out
+
+
+def _forward_any(
+    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
+    limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
+) -> Tensor:  # fmt: skip
+    """`_forward`; where the scaled kernel fails to compile on a GPU, warns once and runs the portable
+    kernel from then on for that device."""
+    if kernel != "scaled" or not x.is_cuda:
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, config)
+    compile_errors = (importlib.import_module("triton.compiler.errors").CompilationError, RuntimeError)
+    try:
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, config)
+    except compile_errors as error:
+        name = torch.cuda.get_device_name(x.device)
+        _SCALED_FAILED[name] = f"{type(error).__name__}: {error}"
+        warnings.warn(f"MXFP4 GEMM: tl.dot_scaled kernel failed on {name}, using the portable kernel "
+                      f"({_SCALED_FAILED[name][:300]})", stacklevel=3)  # fmt: skip
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", config)
+
+
+def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
+                config: Mxfp4Config | None) -> Tensor:  # fmt: skip
+    grad = _contiguous_rows(grad.to(dtype))
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    m, n = grad.shape
+    e = blocks.shape[0]
+    k = blocks.shape[2] * BLOCK
+    grad_x = grad.new_empty(m, k)
+    if m == 0:
+        return grad_x
+    cfg = default_config(m, e, grad.device, False) if config is None else config
+    grid = (_cdiv(k, cfg.bwd_block_k), e, _split(m, e, cfg.bwd_block_m))
+    _kernels().mxfp4_bwd_kernel[grid](
+        grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), blocks.stride(1),
+        scales.stride(0), scales.stride(1), grad_x.stride(0),
+        BLOCK_M=cfg.bwd_block_m, BLOCK_R=cfg.bwd_block_r, BLOCK_K=cfg.bwd_block_k,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None, num_warps=cfg.bwd_warps,
+    )  # fmt: skip
+    return grad_x
+
+
+class _GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, blocks, scales, bounds, kernel, config):
+        ctx.save_for_backward(blocks, scales, bounds)
+        ctx.dtype, ctx.config = x.dtype, config
+        return _forward_any(x, blocks, scales, None, bounds, False, 0.0, 0.0, kernel, config)
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks, scales, bounds = ctx.saved_tensors
+        return _input_grad(grad, blocks, scales, bounds, ctx.dtype, ctx.config), None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
 # Public API
 def grouped_linear_mxfp4(
-    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, path: str | None = None
-) -> Tensor:
+    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, path: str | None = None,
+    config: Mxfp4Config | None = None,
+) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, blocks [E, out, in / 32, 16] / scales [E, out, in / 32] uint8, bounds int32
-    [E + 1] -> x W[e]^T [M, out] in x's dtype (module doc). Differentiable in x only."""
+    [E + 1] -> x W[e]^T [M, out] in x's dtype (module doc). Differentiable in x only: grad_x = grad_y W[e],
+    decoded in registers along the other axis (the portable kernel on every path but "reference")."""
     _check(x, blocks, scales, bounds)
-    _resolve_path(path)
-    return reference_dequantized(x, blocks, scales, bounds)
+    kernel = kernel_for(x, path)
+    if kernel == "reference":
+        return reference_dequantized(x, blocks, scales, bounds)
+    return _GroupedLinear.apply(x, blocks, scales, bounds, kernel, config)
 
 
 def fc1_swiglu_mxfp4(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor,
-    limit: float, alpha: float, path: str | None = None,
+    limit: float, alpha: float, path: str | None = None, config: Mxfp4Config | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, fc1 blocks [E, 2I, in / 32, 16] / scales [E, 2I, in / 32] ([gate; up]
     rows), bias [E, 2I] or None -> the clamped SwiGLU [M, I] of x W[e]^T + bias[e] in x's dtype (module doc).
@@ -179,6 +341,8 @@ def fc1_swiglu_mxfp4(
     _check(x, blocks, scales, bounds, bias)
     if blocks.shape[1] % 2:
         raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
-    _resolve_path(path)
+    kernel = kernel_for(x, path)
     with torch.no_grad():
-        return reference_dequantized(x, blocks, scales, bounds, bias, (float(limit), float(alpha)))
+        if kernel == "reference":
+            return reference_dequantized(x, blocks, scales, bounds, bias, (float(limit), float(alpha)))
+        return _forward_any(x, blocks, scales, bias, bounds, True, limit, alpha, kernel, config)

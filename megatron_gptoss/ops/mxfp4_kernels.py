@@ -1,0 +1,229 @@
+"""Triton kernels of the MXFP4 grouped expert GEMMs. Launched only from `megatron_gptoss.ops.mxfp4_gemm`,
+which states the contracts.
+
+Weights: expert e's W[e] [N, K] is `Wb` [E, N, K / 2] bytes (value k of row n in byte k // 2 of the row,
+the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) for values 32 g .. 32 g + 31).
+Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
+
+Grid (column blocks, E, SPLIT), static: program (c, e, s) owns output columns block c of expert e and that
+expert's row tiles s, s + SPLIT, ...; an expert without rows returns at once (its weight is never read),
+and with one row tile per expert every weight byte is read once. Products are accumulated in fp32 over K in
+a fixed order; the epilogue rounds them to the output dtype (the library GEMM's output) and adds bias and
+SwiGLU in fp32 on the rounded values, one more rounding (`mxfp4_fwd_kernel`).
+
+Two ways to form the products:
+- portable (`_portable_products`): plain loads and `tl.dot`. The byte tile is decoded in registers to x's
+  dtype twice, once per nibble: the low nibbles are W's even columns of K, the high ones its odd columns, so
+  the product is W_even x_even^T + W_odd x_odd^T with x's even and odd columns loaded as two strided tiles
+  (no interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
+  unit's wide side, the few rows of x the narrow one).
+- scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) on the left and the packed bytes and
+  scales on the right, Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its matrix units).
+The input gradient (`mxfp4_bwd_kernel`) decodes the same byte tiles along the other axis: grad_x's even
+and odd columns are grad_y W_even and grad_y W_odd.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from megatron_gptoss.ops.moe_kernels import _swiglu_parts
+
+
+@triton.jit
+def _fp4_values(codes):
+    """int32 FP4 e2m1 codes (0..15) -> their values in fp32, exactly: magnitudes 2..7 are the fp32 bit
+    patterns (code << 22) + bits(0.5) (exponent and mantissa bits moved into place), magnitude 1 is 0.5 and
+    0 is 0; bit 3 is the sign."""
+    mag = codes & 7
+    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000)
+    bits = bits | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_values(s):
+    """uint8 E8M0 scales -> 2 ** (s - 127) in fp32 (the byte is the fp32 exponent field; 0 gives 0, not
+    2 ** -127)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode(byte_ptrs, scale_ptrs, mask, DTYPE: tl.constexpr):
+    """The weight values of a byte tile in DTYPE: (even, odd) = (low nibbles, high nibbles), each times
+    the scale of its block (exact: the product has at most two significant bits). Masked bytes read 0."""
+    byte = tl.load(byte_ptrs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
+    scale = _scale_values(tl.load(scale_ptrs, mask=mask, other=0, eviction_policy="evict_first"))
+    even = (_fp4_values(byte & 15) * scale).to(DTYPE)
+    odd = (_fp4_values(byte >> 4) * scale).to(DTYPE)
+    return even, odd
+
+
+@triton.jit
+def _portable_products(
+    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    hi = lo
+    jj = tl.arange(0, HALF)
+    dtype = X.dtype.element_ty
+    for k0 in range(0, K, BLOCK_K):
+        kb = k0 // 2 + jj  # byte column of the weight rows
+        k_ok = kb < K // 2
+        x_ptrs = X + rows[None, :] * stride_x + (k0 + 2 * jj)[:, None]
+        x_mask = row_ok[None, :] & k_ok[:, None]
+        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
+        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0, eviction_policy="evict_last")
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
+        s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
+        w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+        lo = tl.dot(w_even, x_even, lo, input_precision=DOT_PRECISION)
+        lo = tl.dot(w_odd, x_odd, lo, input_precision=DOT_PRECISION)
+        if GATED:
+            w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
+            hi = tl.dot(w_even, x_even, hi, input_precision=DOT_PRECISION)
+            hi = tl.dot(w_odd, x_odd, hi, input_precision=DOT_PRECISION)
+    return tl.trans(lo), tl.trans(hi)
+
+
+@triton.jit
+def _scaled_products(
+    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X_FORMAT: tl.constexpr,
+):  # fmt: skip
+    """`_portable_products` through `tl.dot_scaled` (x in bf16 or fp16, X_FORMAT its name)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    hi = lo
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + rows[:, None] * stride_x + ks[None, :],
+            mask=row_ok[:, None] & (ks < K)[None, :],
+            other=0.0,
+            eviction_policy="evict_last",
+        )
+        kb = k0 // 2 + tl.arange(0, HALF)
+        b_ptrs = wb_base + cols[None, :] * stride_wbn + kb[:, None]  # [HALF, BLOCK_N]: packed along K
+        b_mask = col_ok[None, :] & (kb < K // 2)[:, None]
+        kg = k0 // 32 + tl.arange(0, GROUPS)
+        s_ptrs = ws_base + cols[:, None] * stride_wsn + kg[None, :]  # [BLOCK_N, GROUPS]
+        s_mask = col_ok[:, None] & (kg < K // 32)[None, :]
+        w = tl.load(b_ptrs, mask=b_mask, other=0, eviction_policy="evict_first")
+        s = tl.load(s_ptrs, mask=s_mask, other=0, eviction_policy="evict_first")
+        lo = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=lo)
+        if GATED:
+            w = tl.load(b_ptrs + N * stride_wbn, mask=b_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + N * stride_wsn, mask=s_mask, other=0, eviction_policy="evict_first")
+            hi = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=hi)
+    return lo, hi
+
+
+@triton.jit
+def mxfp4_fwd_kernel(
+    X, Wb, Ws, Bias, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be,
+    stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    X_FORMAT: tl.constexpr,
+):  # fmt: skip
+    """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
+    along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate * sigmoid(alpha gate)
+    with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded products with W[e, c] and
+    W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = rounded product (+ bias). SCALED:
+    the products by `tl.dot_scaled`, else by the in-register decoding (module doc)."""
+    e = tl.program_id(1)
+    start = tl.load(bounds + e)
+    end = tl.load(bounds + e + 1)
+    first = start + tl.program_id(2) * BLOCK_M
+    if first >= end:
+        return
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    wb_base = Wb + e.to(tl.int64) * stride_wbe
+    ws_base = Ws + e.to(tl.int64) * stride_wse
+    if HAS_BIAS:
+        b_lo = tl.load(Bias + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_hi = tl.load(Bias + e * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    for r0 in range(first, end, tl.num_programs(2) * BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < end
+        if SCALED:
+            lo, hi = _scaled_products(
+                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+                GATED, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+            )  # fmt: skip
+        else:
+            lo, hi = _portable_products(
+                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+            )  # fmt: skip
+        # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
+        # the rounded values (a no-op in fp32)
+        lo = lo.to(Out.dtype.element_ty).to(tl.float32)
+        if HAS_BIAS:
+            lo += b_lo[None, :]
+        if GATED:
+            hi = hi.to(Out.dtype.element_ty).to(tl.float32)
+            if HAS_BIAS:
+                hi += b_hi[None, :]
+            gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
+            res = (up + 1.0) * (gate * s)
+        else:
+            res = lo
+        out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def mxfp4_bwd_kernel(
+    G, Wb, Ws, GX, bounds, N, K, stride_g, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_gx,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """GX[r, k] = sum_n G[r, n] W[e][n, k] for the rows r of expert e and the program's columns k (block
+    c of BLOCK_K columns of K), G [M, N] with unit stride along N, accumulated in fp32 over N in BLOCK_R
+    steps from 0 up, rounded once to GX's dtype."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    e = tl.program_id(1)
+    start = tl.load(bounds + e)
+    end = tl.load(bounds + e + 1)
+    first = start + tl.program_id(2) * BLOCK_M
+    if first >= end:
+        return
+    kb = tl.program_id(0) * HALF + tl.arange(0, HALF)  # byte columns: values 2 kb (low) and 2 kb + 1
+    k_ok = kb < K // 2
+    wb_base = Wb + e.to(tl.int64) * stride_wbe
+    ws_base = Ws + e.to(tl.int64) * stride_wse
+    dtype = GX.dtype.element_ty
+    for r0 in range(first, end, tl.num_programs(2) * BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < end
+        even = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
+        odd = even
+        for n0 in range(0, N, BLOCK_R):
+            ns = n0 + tl.arange(0, BLOCK_R)
+            n_ok = ns < N
+            g = tl.load(
+                G + rows[:, None] * stride_g + ns[None, :],
+                mask=row_ok[:, None] & n_ok[None, :],
+                other=0.0,
+                eviction_policy="evict_last",
+            )
+            w_mask = n_ok[:, None] & k_ok[None, :]
+            b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
+            s_ptrs = ws_base + ns[:, None] * stride_wsn + (kb // 16)[None, :]
+            w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+            even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
+            odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
+        out_ptrs = GX + rows[:, None] * stride_gx + 2 * kb[None, :]
+        mask = row_ok[:, None] & k_ok[None, :]
+        tl.store(out_ptrs, even.to(dtype), mask=mask)
+        tl.store(out_ptrs + 1, odd.to(dtype), mask=mask)

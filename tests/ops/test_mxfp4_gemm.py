@@ -1,0 +1,175 @@
+"""MXFP4 grouped expert GEMMs (megatron_gptoss.ops.mxfp4_gemm) on the CPU under the Triton interpreter,
+fp32, tiny shapes: forward and input gradient against the dequantize-then-compute reference (fresh random
+blocks, scales in 120..130, uneven experts with one without rows, partial column and K blocks, experts over
+several row tiles and programs), the fc1 + SwiGLU forward against the reference and against the learner's
+composition (`grouped_linear_mxfp4` + `fused_moe.swiglu_bias`), the `tl.dot_scaled` kernel on bf16 rows
+(its products viewed in fp32: the interpreter's bf16 casts truncate and its bf16 `tl.dot` is not modelled),
+the dequantization against `hf.mxfp4`, and clear errors. Errors per tensor are ||ours - ref|| / ||ref||."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.triton_cpu import interpreted
+
+from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
+from megatron_gptoss.ops import fused_moe, mxfp4_gemm
+from megatron_gptoss.ops.mxfp4_gemm import (
+    Mxfp4Config,
+    fc1_swiglu_mxfp4,
+    grouped_linear_mxfp4,
+    reference_dequantized,
+)
+
+LIMIT, ALPHA = 7.0, 1.702
+# Tiles whose K step (64) leaves a partial block at K = 96, column blocks of 16 over 40 columns
+TILES = Mxfp4Config(
+    block_m=16, block_n=16, block_k=64, warps=1, stages=1, bwd_block_m=16, bwd_block_r=16, bwd_block_k=64,
+    bwd_warps=1,
+)  # fmt: skip
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def weights(experts: int, out: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 blocks [E, out, width / 32, 16] (every code) and scales in 120..130."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (experts, out, width // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(120, 131, (experts, out, width // 32), generator=g, dtype=torch.uint8)
+    return blocks, scales
+
+
+def rows(counts: list[int], width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    bounds = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    return torch.randn(sum(counts), width, generator=g), bounds
+
+
+def test_dequantize_equals_hf_reference():
+    """Every byte and every scale byte (0 and 255 included): the same bits as hf.mxfp4's decoder."""
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(256, 2).reshape(256, 2, 16, 16)
+    scales = torch.arange(256, dtype=torch.uint8)[:, None, None].expand(256, 2, 16).contiguous()
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = mxfp4_gemm.dequantize(blocks, scales, dtype)
+        ref = dequantize_mxfp4(blocks, scales, dtype)
+        assert torch.equal(ours.isnan(), ref.isnan())
+        assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+
+
+@interpreted
+@pytest.mark.parametrize("path", ["portable", "auto"])
+@pytest.mark.parametrize("counts", [[5, 0, 19], [3, 0, 70, 2]])
+def test_grouped_linear_forward_and_input_grad(path, counts):
+    """fp32: forward and grad_x within 1e-6 of the reference; the second routing puts 70 rows (5 tiles of 16)
+    on one expert, shared by two programs."""
+    e, n, k = len(counts), 40, 96
+    blocks, scales = weights(e, n, k, seed=len(counts))
+    x, bounds = rows(counts, k, seed=len(counts))
+    assert mxfp4_gemm.kernel_for(x, path) == "portable"
+    ours_x = x.clone().requires_grad_()
+    y = grouped_linear_mxfp4(ours_x, blocks, scales, bounds, path=path, config=TILES)
+    ref_x = x.clone().requires_grad_()
+    y_ref = reference_dequantized(ref_x, blocks, scales, bounds)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(5))
+    y.backward(grad)
+    y_ref.backward(grad)
+    assert rel_err(y.detach(), y_ref.detach()) <= 1e-6
+    assert rel_err(ours_x.grad, ref_x.grad) <= 1e-6
+    # a partial column block and the interpreter's default tiles
+    y_default = grouped_linear_mxfp4(x, blocks, scales, bounds, path=path)
+    assert rel_err(y_default, y_ref.detach()) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("bias", [True, False])
+def test_fc1_swiglu_forward(bias):
+    """fp32: within 1e-6 of the reference, both clamps of the SwiGLU taken; equal to the learner's
+    composition within fp32 rounding."""
+    counts, inter, k = [6, 0, 11], 24, 64
+    blocks, scales = weights(len(counts), 2 * inter, k, seed=3)
+    x, bounds = rows(counts, k, seed=3)
+    x = x * 4  # products beyond the limit of 7
+    b = torch.randn(len(counts), 2 * inter, generator=torch.Generator().manual_seed(4)) if bias else None
+    ref = reference_dequantized(x, blocks, scales, bounds, b, (LIMIT, ALPHA))
+    pre = reference_dequantized(x, blocks, scales, bounds)
+    assert (pre[:, :inter] > LIMIT).any() and (pre[:, inter:].abs() > LIMIT).any()
+    for path in ("portable", "auto"):
+        h = fc1_swiglu_mxfp4(x, blocks, scales, b, bounds, LIMIT, ALPHA, path=path, config=TILES)
+        assert rel_err(h, ref) <= 1e-6, path
+    learner = fused_moe.swiglu_bias(grouped_linear_mxfp4(x, blocks, scales, bounds), b, bounds, LIMIT, ALPHA)
+    assert rel_err(h, learner) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_scaled_kernel_on_bf16_rows(gated):
+    """The `tl.dot_scaled` kernel (the auto path's on bf16 rows), its products rounded to fp32 instead of
+    bf16: within 1e-6 of the float64 product of the bf16 rows and the decoded weights."""
+    counts, n, k = [7, 0, 21], 48, 96
+    blocks, scales = weights(len(counts), n, k, seed=6)
+    x, bounds = rows(counts, k, seed=6)
+    x16 = x.bfloat16()
+    assert mxfp4_gemm.kernel_for(x16, "auto") == "scaled"
+    w = mxfp4_gemm.dequantize(blocks, scales, torch.float64)
+    b = torch.randn(len(counts), n, generator=torch.Generator().manual_seed(8)) if gated else None
+    expert = fused_moe.expert_of_rows(bounds, x.shape[0])
+    exact = torch.einsum("mk,mnk->mn", x16.double(), w[expert])
+    if gated:
+        exact = mxfp4_gemm.reference_dequantized(
+            x16.double(), blocks, scales, bounds, b.double(), (LIMIT, ALPHA)
+        )  # fmt: skip
+    ours = mxfp4_gemm._forward(
+        x16, blocks, scales, b, bounds, gated, LIMIT, ALPHA, "scaled", TILES, out_dtype=torch.float32
+    )  # fmt: skip
+    assert rel_err(ours, exact) <= 1e-6
+
+
+@interpreted
+def test_paths_and_fallback(monkeypatch):
+    """path="reference" (and the environment variable) run the reference; fp64 rows and a CPU without the
+    interpreter fall back to it; an empty batch gives empty outputs and a zero-size gradient."""
+    blocks, scales = weights(2, 32, 64, seed=9)
+    x, bounds = rows([4, 3], 64, seed=9)
+    assert mxfp4_gemm.kernel_for(x, "reference") == "reference"
+    assert mxfp4_gemm.kernel_for(x.double(), "auto") == "reference"
+    monkeypatch.setenv(mxfp4_gemm.PATH_ENV, "reference")
+    assert mxfp4_gemm.kernel_for(x) == "reference"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert mxfp4_gemm.kernel_for(x, "portable") == "reference"
+    assert torch.equal(
+        grouped_linear_mxfp4(x, blocks, scales, bounds), reference_dequantized(x, blocks, scales, bounds)
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    empty = torch.zeros(0, 64, requires_grad=True)
+    none = torch.zeros(3, dtype=torch.int32)
+    y = grouped_linear_mxfp4(empty, blocks, scales, none, path="portable")
+    y.sum().backward()
+    assert y.shape == (0, 32) and empty.grad.shape == (0, 64)
+    assert fc1_swiglu_mxfp4(empty.detach(), blocks, scales, None, none, LIMIT, ALPHA).shape == (0, 16)
+
+
+def test_errors_name_the_tensor():
+    blocks, scales = weights(2, 32, 64, seed=10)
+    x, bounds = rows([4, 3], 64, seed=10)
+    cases = [
+        ((x, blocks.int(), scales, bounds), TypeError, "uint8"),
+        ((x, blocks[..., :8], scales, bounds), ValueError, "blocks must be"),
+        ((x, blocks, scales[:, :, :1], bounds), ValueError, "scales must be"),
+        ((x[:, :32], blocks, scales, bounds), ValueError, "x must be \\[M, in\\] with in = 64"),
+        ((x.int(), blocks, scales, bounds), TypeError, "x must be a floating-point"),
+        ((x, blocks, scales, bounds.long()), ValueError, "bounds must be int32"),
+        ((x, blocks, scales, bounds[:2]), ValueError, "bounds must be int32 \\[E \\+ 1\\] = \\[3\\]"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            grouped_linear_mxfp4(*args)
+    with pytest.raises(ValueError, match="bias must be \\[E, out\\] = \\[2, 32\\]"):
+        fc1_swiglu_mxfp4(x, blocks, scales, torch.zeros(2, 16), bounds, LIMIT, ALPHA)
+    odd_blocks, odd_scales = weights(2, 33, 64, seed=11)
+    with pytest.raises(ValueError, match="output width must be even"):
+        fc1_swiglu_mxfp4(x, odd_blocks, odd_scales, None, bounds, LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="path must be one of"):
+        grouped_linear_mxfp4(x, blocks, scales, bounds, path="fast")
