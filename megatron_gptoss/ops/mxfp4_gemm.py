@@ -248,7 +248,7 @@ def _forward(
         return out
     cfg = default_config(m, e, x.device, gated) if config is None else config
     has_bias = bias is not None
-    bias_arg = bias if has_bias else x
+    bias_arg = x if bias is None else bias
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
     _kernels().mxfp4_fwd_kernel[grid](
         x, blocks, scales, bias_arg, out, bounds, n, k, x.stride(0), blocks.stride(0), blocks.stride(1),
