@@ -12,9 +12,9 @@ single-device tensor with the vocabulary padding removed, so its shape does not 
 Boxes larger than a byte bound are cut along their first dimension of size > 1 (`split_box`); since the
 dimensions after it are whole, every cut stays a contiguous run of its tensor.
 
-Who writes what (`writes_param`): a replicated dense parameter is written by the rank with tp = dp = 0
-of its pipeline stage, a tp-sharded one by the dp = 0 rank of each tp position, an expert parameter by
-the edp = 0 rank of each ep position; so every element is written exactly once.
+Who writes what (`writes_param`): a replicated dense parameter is written by the rank with tp = cp = dp
+= 0 of its pipeline stage, a tp-sharded one by the cp = dp = 0 rank of each tp position, an expert
+parameter by the edp = 0 rank of each ep position; so every element is written exactly once.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ def local_box(
 def writes_param(spec: ShardSpec | None, coords: dict[str, int]) -> bool:
     """Whether the rank at `coords` writes its copy of a parameter tagged `spec` (module docstring)."""
     if spec is None:
-        return coords["tp"] == 0 and coords["dp"] == 0
+        return coords["tp"] == 0 and coords["dp"] == 0 and coords.get("cp", 0) == 0
     if spec.group == "tp":
-        return coords["dp"] == 0
+        return coords["dp"] == 0 and coords.get("cp", 0) == 0
     return coords["edp"] == 0
 
 

@@ -117,6 +117,7 @@ def layout_dict(layout: Layout, shard: bool | None, pipeline_layers: Sequence[in
         "pp": layout.pp,
         "ep": layout.ep,
         "vpp": layout.vpp,
+        "cp": layout.cp,
         "dp": layout.dp,
         "edp": layout.edp,
         "distributed_optimizer": shard,

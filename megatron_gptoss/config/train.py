@@ -27,7 +27,7 @@ POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
 
 @dataclass
 class ParallelConfig:
-    """Parallel layout (Megatron names). The product tp x pp x dp must equal the world size."""
+    """Parallel layout (Megatron names). The product tp x cp x pp x dp must equal the world size."""
 
     # Tensor model parallel size: attention heads and vocabulary are split across these ranks.
     tensor_model_parallel_size: int = 1
@@ -39,6 +39,9 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     # Shard norm/residual activations along the sequence over the tensor-parallel ranks.
     sequence_parallel: bool = False
+    # Context parallel size: each packed micro-batch's tokens are split over these ranks in load-balanced
+    # causal chunks (rank r holds chunks r and 2cp-1-r of 2cp); attention exchanges keys and values.
+    context_parallel_size: int = 1
     # Expert parallel: each MoE layer's tokens in this many chunks, whose all-to-alls overlap the other
     # chunks' expert GEMMs (forward and backward); 1 exchanges all tokens at once.
     expert_dispatch_chunks: int = 1
@@ -58,6 +61,7 @@ class ParallelConfig:
             "virtual_pipeline_model_parallel_size",
             "expert_model_parallel_size",
             "expert_dispatch_chunks",
+            "context_parallel_size",
         )
         if any(count < 0 for count in self.pipeline_layers):
             raise ConfigError(f"parallel.pipeline_layers={self.pipeline_layers} has a negative count")
@@ -377,6 +381,9 @@ class TrainConfig:
             "rollout.engine='embedded' (vLLM runs its own kernels)": self.rollout.engine == "embedded",
             "rollout.tensor_parallel_size=1": self.rollout.tensor_parallel_size == 1,
             "parallel.tensor_model_parallel_size=1": self.parallel.tensor_model_parallel_size == 1,
+            "parallel.context_parallel_size=1 (split attention merges partial sums in another order)": (
+                self.parallel.context_parallel_size == 1
+            ),
             "model.attention_backend='triton' (its decode rows equal its training rows)": (
                 self.model.attention_backend == "triton"
             ),

@@ -1,7 +1,8 @@
 """`parallelize`: the one place that turns a single-device GPT-OSS (or a pipeline stage of one) into this
 rank's part of a parallel model, in a fixed order:
 
-    1. tensor parallel   attention heads, vocab-parallel embedding and output layer, sequence parallel
+    1. tensor parallel   attention heads, vocab-parallel embedding and output layer, sequence parallel;
+                         context parallel: attention over the cp ranks' zig-zag chunks of the tokens
     2. expert parallel   experts over ep, token dispatch, tokens split over tp
     3. activation checkpointing (per transformer layer)
     4. compile           the caller's `compile_fn`, applied to the parallel modules
@@ -21,6 +22,7 @@ from torch import nn
 
 from megatron_gptoss.config import ModelConfig, ParallelConfig
 from megatron_gptoss.errors import LayoutError
+from megatron_gptoss.parallel.context_parallel import apply_context_parallel
 from megatron_gptoss.parallel.data_parallel import apply_data_parallel
 from megatron_gptoss.parallel.dims import ParallelDims, validate_layout
 from megatron_gptoss.parallel.expert_parallel import apply_expert_parallel
@@ -61,6 +63,7 @@ def parallelize(
     # 1. tensor parallel
     apply_tensor_parallel(model, config, dims)
     apply_vocab_parallel(model, config.padded_vocab_size(dims.tp), dims)
+    apply_context_parallel(model, dims)
     # 2. expert parallel
     apply_expert_parallel(model, config, dims, cfg.expert_dispatch_chunks)
     # 3. activation checkpointing

@@ -1,5 +1,6 @@
-"""Data parallelism: gradients summed over the data-parallel ranks (dense parameters: the dp group;
-expert parameters: the expert-data-parallel group edp) and Megatron's distributed optimizer (ZeRO-1):
+"""Data parallelism: gradients summed over the data-parallel ranks (dense parameters: the dp_cp group,
+data x context parallel; expert parameters: the expert-data-parallel group edp) and Megatron's
+distributed optimizer (ZeRO-1):
 AdamW state and fp32 master weights sharded over those groups.
 
     apply_data_parallel(model, dims)  tags every trainable parameter with the group its gradient is
@@ -51,14 +52,15 @@ _ALIGN = 64
 
 
 def grad_group(name: str) -> str:
-    """The group a parameter's gradient is summed over: "edp" for experts, "dp" for the rest."""
-    return "edp" if ".mlp.experts." in name else "dp"
+    """The group a parameter's gradient is summed over: "edp" for experts, "dp_cp" for the rest (the
+    context-parallel ranks of a replica hold the same weights and compute gradients of their own tokens)."""
+    return "edp" if ".mlp.experts." in name else "dp_cp"
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Tag every trainable parameter of `model` with its gradient group (`grad_group`); returns `model`.
     The reduction and the sharded optimizer state live in `DistributedOptimizer`."""
-    for kind in ("dp", "edp"):
+    for kind in ("dp_cp", "edp"):
         dims.group(kind)  # the groups must exist
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -180,7 +182,7 @@ class DistributedOptimizer:
         lo, hi = (rank * per, (rank + 1) * per) if self.shard else (0, per * size)
         # dense parameters not sharded over tp are replicated on the tp ranks: tp rank 0 counts them;
         # expert parameters are unique to each rank of a stage (ep x edp)
-        replicated_over_tp = kind == "dp" and self.dims.coord("tp") != 0
+        replicated_over_tp = kind == "dp_cp" and self.dims.coord("tp") != 0
         counted_from = end_of(len(replicated)) if replicated_over_tp else 0
         bucket = _Bucket(ordered, offsets, group, data, grad, lo, hi, end_of(len(partial)), counted_from)
         with torch.no_grad():
@@ -230,7 +232,7 @@ class DistributedOptimizer:
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """Global L2 norm (fp32) of the reduced gradients, every element of the model counted once.
-        Collective over dp then mp (together: the whole world)."""
+        Collective over dp_cp then mp (together: the whole world)."""
         device = self.buckets[0].grad.device if self.buckets else torch.device("cpu")
         square = torch.zeros((), dtype=torch.float32, device=device)
         for b in self.buckets:
@@ -239,7 +241,7 @@ class DistributedOptimizer:
             lo = max(lo, b.counted_from)
             if hi > lo:
                 square += torch.linalg.vector_norm(b.grad[lo:hi]).square()
-        all_reduce_sum(square, self.dims.group("dp"))
+        all_reduce_sum(square, self.dims.group("dp_cp"))
         all_reduce_sum(square, self.dims.group("mp"))
         return square.sqrt()
 
@@ -300,7 +302,7 @@ class DistributedOptimizer:
                 new = master[start - b.lo : end - b.lo]
                 squares[0] += torch.linalg.vector_norm(new - old).square()
                 squares[1] += torch.linalg.vector_norm(old).square()
-        all_reduce_sum(squares, self.dims.group("dp"))
+        all_reduce_sum(squares, self.dims.group("dp_cp"))
         all_reduce_sum(squares, self.dims.group("mp"))
         delta, old_norm = squares.sqrt().tolist()
         return delta / old_norm if old_norm > 0 else float(delta > 0) * float("inf")

@@ -1,15 +1,24 @@
 """`ParallelDims`: the parallel layout and every process group, built once and passed explicitly.
 
-Rank order (Megatron's default, tensor fastest): rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+Rank order (Megatron's default, tensor fastest, then context):
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-    dense parts   world = pp x dp x tp
-    experts       within one pipeline stage the dp x tp ranks (tp fastest) are regrouped as
+    dense parts   world = pp x dp x cp x tp; the cp ranks of a group hold the same weights and each
+                  a load-balanced part of every packed micro-batch's tokens (`context_parallel`);
+                  dense gradients are summed over dp x cp (the dp_cp group)
+    experts       within one pipeline stage the dp x cp x tp ranks (tp fastest) are regrouped as
                   edp x ep (expert tensor parallel 1): consecutive blocks of `ep` ranks hold all
                   experts between them (the ep group); ranks at the same position of every block
-                  replicate the same experts (the expert-data-parallel group, edp = dp x tp / ep).
+                  replicate the same experts (the expert-data-parallel group, edp = dp x cp x tp / ep).
+    groups        tp, cp, dp (same tp, cp, pp: the replicas that split a batch's rows), dp_cp (same
+                  tp and pp: dense gradients and their optimizer shards), pp, ep, edp, mp (tp x pp of
+                  one (dp, cp) position: one replica of the dense model).
 
 Example, 8 ranks as tp2 x dp2 x pp2, ep2:  stage 0 = ranks 0..3, tp groups {0,1} {2,3}, dp groups
 {0,2} {1,3}, ep groups {0,1} {2,3}, edp groups {0,2} {1,3}; pp groups {0,4} {1,5} {2,6} {3,7}.
+Example, 8 ranks as tp2 x cp2 x dp2, ep4: tp {0,1} {2,3} {4,5} {6,7}; cp {0,2} {1,3} {4,6} {5,7};
+dp {0,4} {1,5} {2,6} {3,7}; dp_cp {0,2,4,6} {1,3,5,7}; ep {0,1,2,3} {4,5,6,7}: experts carved from
+the cp and tp ranks; edp {0,4} {1,5} {2,6} {3,7}.
 """
 
 from __future__ import annotations
@@ -31,65 +40,84 @@ class Layout:
     pp: int
     ep: int
     vpp: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world // (self.tp * self.pp)
+        return self.world // (self.tp * self.cp * self.pp)
 
     @property
     def edp(self) -> int:
-        return self.dp * self.tp // self.ep
+        return self.dp * self.cp * self.tp // self.ep
+
+    def rank_of(self, tp: int, cp: int, dp: int, pp: int) -> int:
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def coords(self, rank: int) -> dict[str, int]:
-        """tp/dp/pp rank of `rank`, and its ep/edp rank inside its pipeline stage."""
-        tp_rank = rank % self.tp
-        dp_rank = (rank // self.tp) % self.dp
-        pp_rank = rank // (self.tp * self.dp)
-        local = rank % (self.tp * self.dp)
-        return {"tp": tp_rank, "dp": dp_rank, "pp": pp_rank, "ep": local % self.ep, "edp": local // self.ep}
+        """tp/cp/dp/pp rank of `rank`, and its ep/edp rank inside its pipeline stage."""
+        stage = self.tp * self.cp * self.dp
+        local = rank % stage
+        return {
+            "tp": rank % self.tp,
+            "cp": (rank // self.tp) % self.cp,
+            "dp": (rank // (self.tp * self.cp)) % self.dp,
+            "pp": rank // stage,
+            "ep": local % self.ep,
+            "edp": local // self.ep,
+        }
 
     def groups(self) -> dict[str, list[list[int]]]:
         """Every group of each kind, as sorted rank lists, in a fixed order (all ranks create them alike)."""
-        tp, dp, pp, ep = self.tp, self.dp, self.pp, self.ep
-        stage = tp * dp
-        out: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": [], "ep": [], "edp": [], "mp": []}
+        tp, cp, dp, pp, ep = self.tp, self.cp, self.dp, self.pp, self.ep
+        at = self.rank_of
+        stage = tp * cp * dp
+        kinds = ("tp", "cp", "dp", "dp_cp", "pp", "ep", "edp", "mp")
+        out: dict[str, list[list[int]]] = {kind: [] for kind in kinds}
+        cells = [(c, d) for d in range(dp) for c in range(cp)]
         for p in range(pp):
+            for c, d in cells:
+                out["tp"].append([at(t, c, d, p) for t in range(tp)])
             for d in range(dp):
-                out["tp"].append([p * stage + d * tp + t for t in range(tp)])
+                for t in range(tp):
+                    out["cp"].append([at(t, c, d, p) for c in range(cp)])
+            for c in range(cp):
+                for t in range(tp):
+                    out["dp"].append([at(t, c, d, p) for d in range(dp)])
             for t in range(tp):
-                out["dp"].append([p * stage + d * tp + t for d in range(dp)])
+                out["dp_cp"].append(sorted(at(t, c, d, p) for c, d in cells))
             for block in range(stage // ep):
                 out["ep"].append([p * stage + block * ep + e for e in range(ep)])
             for e in range(ep):
                 out["edp"].append([p * stage + block * ep + e for block in range(stage // ep)])
-        for d in range(dp):
+        for c, d in cells:
             for t in range(tp):
-                out["pp"].append([p * stage + d * tp + t for p in range(pp)])
+                out["pp"].append([at(t, c, d, p) for p in range(pp)])
         # model-parallel group: the ranks that together hold one replica of the dense model (tp x pp)
-        for d in range(dp):
-            out["mp"].append(sorted(p * stage + d * tp + t for p in range(pp) for t in range(tp)))
+        for c, d in cells:
+            out["mp"].append(sorted(at(t, c, d, p) for p in range(pp) for t in range(tp)))
         return out
 
 
 def validate_layout(cfg: ParallelConfig, model: ModelConfig, world_size: int) -> Layout:
     """The layout for `world_size` ranks, or a LayoutError naming the numbers that do not divide."""
     cfg.validate()
-    tp, pp, ep, vpp = (
+    tp, pp, ep, vpp, cp = (
         cfg.tensor_model_parallel_size,
         cfg.pipeline_model_parallel_size,
         cfg.expert_model_parallel_size,
         cfg.virtual_pipeline_model_parallel_size,
+        cfg.context_parallel_size,
     )
-    if world_size % (tp * pp):
+    if world_size % (tp * cp * pp):
         raise LayoutError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-            f"pipeline_model_parallel_size={pp}"
+            f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}"
         )
-    layout = Layout(world_size, tp, pp, ep, vpp)
-    if (layout.dp * tp) % ep:
+    layout = Layout(world_size, tp, pp, ep, vpp, cp)
+    if (layout.dp * cp * tp) % ep:
         raise LayoutError(
-            f"expert_model_parallel_size={ep} does not divide data-parallel x tensor-parallel = "
-            f"{layout.dp} x {tp} ranks of a pipeline stage"
+            f"expert_model_parallel_size={ep} does not divide data-parallel x context-parallel x "
+            f"tensor-parallel = {layout.dp} x {cp} x {tp} ranks of a pipeline stage"
         )
     if model.num_attention_heads % tp:
         raise LayoutError(f"num_attention_heads={model.num_attention_heads} not divisible by tp={tp}")
@@ -152,6 +180,10 @@ class ParallelDims:
         return self.layout.ep
 
     @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def edp(self) -> int:
         return self.layout.edp
 
@@ -163,7 +195,7 @@ class ParallelDims:
         return self.layout.coords(self.rank)[kind]
 
     def group(self, kind: str) -> dist.ProcessGroup:
-        """The process group of `kind` (tp, dp, pp, ep, edp, mp) this rank belongs to."""
+        """The process group of `kind` (tp, cp, dp, dp_cp, pp, ep, edp, mp) this rank belongs to."""
         if kind not in self.groups:
             raise KeyError(f"no process group {kind!r}; known: {sorted(self.groups)}")
         group = self.groups[kind]

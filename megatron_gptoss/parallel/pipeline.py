@@ -9,7 +9,9 @@ schedules of `torch.distributed.pipelining` over the pp group.
     stage i/o    first   input_ids [1, N]   -> hidden [1, N', H]      (point-to-point between stages)
                  middle  hidden [1, N', H]  -> hidden [1, N', H]
                  last    hidden [1, N', H]  -> (log-prob [1, N], entropy [1, N]) fp32
-                 N' = N / tp under sequence parallelism, else N. Every stage also receives its
+                 N' = N / cp (context parallel: this rank's zig-zag chunks), divided by tp under
+                 sequence parallelism; the last stage gathers its log-probs and entropy over cp, so
+                 they cover the micro-batch's N tokens in order. Every stage also receives its
                  micro-batch's positions [1, N] (keyword; the last stage also the targets) and its
                  document boundaries computed on the host when packing: cu_seqlens [1, D + 1] (padded
                  with N to the most documents of a micro-batch) and the longest document [1], host
@@ -49,6 +51,7 @@ from megatron_gptoss.errors import LayoutError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.moe import Router, no_route, routing_dtype
 from megatron_gptoss.parallel.collectives import chunk_sizes
+from megatron_gptoss.parallel.context_parallel import ContextParallel
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.packing import PackedBatch, cu_seqlens_from_positions, pack_micro_batches
 from megatron_gptoss.utils.host import to_device
@@ -130,9 +133,10 @@ def copy_from_full(stage: nn.Module, full: nn.Module) -> None:
 class StageModule(nn.Module):
     """One stage model behind the stage i/o of the module docstring (the module the schedule runs)."""
 
-    def __init__(self, model: GPTOSSModel, plan: StagePlan):
+    def __init__(self, model: GPTOSSModel, plan: StagePlan, cp: ContextParallel | None = None):
         super().__init__()
         self.model, self.plan = model, plan
+        self.cp = cp if cp is not None else ContextParallel(1, 0)
         self.temperature, self.chunk_size = 1.0, 1024
 
     def forward(
@@ -147,12 +151,17 @@ class StageModule(nn.Module):
     ):
         """The micro-batch's document boundaries: `boundaries` (cu_seqlens on the device, longest
         document), or host tensors `cu_seqlens` [1, D + 1] padded with N and `max_seqlen` [1] (the pp
-        schedules' split of `PackedBatch.boundary_tensors`), else derived from `positions`."""
+        schedules' split of `PackedBatch.boundary_tensors`), else derived from `positions`. Under context
+        parallelism the inputs are this rank's local tokens and the boundaries the micro-batch's, kept on
+        the host (the attention reads them there)."""
+        split = self.cp.size > 1
         if boundaries is None and cu_seqlens is not None and max_seqlen is not None:
             cu = cu_seqlens.reshape(-1)
             cu = cu[: int((cu < cu[-1]).sum()) + 1]  # host tensor: the padding repeats the last bound
-            boundaries = (to_device(cu, positions.device), int(max_seqlen.reshape(-1)[0]))
+            boundaries = (cu if split else to_device(cu, positions.device), int(max_seqlen.reshape(-1)[0]))
         if boundaries is None:
+            if split:
+                raise ValueError("a context-parallel stage needs the micro-batch's document boundaries")
             boundaries = cu_seqlens_from_positions(positions)
         cu_seqlens_dev, longest = boundaries
         if routing is not None:  # [1, N, layers, k] -> [N, layers, k]
@@ -162,7 +171,8 @@ class StageModule(nn.Module):
             return hidden
         if targets is None:
             raise ValueError("the last pipeline stage needs the targets")
-        return self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
+        lp, ent = self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
+        return self.cp.gather(lp), self.cp.gather(ent)
 
 
 class PipelineRunner:
@@ -181,7 +191,8 @@ class PipelineRunner:
         if len(models) != len(plans) or len(plans) != dims.vpp:
             raise ValueError(f"{len(models)} models and {len(plans)} plans for {dims.vpp} virtual stages")
         self.dims = dims
-        self.modules = [StageModule(m, p) for m, p in zip(models, plans)]
+        self.cp = ContextParallel.of(dims)
+        self.modules = [StageModule(m, p, self.cp) for m, p in zip(models, plans)]
         for module in self.modules:
             module.chunk_size = chunk_size
         self.has_last = any(p.is_last for p in plans)
@@ -204,9 +215,10 @@ class PipelineRunner:
         parallelism exchanges tokens across them), at least pp of them (the 1F1B schedules need a
         micro-batch per stage; the extra ones are filler) and, for the interleaved schedule, a multiple
         of pp."""
-        if self.dims.sequence_parallel and token_budget % self.dims.tp:
+        if token_budget % self.token_multiple():
             raise LayoutError(
-                f"token budget {token_budget} must be a multiple of tp={self.dims.tp} (sequence parallel)"
+                f"token budget {token_budget} must be a multiple of {self.token_multiple()} (2 x "
+                f"context_parallel_size={self.dims.cp}, times tp={self.dims.tp} under sequence parallel)"
             )
         local = pack_micro_batches(input_ids, targets, valid, token_budget).num_micro_batches
         count = torch.tensor([local], dtype=torch.long, device=self.comm_device())
@@ -214,6 +226,12 @@ class PipelineRunner:
         multiple = self.dims.pp if self.dims.vpp > 1 else 1
         least = max(int(count), self.dims.pp)
         return pack_micro_batches(input_ids, targets, valid, token_budget, least, multiple, routing)
+
+    def token_multiple(self) -> int:
+        """What every micro-batch's token count must be a multiple of: 2cp zig-zag chunks (cp > 1), each
+        rank's tokens split over tp under sequence parallelism."""
+        cp = 2 * self.dims.cp if self.dims.cp > 1 else 1
+        return cp * (self.dims.tp if self.dims.sequence_parallel else 1)
 
     # passes -------------------------------------------------------------------------------------
     def forward_backward(self, packed: PackedBatch, loss_fn: LossFn, temperature: float = 1.0) -> Tensor:
@@ -287,12 +305,13 @@ class PipelineRunner:
         }
 
     def _assemble_routing(self, packed: PackedBatch, captured: dict[int, list[Tensor]]) -> Tensor:
-        """The micro-batches' captured experts of this rank's layers (chunks of the tokens under tp) ->
-        [B, T, layers, k] of every layer (gathered over tp and pp), no-route -1 while int32."""
-        m, n = packed.input_ids.shape
+        """The micro-batches' captured experts of this rank's layers (chunks of the tokens under tp and cp)
+        -> [B, T, layers, k] of every layer (gathered over tp, cp and pp), no-route -1 while int32."""
+        m, n_full = packed.input_ids.shape
+        n = n_full // self.dims.cp
         k, layers = self.config.moe_router_topk, self.config.num_layers
         device = self.comm_device()
-        full = torch.full((m, n, layers, k), -1, dtype=torch.int32, device=device)
+        full = torch.full((m, n_full, layers, k), -1, dtype=torch.int32, device=device)
         for layer in sorted(captured):
             chunks = captured[layer]
             if len(chunks) != m:
@@ -305,7 +324,7 @@ class PipelineRunner:
                 parts = [torch.empty_like(padded) for _ in sizes]
                 dist.all_gather(parts, padded, group=self.dims.group("tp"))
                 x = torch.cat([part[:, :size] for part, size in zip(parts, sizes)], dim=1)
-            full[:, :, layer] = x
+            full[:, :, layer] = self.cp.gather(x) if self.cp.size > 1 else x
         if self.dims.pp > 1:  # each stage holds its own layers: -1 elsewhere
             dist.all_reduce(full, op=dist.ReduceOp.MAX, group=self.dims.group("pp"))
         dtype = routing_dtype(self.config.num_experts)
@@ -326,11 +345,14 @@ class PipelineRunner:
     def _run_single(self, packed: PackedBatch, m: int) -> tuple[Tensor, Tensor]:
         module = self.modules[0]
         ids, pos, tgt = (
-            to_device(t[m : m + 1], self.device) for t in (packed.input_ids, packed.positions, packed.targets)
+            to_device(self.cp.split(t[m : m + 1]), self.device)
+            for t in (packed.input_ids, packed.positions, packed.targets)
         )
-        routing = None if packed.routing is None else to_device(packed.routing[m : m + 1], self.device)
+        routing = None
+        if packed.routing is not None:
+            routing = to_device(self.cp.split(packed.routing[m : m + 1]), self.device)
         cu_seqlens, longest = packed.micro_boundaries(m)
-        boundaries = (to_device(cu_seqlens, self.device), longest)
+        boundaries = (cu_seqlens if self.cp.size > 1 else to_device(cu_seqlens, self.device), longest)
         return module(ids, positions=pos, targets=tgt, routing=routing, boundaries=boundaries)
 
     @staticmethod
@@ -346,12 +368,13 @@ class PipelineRunner:
 
     def _inputs(self, packed: PackedBatch) -> tuple[tuple, dict]:
         first = any(module.plan.is_first for module in self.modules)
-        args = (to_device(packed.input_ids, self.device),) if first else ()
-        kwargs = {"positions": to_device(packed.positions, self.device)}
+        split = self.cp.split
+        args = (to_device(split(packed.input_ids), self.device),) if first else ()
+        kwargs = {"positions": to_device(split(packed.positions), self.device)}
         if self.has_last:
-            kwargs["targets"] = to_device(packed.targets, self.device)
+            kwargs["targets"] = to_device(split(packed.targets), self.device)
         if packed.routing is not None:
-            kwargs["routing"] = to_device(packed.routing, self.device)
+            kwargs["routing"] = to_device(split(packed.routing), self.device)
         kwargs["cu_seqlens"], kwargs["max_seqlen"] = packed.boundary_tensors()  # host tensors
         return args, kwargs
 
@@ -381,8 +404,9 @@ class PipelineRunner:
     def _stage(self, module: StageModule, tokens: int, train: bool) -> PipelineStage:
         """A PipelineStage with static shapes (stage i/o of the module docstring)."""
         meta = torch.device("meta")
-        local = tokens // self.dims.tp if self.dims.sequence_parallel else tokens
-        ids = torch.empty(1, tokens, dtype=torch.long, device=meta)
+        mine = tokens // self.dims.cp
+        local = mine // self.dims.tp if self.dims.sequence_parallel else mine
+        ids = torch.empty(1, mine, dtype=torch.long, device=meta)
         hidden = torch.empty(1, local, self.config.hidden_size, dtype=self.dtype, device=meta)
         hidden.requires_grad_(train)
         scores = torch.empty(1, tokens, dtype=torch.float32, device=meta)

@@ -44,7 +44,7 @@ def reduced_full_grads(models, dims, vocab: int = VOCAB) -> dict[str, Tensor]:
             g = getattr(p, "main_grad", p.grad).clone()
             if is_partial_over_tp(p) and dims.tp > 1:
                 dist.all_reduce(g, group=dims.group("tp"))
-            kind = "edp" if ".mlp.experts." in name else "dp"
+            kind = "edp" if ".mlp.experts." in name else "dp_cp"
             dist.all_reduce(g, group=dims.group(kind))
             out[name] = gather_full(g, get_shard(p), dims, vocab)
     return out

@@ -19,8 +19,8 @@ from megatron_gptoss.rl.ppo_loss import loss_denominators
 
 def test_grad_groups_by_name():
     assert grad_group("decoder.layers.3.mlp.experts.linear_fc1.weight") == "edp"
-    assert grad_group("decoder.layers.3.mlp.router.weight") == "dp"
-    assert grad_group("embedding.word_embeddings.weight") == "dp"
+    assert grad_group("decoder.layers.3.mlp.router.weight") == "dp_cp"
+    assert grad_group("embedding.word_embeddings.weight") == "dp_cp"
 
 
 def test_dp2_sharded_optimizer_equals_single_process():

@@ -1,0 +1,269 @@
+"""Context parallelism: each packed micro-batch's tokens split over the cp ranks, attention exact.
+
+Load-balanced causal chunks (zig-zag): a micro-batch of N tokens is cut into 2cp chunks of c = N / 2cp
+tokens; cp rank r holds chunks r and 2cp-1-r, in that order (its local tokens are [chunk r; chunk
+2cp-1-r], 2c of them), so every rank has the same causal work:
+
+    cp = 2, N = 8c   chunk   0    1    2    3
+                     rank    0    1    1    0        rank 0: tokens [0, c) + [3c, 4c); rank 1: [c, 3c)
+
+Every per-token input (ids, positions, targets, router replay) is split with `ContextParallel.split`;
+positions restart at 0 in each document, so RoPE needs nothing more. The document boundaries stay
+global: every rank passes the micro-batch's whole `cu_seqlens` (a host tensor) to the attention, which
+knows where its chunks sit. The last stage's per-token log-probs and entropy are gathered back to the
+micro-batch's token order (`gather`; backward: each rank keeps its own tokens' gradient), so the loss,
+its normalisation, the metrics, the rollout correction and the critic see exactly the single-rank values.
+
+Attention of one local chunk x (queries [x c, (x+1) c)) under the sink contract:
+
+    diagonal block   the chunk against its own keys, documents cut at the chunk's edges: the backend's
+                     kernel (eager, flex, triton, fa4) with the sinks, returning (O_d, LSE_d); LSE_d holds
+                     the sink term, so the sink enters each row's normaliser exactly once
+    earlier keys     only the chunk's first document can reach back (documents are contiguous): its
+                     rows against keys [max(doc start, x c - W + 1), x c), all before every query, so a
+                     rectangle without causal mask (window: j > i - W); `rect_attention` gives (O_r, LSE_r)
+                     without the sink (LSE_r = -inf for a row that sees none)
+    merge            LSE = logaddexp(LSE_d, LSE_r), O = O_d exp(LSE_d - LSE) + O_r exp(LSE_r - LSE); the
+                     backward is autograd's through the merge, so each block gets its LSE gradient
+
+Keys and values reach the ranks by an all-gather over cp (backward: reduce-scatter of their
+gradients); a sliding-window layer whose window W - 1 fits in a chunk gathers only each chunk's last
+W - 1 keys and values. (A ring that passes K/V blocks would hold one block at a time; the all-gather
+holds the micro-batch's keys of the layer, a 1/heads-per-group share of its activations.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from megatron_gptoss.errors import LayoutError
+from megatron_gptoss.model.attention import CoreAttention
+from megatron_gptoss.ops.sink_attention import sink_attention
+from megatron_gptoss.parallel.collectives import gather_from_sequence_parallel, gather_to_replicated
+from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.tensor_parallel import swap_module
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """The zig-zag split over the cp group of this rank (`rank` of `size`). `group` is None only when
+    size == 1 (nothing is exchanged then)."""
+
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None = None
+
+    @classmethod
+    def of(cls, dims: ParallelDims) -> ContextParallel:
+        return cls(dims.cp, dims.coord("cp"), dims.group("cp") if dims.cp > 1 else None)
+
+    def chunks(self) -> tuple[int, int]:
+        """This rank's two chunk numbers, in local order."""
+        return self.rank, 2 * self.size - 1 - self.rank
+
+    def check(self, tokens: int) -> int:
+        """The chunk length c of a micro-batch of `tokens` tokens (LayoutError unless 2cp divides it)."""
+        if tokens % (2 * self.size):
+            raise LayoutError(
+                f"context parallel splits a micro-batch of {tokens} tokens into 2 x "
+                f"context_parallel_size={self.size} equal chunks: pack to a multiple of {2 * self.size}"
+            )
+        return tokens // (2 * self.size)
+
+    def local_index(self, tokens: int, device=None) -> Tensor:
+        """Micro-batch token indices of this rank's local tokens [2c] (int64)."""
+        c = self.check(tokens)
+        a, b = self.chunks()
+        return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)]).to(device)
+
+    def global_order(self, tokens: int) -> Tensor:
+        """Index into the rank-order concatenation of every rank's local tokens giving micro-batch order."""
+        c = self.check(tokens)
+        where = torch.empty(2 * self.size, dtype=torch.long)  # chunk g -> its slot in rank order
+        for r in range(self.size):
+            where[r], where[2 * self.size - 1 - r] = 2 * r, 2 * r + 1
+        return (where[:, None] * c + torch.arange(c)).reshape(-1)
+
+    def split(self, x: Tensor, dim: int = 1) -> Tensor:
+        """This rank's local tokens of a micro-batch tensor (tokens along `dim`)."""
+        if self.size == 1:
+            return x
+        return x.index_select(dim, self.local_index(x.shape[dim], x.device))
+
+    def gather(self, x: Tensor, dim: int = 1) -> Tensor:
+        """Every rank's local tokens back in micro-batch order, replicated (backward: this rank keeps
+        the gradient of its own tokens)."""
+        if self.size == 1:
+            return x
+        assert self.group is not None
+        tokens = x.shape[dim] * self.size
+        full = gather_to_replicated(x, self.group, dim, tokens)
+        return full.index_select(dim, self.global_order(tokens).to(x.device))
+
+    def gather_summed(self, x: Tensor, dim: int = 0) -> Tensor:
+        """As `gather`, but the backward sums every rank's gradient (keys and values: each rank's
+        queries read every rank's keys)."""
+        if self.size == 1:
+            return x
+        assert self.group is not None
+        full = gather_from_sequence_parallel(x, self.group, dim)
+        tokens = full.shape[dim]
+        return full.index_select(dim, self.global_order(tokens).to(x.device))
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention blocks
+def rect_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Queries q [Lq, Hq, D] at micro-batch positions q_start.. against keys k/v [Lk, Hkv, D] at
+    k_start.., every key before every query (no causal mask), window W: key j seen when j > i - W. No
+    sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key); fp64 for fp64
+    inputs. Differentiable (scores materialised: the reference the GPU path is checked against)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    group = q.shape[1] // k.shape[1]
+    qf = q.to(compute).transpose(0, 1)
+    kf = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
+    vf = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
+    scores = (qf @ kf.transpose(-1, -2)) * scale  # [Hq, Lq, Lk]
+    if window is not None:
+        i = torch.arange(q_start, q_start + q.shape[0], device=q.device)[:, None]
+        j = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]
+        scores = scores.masked_fill(~(j > i - window), float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    p = torch.exp(scores - row_max)
+    z = p.sum(dim=-1, keepdim=True)
+    tiny = torch.finfo(compute).tiny
+    out = (p @ vf) / z.clamp_min(tiny)
+    lse = torch.where(z > 0, row_max + torch.log(z.clamp_min(tiny)), torch.full_like(z, float("-inf")))
+    return out.transpose(0, 1), lse.squeeze(-1)
+
+
+def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Two partial results of the same rows (O [L, H, D], LSE [H, L]) over disjoint key sets -> the
+    result over their union (fp32). lse_a must be finite (the block that holds the sink)."""
+    total = torch.logaddexp(lse_a.float(), lse_b.float())
+    wa = torch.exp(lse_a.float() - total).transpose(0, 1)[..., None]
+    wb = torch.exp(lse_b.float() - total).transpose(0, 1)[..., None]
+    return out_a.float() * wa + out_b.float() * wb, total
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    """Host-side geometry of one local chunk: its diagonal cu_seqlens (relative), its first document's
+    rows that reach earlier keys (`rows`, 0 if none) and those keys' micro-batch range [k_lo, k_hi)."""
+
+    start: int
+    cu: list[int]
+    longest: int
+    rows: int
+    k_lo: int
+
+
+def plan_chunk(bounds: list[int], x: int, c: int, window: int | None) -> _ChunkPlan:
+    """Geometry of chunk x (tokens [x c, (x+1) c)) from the micro-batch's document bounds."""
+    lo, hi = x * c, (x + 1) * c
+    cu = sorted({0, c, *(b - lo for b in bounds if lo < b < hi)})
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    doc_start = max(b for b in bounds if b <= lo)
+    doc_end = min((b for b in bounds if b > lo), default=hi)
+    k_lo = doc_start if window is None else max(doc_start, lo - (window - 1))
+    rows = min(doc_end, hi) - lo if k_lo < lo else 0
+    return _ChunkPlan(lo, cu, longest, rows, k_lo)
+
+
+class ContextParallelAttention(CoreAttention):
+    """`core_attention` of one cp rank: the same sinks (`softmax_offset`), window and backend as the
+    single-device module. q [2c, Hq, D], k/v [2c, Hkv, D] this rank's local tokens (packed layout);
+    `cu_seqlens`: the whole micro-batch's document bounds, a host int32 tensor [docs + 1] ending at
+    2c x cp (None: one document). Returns [2c, Hq, D], each row exactly its single-device value."""
+
+    def __init__(self, full: CoreAttention, cp: ContextParallel):
+        nn.Module.__init__(self)
+        self.window, self.backend, self.cp = full.window, full.backend, cp
+        self.softmax_offset = full.softmax_offset
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        if q.dim() != 3:
+            raise ValueError(
+                f"context-parallel attention takes packed local tokens [2c, heads, dim], got {tuple(q.shape)}"
+            )
+        cp, window = self.cp, self.window
+        tokens = q.shape[0] * cp.size
+        c = cp.check(tokens)
+        if cu_seqlens is None:
+            bounds = [0, tokens]
+        elif cu_seqlens.device.type != "cpu":
+            raise ValueError("context-parallel attention needs the micro-batch's cu_seqlens on the host")
+        else:
+            bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != tokens:
+            raise ValueError(f"cu_seqlens must span the micro-batch's {tokens} tokens, got {bounds}")
+        span = None if window is None or window - 1 > c else window - 1
+        keys, values = self._exchange(k, v, c, span)
+        sinks = self.softmax_offset.float()
+        backend = None if self.backend == "auto" else self.backend
+        scale = q.shape[-1] ** -0.5
+        outs = []
+        for i, x in enumerate(cp.chunks()):
+            plan = plan_chunk(bounds, x, c, window)
+            rows = slice(i * c, (i + 1) * c)
+            qx, kx, vx = q[rows], k[rows], v[rows]
+            cu = torch.tensor(plan.cu, dtype=torch.int32).to(q.device, non_blocking=True)
+            out, lse = sink_attention(
+                qx, kx, vx, sinks, window=window, cu_seqlens=cu, max_seqlen=plan.longest,
+                return_lse=True, backend=backend,
+            )  # fmt: skip
+            if plan.rows:
+                kr, vr = self._earlier(keys, values, x, c, span, plan.k_lo)
+                head = slice(0, plan.rows)
+                o_r, lse_r = rect_attention(qx[head], kr, vr, plan.start, plan.k_lo, window, scale)
+                merged, _ = merge_partials(out[head], lse[:, head], o_r, lse_r)
+                out = torch.cat([merged.to(out.dtype), out[plan.rows :]])
+            outs.append(out)
+        out = torch.cat(outs)
+        if keys is not None and torch.is_grad_enabled():  # every rank runs the gather's backward
+            out = out + (keys[:0].sum() + values[:0].sum()).to(out.dtype)
+        return out
+
+    def _exchange(self, k: Tensor, v: Tensor, c: int, span: int | None):
+        """Keys and values of the other chunks: all of them in micro-batch order [N, Hkv, D] (span None),
+        or the last `span` of every chunk [2cp, span, Hkv, D] in chunk order; None when cp == 1."""
+        cp = self.cp
+        if cp.size == 1:
+            return None, None
+        if span is None:
+            return cp.gather_summed(k), cp.gather_summed(v)
+        if span == 0:
+            return None, None
+
+        def tails(t: Tensor) -> Tensor:
+            local = t.view(2, c, *t.shape[1:])[:, c - span :].reshape(2 * span, *t.shape[1:])
+            full = cp.gather_summed(local, 0)  # as 2cp "chunks" of `span` rows, in chunk order
+            return full.view(2 * cp.size, span, *t.shape[1:])
+
+        return tails(k), tails(v)
+
+    @staticmethod
+    def _earlier(keys, values, x: int, c: int, span: int | None, k_lo: int) -> tuple[Tensor, Tensor]:
+        """Keys/values [k_lo, x c) of the micro-batch (all before chunk x)."""
+        if span is None:
+            return keys[k_lo : x * c], values[k_lo : x * c]
+        take = x * c - k_lo  # <= span: inside chunk x - 1's tail
+        return keys[x - 1, span - take :], values[x - 1, span - take :]
+
+
+def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
+    """Swap every `core_attention` of `model` for its context-parallel version (sinks kept: the same
+    parameter, possibly a tp shard). No-op when cp == 1."""
+    if dims.cp == 1:
+        return
+    cp = ContextParallel.of(dims)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, CoreAttention) and not isinstance(module, ContextParallelAttention):
+            swap_module(model, name, ContextParallelAttention(module, cp))
