@@ -1,9 +1,17 @@
 """Convert a sharded checkpoint of any layout (`megatron_gptoss.checkpoint.distributed`, or the output of
-tools/convert_hf_to_dist.py) into an HF GPT-OSS directory: bf16 safetensors shards, index.json and
-config.json, loadable by transformers and vLLM.
+tools/convert_hf_to_dist.py) into an HF GPT-OSS directory: bf16 safetensors shards (or MXFP4 experts),
+index.json and config.json, loadable by transformers and vLLM.
 
     python tools/convert_dist_to_hf.py /run/checkpoints/step_001000 /export/gpt-oss-120b-step1000
     python tools/convert_dist_to_hf.py /run/checkpoints /export/latest     # the newest verified checkpoint
+    python tools/convert_dist_to_hf.py /run/checkpoints /export/mxfp4 --experts mxfp4   # released layout
+
+`--experts mxfp4` writes the expert weights as the released gpt-oss checkpoints store them: `<name>_blocks`
+and `<name>_scales` (uint8, quantized along the input dimension in blocks of 32, gate_up_proj's rows HF's
+interleaved gate/up; `megatron_gptoss/hf/mxfp4.py` states the rounding rule), everything else in --dtype,
+and config.json carries the released `quantization_config`, so transformers and vLLM load it as they load
+the original checkpoint. A checkpoint whose experts came from an MXFP4 checkpoint and were not trained
+comes back byte for byte. The default, `--experts bf16`, writes them in --dtype like every other tensor.
 
 A checkpoint root (a directory with `latest`) resolves to its newest checkpoint whose checksums verify.
 A step directory has every file's checksum checked first (a corrupted file stops the export, naming it),
@@ -20,6 +28,9 @@ GPT-OSS that transformers and vLLM load. The whole model is held in host memory 
 
     python tools/convert_dist_to_hf.py /run/checkpoints /export/merged            # --lora merge (default)
     python tools/convert_dist_to_hf.py /run/checkpoints /export/adapter --lora peft
+
+A merged export writes the experts in --dtype (W + scale * B A over the base, whatever the base's format),
+or re-quantized with `--experts mxfp4`.
 
 `--lora peft` writes the adapters alone in PEFT's format (`megatron_gptoss/hf/peft_format.py` states how
 fused QKV, the router and the per-expert adapters map), for `peft.PeftModel.from_pretrained` on the base.
@@ -39,7 +50,7 @@ import torch.distributed as dist
 
 from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout
-from megatron_gptoss.checkpoint.dist_convert import conversion_report, dist_to_hf
+from megatron_gptoss.checkpoint.dist_convert import EXPERT_FORMATS, conversion_report, dist_to_hf
 from megatron_gptoss.checkpoint.lora import is_lora_checkpoint, load_policy, read_adapters
 from megatron_gptoss.checkpoint.manager import LATEST, CheckpointManager, read_manifest
 from megatron_gptoss.errors import CheckpointError, ConfigError
@@ -75,6 +86,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="how a LoRA checkpoint is exported: merge (W + scale * B A into a plain GPT-OSS) or peft "
         "(the adapters in PEFT's format)",
     )
+    parser.add_argument(
+        "--experts",
+        default="bf16",
+        choices=list(EXPERT_FORMATS),
+        help="expert weights in --dtype (bf16, default) or as the released MXFP4 blocks and scales (mxfp4)",
+    )
     args = parser.parse_args(argv)
     if not args.shard_gb > 0 or args.block_mb < 0:
         parser.error(f"--shard-gb must be > 0 and --block-mb >= 0, got {args.shard_gb}, {args.block_mb}")
@@ -95,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict:
         if args.lora == "peft":
             out = export_peft(path, args.out, getattr(torch, args.dtype))
         else:
-            out = export_merged(path, args.out, getattr(torch, args.dtype), int(args.shard_gb * 2**30))
+            shard_bytes = int(args.shard_gb * 2**30)
+            out = export_merged(path, args.out, getattr(torch, args.dtype), shard_bytes, args.experts)
         report = conversion_report(out, time.perf_counter() - start, checkpoint=str(path), lora=args.lora)
         print(json.dumps(report))
         return report
@@ -108,6 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         prefix=args.module,
         progress=not args.no_progress,
         verify_values=args.verify,
+        experts=args.experts,
     )
     seconds = time.perf_counter() - start
     report = conversion_report(out, seconds, checkpoint=str(path))
@@ -128,12 +147,14 @@ def _one_rank_group() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def export_merged(path: Path, out: str, dtype: torch.dtype, max_shard_bytes: int) -> Path:
-    """The LoRA checkpoint at `path` as a merged HF directory `out`."""
+def export_merged(
+    path: Path, out: str, dtype: torch.dtype, max_shard_bytes: int, experts: str = "bf16"
+) -> Path:
+    """The LoRA checkpoint at `path` as a merged HF directory `out`, experts in `dtype` or MXFP4."""
     with _one_rank_group():
         model, dims = load_policy(path)
         exporter = WeightExporter([model], model.config, dims, EngineLayout(), LORA_BUCKET_BYTES, dst=0)
-        return save_hf_tensors(exporter.pairs(), model.config, out, max_shard_bytes, dtype)
+        return save_hf_tensors(exporter.pairs(), model.config, out, max_shard_bytes, dtype, experts)
 
 
 def export_peft(path: Path, out: str, dtype: torch.dtype) -> Path:

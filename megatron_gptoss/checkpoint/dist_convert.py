@@ -10,13 +10,18 @@
                  `max_shard_bytes`, `model.safetensors.index.json`, `config.json` (what `save_hf` writes,
                  loadable by transformers and vLLM). Each HF tensor is streamed into its shard file in
                  blocks of at most `block_bytes` along its first dimension (vocabulary rows, experts, or
-                 rows); the fused QKV (one layer's attention, small) is converted whole.
+                 rows); the fused QKV (one layer's attention, small) is converted whole. With
+                 `experts="mxfp4"` the expert weights are written as the released checkpoints store them
+                 (`<name>_blocks` / `<name>_scales`, `hf.mxfp4.quantize_mxfp4`, the released
+                 `quantization_config` in config.json).
 
 Peak host memory, beyond the interpreter: hf_to_dist about 4 x max_chunk_bytes (the HF slice as read,
 its re-laid-out copy, the dtype cast, DCP's serialisation buffer; MXFP4 dequantizes in fp32, 2x a bf16
 piece); dist_to_hf about 4 x block_bytes plus the stored chunks a block overlaps (each read whole, at
-most the checkpoint's chunk size), or one layer's QKV. Memory-mapped pages of the HF files are dropped
-after each read. Both write into a temporary directory beside the output and rename it at the end.
+most the checkpoint's chunk size), or one layer's QKV; with MXFP4 experts the block is read in fp32 and
+the scales of one expert weight wait in memory for their place after its blocks (1/16 of the blocks'
+bytes). Memory-mapped pages of the HF files are dropped after each read. Both write into a temporary
+directory beside the output and rename it at the end.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -59,13 +65,15 @@ from megatron_gptoss.hf.io import (
     read_config,
     weight_map_of,
 )
-from megatron_gptoss.hf.mxfp4 import packed_shapes
+from megatron_gptoss.hf.mxfp4 import QUANTIZATION_CONFIG, pack_expert_weight, packed_shapes
 from megatron_gptoss.hf.names import from_hf, hf_shapes, match_ours, our_names, to_hf
 from megatron_gptoss.parallel.dims import validate_layout
 
 DEFAULT_CHUNK_BYTES = 256 << 20
 DEFAULT_SHARD_BYTES = 4 << 30
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+# How `dist_to_hf` writes the expert weights: in the export dtype like every tensor, or MXFP4.
+EXPERT_FORMATS = ("bf16", "mxfp4")
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.uint8: "U8"}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -245,10 +253,10 @@ class _StreamingShard:
     """One safetensors file written tensor by tensor, block by block: the header (every tensor's dtype,
     shape and byte range) first, then the bytes in header order."""
 
-    def __init__(self, path: Path, tensors: Sequence[tuple[str, tuple[int, ...]]], dtype: torch.dtype):
+    def __init__(self, path: Path, tensors: Sequence[tuple[str, tuple[int, ...], torch.dtype]]):
         header: dict[str, object] = {"__metadata__": {"format": "pt"}}
         at = 0
-        for name, shape in tensors:
+        for name, shape, dtype in tensors:
             size = math.prod(shape) * dtype.itemsize
             header[name] = {
                 "dtype": _SAFETENSORS_DTYPES[dtype],
@@ -275,6 +283,41 @@ class _StreamingShard:
         self.file.close()
 
 
+class _Entry(NamedTuple):
+    """One tensor of the HF directory `dist_to_hf` writes."""
+
+    ours: str  # our parameter it is made of
+    hf: str  # its HF name: `base`, or `base` + "_blocks" / "_scales" (MXFP4)
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    base: str  # the HF tensor's name (`hf` without the MXFP4 suffix)
+    base_shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _export_entries(config: ModelConfig, dtype: torch.dtype, experts: str) -> list[_Entry]:
+    """The tensors of the HF directory, in table order: each expert weight as its blocks then its scales when
+    `experts` is "mxfp4", everything else (and with "bf16" everything) in `dtype`."""
+    if experts not in EXPERT_FORMATS:
+        raise ValueError(f"experts={experts!r} not in {EXPERT_FORMATS}")
+    out = []
+    for ours, hf, shape in _hf_tensors(config, dtype):
+        if experts == "mxfp4" and match_ours(ours).rule.kind in ("fc1", "fc2"):
+            packed = packed_shapes(shape)
+            if packed is None:
+                raise CheckpointError(
+                    f"{hf} {shape} cannot be MXFP4: its input width is not a multiple of 32"
+                )
+            out.append(_Entry(ours, hf + BLOCKS, packed[0], torch.uint8, hf, shape))
+            out.append(_Entry(ours, hf + SCALES, packed[1], torch.uint8, hf, shape))
+        else:
+            out.append(_Entry(ours, hf, shape, dtype, hf, shape))
+    return out
+
+
 def _hf_tensors(config: ModelConfig, dtype: torch.dtype) -> list[tuple[str, str, tuple[int, ...]]]:
     """(our name, HF name, HF shape) of every HF tensor, in table order."""
     out = []
@@ -294,11 +337,16 @@ def dist_to_hf(
     prefix: str = "model",
     progress: bool = True,
     verify_values: bool = True,
+    experts: str = "bf16",
 ) -> Path:
     """Write the HF directory of the module group `prefix` of the sharded checkpoint `path` (any layout).
-    Raises CheckpointError for a directory that is not such a checkpoint or lacks a tensor, and, with
-    `verify_values`, CorruptCheckpointError for a non-finite value (naming the tensor); checksums are the
-    caller's (`CheckpointManager.verify`)."""
+    `experts`: "bf16" writes the expert weights in `dtype` like every other tensor; "mxfp4" writes them as the
+    released checkpoints do, `<name>_blocks` [E, out, in / 32, 16] and `<name>_scales` [E, out, in / 32]
+    uint8 (gate_up_proj's rows HF's interleaved gate/up), quantized from the stored values (read in fp32) by
+    `quantize_mxfp4`, with the released `quantization_config` in config.json. Raises CheckpointError for a
+    directory that is not such a checkpoint or lacks a tensor, and, with `verify_values`,
+    CorruptCheckpointError for a non-finite value (naming the tensor); checksums are the caller's
+    (`CheckpointManager.verify`)."""
     path, out = Path(path), Path(out)
     if not (path / MANIFEST).is_file():
         raise CheckpointError(f"{path} is not a sharded checkpoint: it has no {MANIFEST}")
@@ -314,39 +362,58 @@ def dist_to_hf(
         raise FileExistsError(f"{out} exists; choose a new output directory")
     config = ModelConfig(**manifest["model"])
     reader = CheckpointReader(path)
-    tensors = _hf_tensors(config, dtype)
-    shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
+    tensors = _export_entries(config, dtype, experts)
+    shards: list[list[_Entry]] = [[]]
     filled = 0
     for entry in tensors:
-        size = math.prod(entry[2]) * dtype.itemsize
-        if shards[-1] and filled + size > max_shard_bytes:
+        if shards[-1] and filled + entry.nbytes > max_shard_bytes:
             shards.append([])
             filled = 0
         shards[-1].append(entry)
-        filled += size
+        filled += entry.nbytes
     staging = out.parent / f".{out.name}.partial-{uuid.uuid4().hex[:8]}"
     staging.mkdir(parents=True)
-    total = sum(math.prod(s) for _, _, s in tensors) * dtype.itemsize
+    total = sum(entry.nbytes for entry in tensors)
     weight_map = {}
     try:
         with tqdm(total=total, unit="B", unit_scale=True, desc="dist->hf", disable=not progress) as bar:
             cache: dict[str, list[tuple[str, torch.Tensor]]] = {}
+            scales: dict[str, torch.Tensor] = {}  # MXFP4 scales waiting for their place after the blocks
             for i, entries in enumerate(shards):
                 file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                shard = _StreamingShard(staging / file, [(hf, shape) for _, hf, shape in entries], dtype)
-                for ours, hf, shape in entries:
-                    blocks = _hf_blocks(
-                        reader, f"{prefix}/{ours}", hf, shape, config, dtype, block_bytes, cache
-                    )
-                    for block in blocks:
-                        shard.write(check_values(block, hf, path) if verify_values else block)
-                        bar.update(block.numel() * dtype.itemsize)
-                    weight_map[hf] = file
+                shard = _StreamingShard(staging / file, [(e.hf, e.shape, e.dtype) for e in entries])
+                for entry in entries:
+                    fqn = f"{prefix}/{entry.ours}"
+                    if entry.hf.endswith(SCALES) and entry.dtype == torch.uint8:
+                        shard.write(scales.pop(entry.hf))
+                        bar.update(entry.nbytes)
+                    elif entry.hf.endswith(BLOCKS) and entry.dtype == torch.uint8:
+                        read_dtype, parts = torch.float32, []
+                        for block in _hf_blocks(
+                            reader, fqn, entry.base, entry.base_shape, config, read_dtype, block_bytes, cache
+                        ):
+                            packed, block_scales = pack_expert_weight(
+                                check_values(block, entry.base, path) if verify_values else block
+                            )
+                            shard.write(packed)
+                            parts.append(block_scales)
+                            bar.update(packed.numel())
+                        scales[entry.base + SCALES] = torch.cat(parts)
+                    else:
+                        blocks = _hf_blocks(
+                            reader, fqn, entry.hf, entry.shape, config, dtype, block_bytes, cache
+                        )
+                        for block in blocks:
+                            shard.write(check_values(block, entry.hf, path) if verify_values else block)
+                            bar.update(block.numel() * dtype.itemsize)
+                    weight_map[entry.hf] = file
                 shard.close()
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         hf_config = config.to_hf_config()
         hf_config["torch_dtype"] = hf_config["dtype"] = str(dtype).removeprefix("torch.")
+        if experts == "mxfp4":
+            hf_config["quantization_config"] = QUANTIZATION_CONFIG
         (staging / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
         os.rename(staging, out)
     except BaseException:

@@ -32,6 +32,18 @@ BLOCK = 32
 BLOCK_BYTES = BLOCK // 2
 SCALE_BIAS = 127
 
+# The `quantization_config` of the released checkpoints' config.json: experts MXFP4, these modules bf16.
+# transformers (`Mxfp4Config`) and vLLM read a directory carrying it as an MXFP4 checkpoint.
+QUANTIZATION_CONFIG = {
+    "modules_to_not_convert": (
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ),
+    "quant_method": "mxfp4",
+}
+
 # Magnitudes of the FP4 codes 0..7 (codes 8..15 are their negatives).
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -109,7 +121,7 @@ def quantize_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.empty(flat.shape[0], dtype=torch.uint8, device=values.device)
     for start in range(0, flat.shape[0], _CHUNK_BLOCKS):
         stop = start + _CHUNK_BLOCKS
-        x = flat[start:stop].float()
+        x = flat[start:stop].float().contiguous()
         if not bool(torch.isfinite(x).all()):
             raise ValueError("MXFP4 quantization of a non-finite value (NaN or inf)")
         scales[start:stop] = scale_bytes(x.abs().amax(dim=-1))
