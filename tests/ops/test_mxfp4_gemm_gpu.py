@@ -1,0 +1,141 @@
+"""MXFP4 grouped expert GEMMs (megatron_gptoss.ops.mxfp4_gemm) on a CUDA GPU, bf16 at gpt-oss-20b width (32
+experts, hidden = intermediate = 2880, top-4 routing): both paths per row against float64 with the
+dequantize-then-bf16 path's roundings and against that path itself; the input gradient likewise; the
+portable kernel with Triton's pre-Hopper matrix instructions (DISABLE_MMA_V3=1, in a child process).
+
+    python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm_gpu.py -s
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_gptoss.ops import fused_moe, mxfp4_gemm
+from megatron_gptoss.ops.mxfp4_gemm import fc1_swiglu_mxfp4, grouped_linear_mxfp4
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+LIMIT, ALPHA = 7.0, 1.702
+EXPERTS, WIDTH, TOPK = 32, 2880, 4
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def inputs(tokens: int, seed: int = 7):
+    """bf16 rows of `tokens` tokens routed to TOPK of EXPERTS experts at random (sorted by expert), MXFP4
+    fc1 [E, 2 * WIDTH, WIDTH] and fc2 [E, WIDTH, WIDTH] with every code and scales 2^-6 .. 2^-4 (products of
+    std 2.5 to 10: both clamps of the SwiGLU taken), fc1 bias N(0, 1)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    choice = torch.rand(tokens, EXPERTS, generator=g, device="cuda").topk(TOPK, dim=1).indices.flatten()
+    counts = torch.bincount(choice, minlength=EXPERTS)
+    bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
+    x = torch.randn(tokens * TOPK, WIDTH, generator=g, device="cuda").bfloat16()
+
+    def mxfp4(out: int):
+        blocks = torch.randint(0, 256, (EXPERTS, out, WIDTH // 32, 16), generator=g, device="cuda")
+        scales = torch.randint(121, 124, (EXPERTS, out, WIDTH // 32), generator=g, device="cuda")
+        return blocks.to(torch.uint8), scales.to(torch.uint8)
+
+    b1 = torch.randn(EXPERTS, 2 * WIDTH, generator=g, device="cuda").bfloat16()
+    return x, mxfp4(2 * WIDTH), b1, mxfp4(WIDTH), bounds
+
+
+def exact_products(x: torch.Tensor, blocks, scales, bounds) -> torch.Tensor:
+    """float64 x W[e]^T of the bf16 rows and the exactly decoded weights (no rounding)."""
+    return mxfp4_gemm.reference_dequantized(x.double(), blocks, scales, bounds)
+
+
+def ideal_fc1(x, blocks, scales, bias, bounds) -> torch.Tensor:
+    """The dequantize-then-bf16 path's roundings on exact sums: products rounded to bf16, bias and SwiGLU in
+    float64 on them, rounded to bf16."""
+    h = exact_products(x, blocks, scales, bounds).bfloat16().double()
+    h = h + bias.double()[fused_moe.expert_of_rows(bounds, h.shape[0])]
+    gate, up = h.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
+    return ((up + 1) * gate * torch.sigmoid(gate * ALPHA)).bfloat16()
+
+
+def row_mismatch(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: the fraction of values that differ from ref's, and ||ours - ref|| / ||ref||."""
+    differ = (ours != ref).double().mean(dim=1)
+    rel = (ours.double() - ref.double()).norm(dim=1) / ref.double().norm(dim=1).clamp_min(1e-30)
+    return differ, rel
+
+
+def assert_rounds_as(name: str, ours: torch.Tensor, ref: torch.Tensor, differ_max: float = 0.01):
+    """At most `differ_max` of a row's values differ from ref and each row within 2e-3 (a bf16 GEMM's
+    results differ from the correctly rounded ones only where the fp32 sum order crosses a rounding
+    boundary)."""
+    differ, rel = row_mismatch(ours, ref)
+    print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
+          f"max {rel.max():.2e}")  # fmt: skip
+    assert differ.max() <= differ_max, (name, differ.max().item())
+    assert rel.max() <= 2e-3, (name, rel.max().item())
+
+
+def check_paths(tokens: int, paths: tuple[str, ...]) -> None:
+    """fc1 + SwiGLU and fc2 forwards and fc2's input gradient of each path against float64 with the bf16
+    path's roundings and against the dequantize-then-bf16 path (`path="reference"`)."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    h_ideal = ideal_fc1(x, b1, s1, bias, bounds)
+    pre = exact_products(x, b1, s1, bounds)
+    assert (pre[:, :WIDTH] > LIMIT).any() and (pre[:, WIDTH:].abs() > LIMIT).any()
+    h_lib = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path="reference")
+    g = torch.randn(
+        x.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)
+    ).bfloat16()
+    for path in paths:
+        h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path=path)
+        assert_rounds_as(f"{path} fc1 vs float64, {tokens} tokens", h, h_ideal)
+        assert_rounds_as(f"{path} fc1 vs dequantized bf16", h, h_lib, differ_max=0.02)
+        rows = h.detach().clone().requires_grad_()
+        y = grouped_linear_mxfp4(rows, b2, s2, bounds, path=path)
+        y_ideal = exact_products(h, b2, s2, bounds).bfloat16()
+        assert_rounds_as(f"{path} fc2 vs float64", y, y_ideal)
+        y_lib = grouped_linear_mxfp4(h, b2, s2, bounds, "reference")
+        assert_rounds_as(f"{path} fc2 vs dequantized bf16", y, y_lib, differ_max=0.02)
+        y.backward(g)
+        w2 = mxfp4_gemm.dequantize(b2, s2, torch.float64)
+        edges = bounds.tolist()
+        grad_ideal = torch.cat(
+            [g.double()[edges[e] : edges[e + 1]] @ w2[e] for e in range(EXPERTS)]
+        ).bfloat16()
+        assert_rounds_as(f"{path} grad_x vs float64", rows.grad, grad_ideal)
+
+
+@pytest.mark.parametrize("tokens", [64, 256, 2048])
+def test_both_paths_round_as_the_dequantized_bf16_path(tokens):
+    """Decode sizes (64, 256 engine slots) and a prefill size: the auto path (tl.dot_scaled on Hopper) and
+    the portable path, and the auto path did not fall back."""
+    check_paths(tokens, ("auto", "portable"))
+    x = torch.zeros(1, WIDTH, device="cuda", dtype=torch.bfloat16)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert mxfp4_gemm.kernel_for(x, "auto") == "scaled", mxfp4_gemm._SCALED_FAILED
+
+
+def test_portable_path_with_pre_hopper_matrix_instructions():
+    """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
+    and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
+    and the compiled kernels hold no wgmma."""
+    with tempfile.TemporaryDirectory() as cache:
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "DISABLE_MMA_V3": "1", "TRITON_CACHE_DIR": cache, "PYTHONPATH": path}
+        done = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        print(done.stdout[-4000:], done.stderr[-4000:])
+        assert done.returncode == 0
+        ptx = [p.read_text() for p in Path(cache).rglob("*.ptx")]
+        assert ptx and any("mxfp4" in text for text in ptx)
+        assert not any("wgmma" in text for text in ptx) and any("mma.sync" in text for text in ptx)
+
+
+if __name__ == "__main__":  # the child process of the test above
+    check_paths(256, ("portable",))
