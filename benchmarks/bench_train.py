@@ -58,7 +58,7 @@ from megatron_gptoss.parallel.dims import ParallelDims  # noqa: E402
 from megatron_gptoss.parallel.loading import init_parallel, materialize  # noqa: E402
 from megatron_gptoss.parallel.pipeline import PipelineRunner, StagePlan, build_stage_model  # noqa: E402
 from megatron_gptoss.rl.ppo_loss import loss_denominators  # noqa: E402
-from megatron_gptoss.utils.host import to_device  # noqa: E402
+from megatron_gptoss.utils.host import set_host_threads, to_device  # noqa: E402
 
 
 def model_config(args):
@@ -153,8 +153,11 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    threads = set_host_threads(device)  # the trainer's default: see utils.host.set_host_threads
     dist.init_process_group("nccl" if cuda else "gloo")
     world = dist.get_world_size()
+    if dist.get_rank() == 0:
+        print(f"torch intra-op threads: {torch.get_num_threads()} ({'set' if threads else 'default'})")
     config = model_config(args)
     pcfg = ParallelConfig(
         tensor_model_parallel_size=args.tp,

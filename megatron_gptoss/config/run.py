@@ -41,7 +41,8 @@ class RunConfig:
     seed: int = 0
     # Start from an HF GPT-OSS directory instead of a random initialisation.
     init_from_hf: str = ""
-    # Torch intra-op threads on the CPU (0 leaves torch's default).
+    # Torch intra-op threads (0: on a GPU rank 1 unless OMP_NUM_THREADS is set, see
+    # utils.host.set_host_threads; on the CPU torch's default).
     num_threads: int = 0
     # Python's garbage collector: off during the steps and a full collection every this many steps, between
     # them (a collection inside a step stalls the host that feeds the GPU); 0 leaves it to Python.

@@ -27,6 +27,7 @@ from megatron_gptoss.config import RunConfig, TrainConfig
 from megatron_gptoss.config.memory import check_fits
 from megatron_gptoss.errors import ConfigError
 from megatron_gptoss.parallel.watchdog import Watchdog, collective_timeout, default_store
+from megatron_gptoss.utils.host import set_host_threads
 
 
 @dataclass
@@ -52,9 +53,8 @@ def device_of_rank() -> torch.device:
 @contextmanager
 def session(run: RunConfig) -> Iterator[Session]:
     """Join or create the default process group for the duration of a run."""
-    if run.num_threads and not torch.cuda.is_available():
-        torch.set_num_threads(run.num_threads)
     device = device_of_rank()
+    set_host_threads(device, run.num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dist.is_initialized():

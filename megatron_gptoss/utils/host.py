@@ -4,9 +4,32 @@ collector kept out of the steps."""
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
+
+# Torch intra-op threads of a process that feeds a GPU, unless OMP_NUM_THREADS or the run says otherwise.
+GPU_HOST_THREADS = 1
+
+
+def set_host_threads(device: torch.device, requested: int = 0) -> int:
+    """Set torch's intra-op threads for a process computing on `device`; returns the number set (0: left
+    as it was). `requested` > 0 is used as given. Otherwise, on a GPU, `GPU_HOST_THREADS` unless the
+    environment sets OMP_NUM_THREADS: such a process's host work inside a step is small index arithmetic
+    that queues the GPU's kernels, and a pool of one thread per core turned it into parallel regions whose
+    barrier now and then waited about 10 ms for a worker the OS had not scheduled, while the GPU ran dry
+    (one H100, 16 cores: 2 layers at gpt-oss-120b width, 20-30 steps: spread 23-48% with 16 threads,
+    3.2% with 1; benchmarks/RESULTS.md, "the one-GPU training step's spread"). On the CPU torch's
+    default stays (all cores)."""
+    if requested > 0:
+        threads = requested
+    elif device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        threads = GPU_HOST_THREADS
+    else:
+        return 0
+    torch.set_num_threads(threads)
+    return threads
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
