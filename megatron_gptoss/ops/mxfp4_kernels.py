@@ -14,13 +14,13 @@ SwiGLU in fp32 on the rounded values, one more rounding (`mxfp4_fwd_kernel`).
 Two ways to form the products:
 - portable (`_portable_products`): plain loads and `tl.dot`. The byte tile is decoded in registers to x's
   dtype twice, once per nibble: the low nibbles are W's even columns of K, the high ones its odd columns, so
-  the product is W_even x_even^T + W_odd x_odd^T with x's even and odd columns loaded as two strided tiles
-  (no interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
+  the product is W_even x_even^T + W_odd x_odd^T, x's tile split into its even and odd columns (no
+  interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
   unit's wide side, the few rows of x the narrow one).
 - scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) on the left and the packed bytes and
   scales on the right, Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its matrix units).
 The input gradient (`mxfp4_bwd_kernel`) decodes the same byte tiles along the other axis: grad_x's even
-and odd columns are grad_y W_even and grad_y W_odd.
+and odd columns are grad_y W_even and grad_y W_odd, joined (interleaved) before the store.
 """
 
 from __future__ import annotations
@@ -75,10 +75,15 @@ def _portable_products(
     for k0 in range(0, K, BLOCK_K):
         kb = k0 // 2 + jj  # byte column of the weight rows
         k_ok = kb < K // 2
-        x_ptrs = X + rows[None, :] * stride_x + (k0 + 2 * jj)[:, None]
-        x_mask = row_ok[None, :] & k_ok[:, None]
-        x_even = tl.load(x_ptrs, mask=x_mask, other=0.0, eviction_policy="evict_last")
-        x_odd = tl.load(x_ptrs + 1, mask=x_mask, other=0.0, eviction_policy="evict_last")
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            X + rows[:, None] * stride_x + ks[None, :],
+            mask=row_ok[:, None] & (ks < K)[None, :],
+            other=0.0,
+            eviction_policy="evict_last",
+        )
+        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))  # x[:, k0 + 2 j] and x[:, k0 + 2 j + 1]
+        x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)
         w_mask = col_ok[:, None] & k_ok[None, :]
         b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
         s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
@@ -223,7 +228,7 @@ def mxfp4_bwd_kernel(
             w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
             even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
             odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
-        out_ptrs = GX + rows[:, None] * stride_gx + 2 * kb[None, :]
-        mask = row_ok[:, None] & k_ok[None, :]
-        tl.store(out_ptrs, even.to(dtype), mask=mask)
-        tl.store(out_ptrs + 1, odd.to(dtype), mask=mask)
+        ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+        both = tl.reshape(tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K])  # columns interleaved
+        mask = row_ok[:, None] & (ks < K)[None, :]
+        tl.store(GX + rows[:, None] * stride_gx + ks[None, :], both, mask=mask)

@@ -1,0 +1,257 @@
+"""MXFP4 expert GEMMs (`ops.mxfp4_gemm`) against the dequantized bf16 path at gpt-oss-20b widths, one GPU.
+
+    python benchmarks/bench_mxfp4_gemm.py                          # check, then the table (~1-2 minutes)
+    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256,4096 --paths auto,portable
+    DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
+    python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
+
+Shapes: 32 experts, top-4 random routing of N tokens (N * 4 expert-sorted rows), hidden = intermediate =
+2880, bf16 rows, MXFP4 weights with every code and scales 2^-6 .. 2^-4, bf16 biases. One expert layer =
+fc1 + bias + clamped SwiGLU, then fc2 + bias:
+    mxfp4 <path>   `fc1_swiglu_mxfp4`, then `grouped_linear_mxfp4` + `fused_moe.expert_bias`
+    bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
+                   `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
+    bf16 decode    `moe_decode.decode_fc1` / `decode_fc2` on the dequantized weights (the engine's bf16 path;
+                   at most 64 rows per expert)
+
+Check (layer 0): each path's fc1 and fc2 against the dequantize-then-compute reference
+(`mxfp4_gemm.reference_dequantized`), ||a - b|| / ||b|| <= 1e-2.
+
+Timing: `--layers` layers of weights, a different layer per call (a layer's bf16 experts take 1.6 GB, its
+MXFP4 ones 0.42 GB: both far beyond the 50 MB L2), one CUDA graph replaying the calls over all layers,
+median of `--reps` replays / layers. Roofline = bytes / peak bandwidth: the weights (4.25 bits a value in
+MXFP4, 16 in bf16) and biases of the experts hit (an expert without rows is not read), plus the
+activations (x read, h written and read, y written, bf16). Peak: H100 SXM 3.35 TB/s, H200 4.8 TB/s by the
+device name, else the measured copy rate (2 x bytes / time of a 1 GiB device-to-device copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm
+
+LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
+TOLERANCE = 1e-2
+PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # SXM / HBM3(e) spec bandwidth, by device name
+DECODE_ROWS_PER_EXPERT = 64
+
+
+class Layers:
+    """`count` layers of MXFP4 expert weights with their bf16 dequantization and bf16 biases."""
+
+    def __init__(self, count: int, experts: int, hidden: int, inter: int, dtype, device):
+        g = torch.Generator(device=device).manual_seed(0)
+
+        def mxfp4(out: int, width: int):
+            blocks = torch.randint(0, 256, (experts, out, width // 32, 16), generator=g, device=device)
+            scales = torch.randint(121, 124, (experts, out, width // 32), generator=g, device=device)
+            return blocks.to(torch.uint8), scales.to(torch.uint8)
+
+        self.fc1 = [mxfp4(2 * inter, hidden) for _ in range(count)]
+        self.fc2 = [mxfp4(hidden, inter) for _ in range(count)]
+        self.w1 = [mxfp4_gemm.dequantize(b, s, dtype) for b, s in self.fc1]
+        self.w2 = [mxfp4_gemm.dequantize(b, s, dtype) for b, s in self.fc2]
+        self.b1 = [
+            torch.randn(experts, 2 * inter, generator=g, device=device).to(dtype) for _ in range(count)
+        ]
+        self.b2 = [torch.randn(experts, hidden, generator=g, device=device).to(dtype) for _ in range(count)]
+        self.count, self.experts, self.hidden, self.inter = count, experts, hidden, inter
+
+
+def mxfp4_layer(path: str):
+    """(fc1, fc2) of the MXFP4 path: each (x, layers, i, bounds) -> rows."""
+
+    def fc1(x, layers: Layers, i: int, bounds):
+        blocks, scales = layers.fc1[i]
+        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, path)
+
+    def fc2(h, layers: Layers, i: int, bounds):
+        blocks, scales = layers.fc2[i]
+        y = mxfp4_gemm.grouped_linear_mxfp4(h, blocks, scales, bounds, path)
+        return fused_moe.expert_bias(y, layers.b2[i], bounds)
+
+    return fc1, fc2
+
+
+def library_fc1(x, layers: Layers, i: int, bounds):
+    gemm = torch._grouped_mm(x, layers.w1[i].transpose(1, 2), offs=bounds[1:]) if x.is_cuda else None
+    if gemm is None:
+        gemm = mxfp4_gemm.reference_dequantized(x, layers.fc1[i][0], layers.fc1[i][1], bounds)
+    return fused_moe.swiglu_bias(gemm, layers.b1[i], bounds, LIMIT, ALPHA)
+
+
+def library_fc2(h, layers: Layers, i: int, bounds):
+    gemm = torch._grouped_mm(h, layers.w2[i].transpose(1, 2), offs=bounds[1:]) if h.is_cuda else None
+    if gemm is None:
+        gemm = mxfp4_gemm.reference_dequantized(h, layers.fc2[i][0], layers.fc2[i][1], bounds)
+    return fused_moe.expert_bias(gemm, layers.b2[i], bounds)
+
+
+def decode_fc1(x, layers: Layers, i: int, bounds):
+    return moe_decode.decode_fc1(x, layers.w1[i], layers.b1[i], bounds, LIMIT, ALPHA)
+
+
+def decode_fc2(h, layers: Layers, i: int, bounds):
+    return moe_decode.decode_fc2(h, layers.w2[i], layers.b2[i], bounds)
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def check(name: str, fc1, fc2, layers: Layers, x, bounds) -> bool:
+    (b1, s1), (b2, s2) = layers.fc1[0], layers.fc2[0]
+    h_ref = mxfp4_gemm.reference_dequantized(x, b1, s1, bounds, layers.b1[0], (LIMIT, ALPHA))
+    h = fc1(x, layers, 0, bounds)
+    y_ref = mxfp4_gemm.reference_dequantized(h, b2, s2, bounds, layers.b2[0])
+    e1, e2 = rel_err(h, h_ref), rel_err(fc2(h, layers, 0, bounds), y_ref)
+    ok = e1 <= TOLERANCE and e2 <= TOLERANCE
+    print(f"  {x.shape[0]:6d} rows {name:16s} fc1 {e1:.2e}  fc2 {e2:.2e}  {'ok' if ok else 'FAILED'}")
+    return ok
+
+
+def time_per_layer(fn: Callable[[int], object], layers: int, reps: int, device) -> float:
+    """Median ms per call of fn(layer) over all layers: a CUDA graph of the calls replayed (eager on the
+    CPU)."""
+    for layer in range(layers):  # compile and warm up outside the capture
+        fn(layer)
+    if device.type != "cuda":
+        began = time.perf_counter()
+        for layer in range(layers):
+            fn(layer)
+        return (time.perf_counter() - began) * 1e3 / layers
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(layers):
+            fn(layer)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / layers)
+    del graph
+    return statistics.median(times)
+
+
+def peak_bandwidth(device) -> tuple[float | None, str]:
+    """(bytes / s, where it comes from): the device name's spec (SXM parts), else the measured copy rate."""
+    if device.type != "cuda":
+        return None, "no GPU"
+    name = torch.cuda.get_device_name(device)
+    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    copy = 2 * src.numel() * src.element_size() * 10 / (start.elapsed_time(end) / 1e3)
+    print(f"copy rate: {copy / 1e12:.2f} TB/s (2 x 1 GiB / time of a device-to-device copy)")
+    for key, peak in PEAK_BYTES_PER_S.items():
+        if key in name and "PCIe" not in name:
+            return peak, f"{key} spec {peak / 1e12:.2f} TB/s"
+    return copy, f"measured copy rate {copy / 1e12:.2f} TB/s"
+
+
+def roofline_bytes(layers: Layers, bounds, rows: int, bits: float) -> tuple[float, float]:
+    """(fc1 bytes, fc2 bytes): weights of the experts hit at `bits` a value, their bf16 biases, and the
+    bf16 activations (fc1: x read, h written; fc2: h read, y written)."""
+    hit = int((bounds[1:] > bounds[:-1]).sum())
+    h, i = layers.hidden, layers.inter
+    fc1 = hit * (2 * i * h * bits / 8 + 2 * i * 2) + rows * (h + i) * 2
+    fc2 = hit * (h * i * bits / 8 + h * 2) + rows * (i + h) * 2
+    return fc1, fc2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", default="64,256,4096", help="tokens per call, comma-separated")
+    parser.add_argument("--paths", default="auto,portable", help="MXFP4 paths timed, comma-separated")
+    parser.add_argument("--layers", type=int, default=4, help="layers of weights cycled through")
+    parser.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
+    args = parser.parse_args(argv)
+    with torch.no_grad():
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    began = time.perf_counter()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:  # fp32 on the CPU (the interpreter's bf16 products are not modelled)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        experts, width, count, reps, tokens_list = 4, 64, 1, 1, [3, 16]
+    else:
+        if device.type != "cuda":
+            print("no CUDA device: run with --tiny (TRITON_INTERPRET=1) on the CPU")
+            return 2
+        experts, width, count, reps, dtype = 32, 2880, args.layers, args.reps, torch.bfloat16
+        tokens_list = [int(t) for t in args.tokens.split(",")]
+    if device.type == "cuda":
+        import triton
+
+        print(f"device: {torch.cuda.get_device_name(device)}; torch {torch.__version__}, triton "
+              f"{triton.__version__}")  # fmt: skip
+    layers = Layers(count, experts, width, width, dtype, device)
+    peak, source = peak_bandwidth(device)
+    paths = [p for p in args.paths.split(",") if p]
+    table, ok = [], True
+    print(f"check (layer 0, tolerance {TOLERANCE}):")
+    for tokens in tokens_list:
+        g = torch.Generator().manual_seed(tokens)
+        indices = torch.rand(tokens, experts, generator=g).topk(TOPK, dim=-1).indices.to(device)
+        bounds = fused_moe.sort_by_expert(indices, experts)[1]
+        x = torch.randn(tokens * TOPK, width, generator=g).to(device, dtype)
+        rows = x.shape[0]
+        candidates = [(f"mxfp4 {p}", *mxfp4_layer(p), 4.25) for p in paths]
+        candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
+        if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
+            candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
+        for name, fc1, fc2, bits in candidates:
+            ok &= check(name, fc1, fc2, layers, x, bounds)
+            if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
+                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1])})"
+            h = fc1(x, layers, 0, bounds)
+
+            def one(f, rows_in, b=bounds):
+                return lambda i: f(rows_in, layers, i, b)
+
+            def both(f1, f2, rows_in=x, b=bounds):
+                return lambda i: f2(f1(rows_in, layers, i, b), layers, i, b)
+
+            ms1 = time_per_layer(one(fc1, x), count, reps, device)
+            ms2 = time_per_layer(one(fc2, h), count, reps, device)
+            ms = time_per_layer(both(fc1, fc2), count, reps, device)
+            table.append((tokens, rows, name, ms1, ms2, ms, roofline_bytes(layers, bounds, rows, bits)))
+    print(f"\nper layer: {experts} experts, hidden = intermediate = {width}, top-{TOPK}, {dtype}, {count} "
+          f"layers cycled; roofline at {source}")  # fmt: skip
+    print("| tokens | rows | path | fc1 (us) | fc2 (us) | layer (us) | roofline (us) | layer / roofline |")
+    print("|---|---|---|---|---|---|---|---|")
+    for tokens, rows, name, ms1, ms2, ms, (bytes1, bytes2) in table:
+        floor = (bytes1 + bytes2) / peak * 1e6 if peak else None
+        ratio = f"{ms * 1e3 / floor:.2f}x" if floor else "-"
+        floor_text = f"{floor:.0f}" if floor else "-"
+        print(f"| {tokens} | {rows} | {name} | {ms1 * 1e3:.0f} | {ms2 * 1e3:.0f} | {ms * 1e3:.0f} | "
+              f"{floor_text} | {ratio} |")  # fmt: skip
+    print(f"({time.perf_counter() - began:.0f} s in all){'' if ok else '  CHECK FAILED'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
