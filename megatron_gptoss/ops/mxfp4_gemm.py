@@ -21,8 +21,8 @@ Paths (`path=`, default from the environment variable MEGATRON_GPTOSS_MXFP4_PATH
     "reference"  dequantize, then the PyTorch path (`reference_dequantized`)
     "portable"   Triton kernels with plain loads and `tl.dot` (no tensor descriptors, nothing Hopper-only)
     "auto"       the fastest kernels for the device
-The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU; elsewhere (CPU without the interpreter,
-no Triton) every path is the reference.
+The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU in fp32; elsewhere (16-bit rows on the
+CPU, fp64 rows, a CPU without the interpreter, no Triton) every path is the reference.
 """
 
 from __future__ import annotations
@@ -213,18 +213,18 @@ _SCALED_FAILED: dict[str, str] = {}  # device name -> why the scaled kernel did 
 
 def kernel_for(x: Tensor, path: str | None = None) -> str:
     """Which implementation a call on x runs: "reference", "portable" or "scaled" (`tl.dot_scaled`, the
-    auto path for bf16 / fp16 rows on Hopper and later, and under the interpreter)."""
+    auto path for bf16 / fp16 rows on Hopper and later). The interpreter (CPU) runs the kernels on fp32 rows
+    only: its `tl.dot` does not model 16-bit floats and its casts to them truncate."""
     path = _resolve_path(path)
     if path == "reference" or not kernels_can_run(x) or x.dtype not in _X_FORMATS:
         return "reference"
+    if not x.is_cuda and x.dtype != torch.float32:
+        return "reference"
     if path == "portable" or x.dtype == torch.float32:
         return "portable"
-    if x.is_cuda:
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
-            return "portable"
-        if torch.cuda.get_device_name(x.device) in _SCALED_FAILED:
-            return "portable"
-    return "scaled"
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "portable"
+    return "portable" if torch.cuda.get_device_name(x.device) in _SCALED_FAILED else "scaled"
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
