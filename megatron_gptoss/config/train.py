@@ -274,12 +274,17 @@ class SFTConfig:
     # Micro-batches per step per data-parallel replica ("synthetic": the step holds about this many
     # budgets of tokens per replica; "task": the rows are split into this many micro-batches).
     micro_batches: int = 1
+    # 0: the loss is over the full vocabulary. N > 0: a sampled softmax (`model.sampled_softmax`): each
+    # step's output layer scores the step's target tokens and N other rows drawn uniformly, their logits
+    # corrected to estimate the full normaliser; the logged loss is the sampled one. For a cold start whose
+    # large output layer is most of a step's work; needs tensor parallel 1. RL's log-probs are always full.
+    sampled_vocab: int = 0
 
     def validate(self) -> None:
         if self.data not in SFT_DATA:
             raise ConfigError(f"sft.data={self.data!r} not in {SFT_DATA}")
         check_positive("sft", self, "examples_per_step", "micro_batches")
-        check_at_least("sft", self, 0, "token_budget", "max_tokens")
+        check_at_least("sft", self, 0, "token_budget", "max_tokens", "sampled_vocab")
         if self.reasoning_effort not in ("low", "medium", "high"):
             raise ConfigError(
                 f"sft.reasoning_effort={self.reasoning_effort!r} not in ('low', 'medium', 'high')"
@@ -344,6 +349,11 @@ class TrainConfig:
             raise ConfigError(
                 "dapo.overlong_buffer with agent.enabled: the overlong penalty is defined for one response "
                 "of at most rollout.max_new_tokens, a trajectory spans several turns (set it to 0)"
+            )
+        if self.sft.sampled_vocab and self.parallel.tensor_model_parallel_size != 1:
+            raise ConfigError(
+                f"sft.sampled_vocab={self.sft.sampled_vocab} needs parallel.tensor_model_parallel_size=1 "
+                "(the sampled softmax scores rows of a whole output layer; set it to 0 under tensor parallel)"
             )
         self.sandbox.validate()
         self.critic.validate()

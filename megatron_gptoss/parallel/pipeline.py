@@ -32,7 +32,8 @@ already its share of the mini-batch, see `rl.ppo_loss`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +51,7 @@ from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.errors import LayoutError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.moe import Router, no_route, routing_dtype
+from megatron_gptoss.model.sampled_softmax import VocabSample, sampled_token_logprobs
 from megatron_gptoss.parallel.collectives import chunk_sizes
 from megatron_gptoss.parallel.context_parallel import ContextParallel
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -138,6 +140,7 @@ class StageModule(nn.Module):
         self.model, self.plan = model, plan
         self.cp = cp if cp is not None else ContextParallel(1, 0)
         self.temperature, self.chunk_size = 1.0, 1024
+        self.vocab_sample: VocabSample | None = None  # PipelineRunner.scoring
 
     def forward(
         self,
@@ -171,7 +174,13 @@ class StageModule(nn.Module):
             return hidden
         if targets is None:
             raise ValueError("the last pipeline stage needs the targets")
-        lp, ent = self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
+        if self.vocab_sample is not None:  # a supervised step's sampled softmax
+            weight = self.model.output_weight()
+            lp, ent = sampled_token_logprobs(
+                hidden, weight, targets, self.vocab_sample, self.temperature, self.chunk_size
+            )
+        else:
+            lp, ent = self.model.token_logprobs(hidden, targets, self.temperature, self.chunk_size)
         return self.cp.gather(lp), self.cp.gather(ent)
 
 
@@ -337,6 +346,18 @@ class PipelineRunner:
     def comm_device(self) -> torch.device:
         """Where this rank's small collectives live (the parameters' device; the CPU for meta)."""
         return self.device if self.device.type != "meta" else torch.device("cpu")
+
+    @contextmanager
+    def scoring(self, sample: VocabSample | None) -> Iterator[None]:
+        """Within it the last stage's log-probs are those of the sampled softmax over `sample`'s rows
+        (`model.sampled_softmax`; supervised steps only); None: the full vocabulary, as outside it."""
+        for module in self.modules:
+            module.vocab_sample = sample
+        try:
+            yield
+        finally:
+            for module in self.modules:
+                module.vocab_sample = None
 
     def _set_temperature(self, temperature: float) -> None:
         for module in self.modules:

@@ -95,7 +95,10 @@ def _run(cfg: TrainConfig) -> RunResult:
                     else:
                         start = time.perf_counter()
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
-                        last = parallel_learner.supervised_step(setup.policy, batch, cfg.sft.micro_batches)
+                        draws = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
+                        last = parallel_learner.supervised_step(
+                            setup.policy, batch, cfg.sft.micro_batches, cfg.sft.sampled_vocab, draws
+                        )
                         last["time/step_s"] = time.perf_counter() - start
                     cadence.end_step(step, last)
                 return cadence.finish(last)
