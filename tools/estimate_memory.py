@@ -2,17 +2,21 @@
 
     python tools/estimate_memory.py --model gpt_oss_120b --gpus 32 --tp 1 --pp 4 --ep 8
     python tools/estimate_memory.py --model gpt_oss_120b --search --gpus 16,32,64 --gpu-gib 80
+    python tools/estimate_memory.py --model gpt_oss_120b --gpus 2 --ep 2 --cp 2 --tokens 131072 --recompute
 
 What is counted, for the heaviest pipeline rank (the one with the most bytes):
     weights      this rank's parameters in the parameter dtype (bf16: 2 bytes)
     gradients    fp32 main gradients of every local parameter (4 bytes; `DistributedOptimizer`)
-    optimizer    fp32 master weights and two Adam moments (12 bytes), divided over the dp group (dense
+    optimizer    fp32 master weights and two Adam moments (12 bytes), divided over the dp x cp group (dense
                  parameters) and the edp group (experts) with the distributed optimizer
     activations  the tensors autograd saves, per token per layer (`activation_bytes_per_token`, counted
                  from the saved tensors of our layer: fp32 RMSNorm temporaries, the attention kernel's
                  q, k, out and log-sum-exp, and per routed slot the fc1 output, SwiGLU intermediates, the
                  fc2 input and the fp32 weighted output), times the tokens of the micro-batches a rank
-                 holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count)
+                 holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count); under context
+                 parallelism a rank holds 1/cp of each micro-batch's tokens, and each full-attention
+                 layer also keeps the micro-batch's gathered keys and values (the windowed layers' few
+                 exchanged keys are not counted)
     transient    the bf16 gradient of the largest parameter before it is added to its fp32 main gradient
 Without an optimizer (forward + backward only) the gradients are the parameters' own bf16 `.grad`,
 allocated layer by layer during the backward, and the total is the peak of that walk.
@@ -45,19 +49,20 @@ class Layout:
     ep: int = 1
     vpp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1  # context parallel: each micro-batch's tokens split over cp ranks
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def edp(self) -> int:
-        return self.dp * self.tp // self.ep
+        return self.dp * self.cp * self.tp // self.ep
 
     def valid(self, config: ModelConfig) -> bool:
         return (
-            self.gpus % (self.tp * self.pp) == 0
-            and (self.dp * self.tp) % self.ep == 0
+            self.gpus % (self.tp * self.pp * self.cp) == 0
+            and (self.dp * self.cp * self.tp) % self.ep == 0
             and config.num_query_groups % self.tp == 0
             and config.num_experts % self.ep == 0
             and config.num_layers >= self.pp * self.vpp
@@ -114,19 +119,25 @@ def estimate(
     activation_checkpointing: bool = False,
     param_bytes: int = 2,
 ) -> dict[str, float]:
-    """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank.
+    """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank (a
+    cp group's micro-batch: each of its ranks holds tokens / cp of them).
     Without `optimizer`, gradients are the parameters' own (`.grad`, parameter dtype)."""
     per_layer = layer_params(config, layout.tp, layout.ep)
     vocab = config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
     act_token = activation_bytes_per_token(config, layout.tp, layout.sequence_parallel)
+    if layout.cp > 1:  # this rank's tokens, plus the gathered K and V (bf16) of full-attention layers
+        full = sum(config.window_of(n) is None for n in range(config.num_layers)) / config.num_layers
+        gathered = full * 2 * 2 * config.num_query_groups * config.head_dim / layout.tp
+        act_token = act_token / layout.cp + gathered
+    tokens_here = tokens // layout.cp
     worst: dict[str, float] = {}
     for rank, layers in enumerate(stage_layers(config, layout)):
         dense = layers * per_layer["dense"] + vocab * ((rank == 0) + (rank == layout.pp - 1))
         experts = layers * per_layer["experts"]
         params = dense + experts
-        shards = (layout.dp, layout.edp) if distributed_optimizer else (1, 1)
+        shards = (layout.dp * layout.cp, layout.edp) if distributed_optimizer else (1, 1)
         if activation_checkpointing:
-            acts = 2 * config.hidden_size * tokens * layers * in_flight(layout, rank, micro_batches)
+            acts = 2 * config.hidden_size * tokens_here * layers * in_flight(layout, rank, micro_batches)
             acts += act_token * tokens
         else:
             acts = act_token * tokens * layers * in_flight(layout, rank, micro_batches)
@@ -151,11 +162,11 @@ def estimate(
     return worst
 
 
-def layouts(config: ModelConfig, gpus: int) -> list[Layout]:
+def layouts(config: ModelConfig, gpus: int, cp_sizes: tuple[int, ...] = (1,)) -> list[Layout]:
     powers = [p for p in (1, 2, 4, 8, 16, 32, 64) if p <= gpus]
     out = []
-    for tp, pp, ep in itertools.product((1, 2, 4, 8), powers, powers):
-        layout = Layout(gpus, tp, pp, ep, sequence_parallel=tp > 1)
+    for tp, pp, ep, cp in itertools.product((1, 2, 4, 8), powers, powers, cp_sizes):
+        layout = Layout(gpus, tp, pp, ep, sequence_parallel=tp > 1, cp=cp)
         if layout.valid(config) and tp <= 8:
             out.append(layout)
     return out
@@ -166,7 +177,9 @@ def _row(layout: Layout, parts: dict[str, float]) -> str:
         f"{parts[k] / GIB:9.1f}"
         for k in ("weights", "gradients", "optimizer", "activations", "transient", "total")
     )
-    return f"{layout.gpus:5d} {layout.tp:3d} {layout.pp:3d} {layout.ep:3d} {layout.dp:4d} {cells}"
+    return (
+        f"{layout.gpus:5d} {layout.tp:3d} {layout.cp:3d} {layout.pp:3d} {layout.ep:3d} {layout.dp:4d} {cells}"
+    )
 
 
 def main() -> None:
@@ -180,7 +193,13 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--vpp", type=int, default=1)
     parser.add_argument(
-        "--tokens", type=int, default=4096, help="tokens per micro-batch per data-parallel rank"
+        "--cp", default="1", help="context parallel size (a comma-separated list to try with --search)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="tokens per micro-batch per data-parallel rank (split over the cp ranks)",
     )
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing per layer")
@@ -211,9 +230,12 @@ def main() -> None:
             f"engine KV cache: {cache / args.engine_tp / GIB:.2f} GiB per engine rank (tp {args.engine_tp}) "
             f"for {args.rollout_rows} rows of {args.rollout_tokens} tokens ({args.kv_dtype})"
         )
-    print(" gpus  tp  pp  ep   dp   weights gradients optimizer activations transient   total")
+    print(" gpus  tp  cp  pp  ep   dp   weights gradients optimizer activations transient   total")
+    cp_sizes = tuple(int(c) for c in args.cp.split(","))
     if not args.search:
-        layout = Layout(int(args.gpus), args.tp, args.pp, args.ep, args.vpp, sequence_parallel=args.tp > 1)
+        layout = Layout(
+            int(args.gpus), args.tp, args.pp, args.ep, args.vpp, sequence_parallel=args.tp > 1, cp=cp_sizes[0]
+        )
         if not layout.valid(config):
             raise SystemExit(f"{layout} does not divide {args.model}")
         print(
@@ -225,7 +247,7 @@ def main() -> None:
     budget = args.gpu_gib * args.headroom * GIB
     for gpus in (int(g) for g in args.gpus.split(",")):
         fits = []
-        for layout in layouts(config, gpus):
+        for layout in layouts(config, gpus, cp_sizes):
             parts = estimate(config, layout, args.tokens, args.micro_batches, True, True, args.recompute)
             if parts["total"] <= budget:
                 fits.append((parts["total"], layout, parts))

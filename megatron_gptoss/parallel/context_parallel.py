@@ -22,7 +22,8 @@ Attention of one local chunk x (queries [x c, (x+1) c)) under the sink contract:
     earlier keys     only the chunk's first document can reach back (documents are contiguous): its
                      rows against keys [max(doc start, x c - W + 1), x c), all before every query, so a
                      rectangle without causal mask (window: j > i - W); `rect_attention` gives (O_r, LSE_r)
-                     without the sink (LSE_r = -inf for a row that sees none)
+                     without the sink (LSE_r = -inf for a row that sees none): flex_attention on CUDA
+                     (compiled, scores never materialised), the eager reference elsewhere
     merge            LSE = logaddexp(LSE_d, LSE_r), O = O_d exp(LSE_d - LSE) + O_r exp(LSE_r - LSE); the
                      backward is autograd's through the merge, so each block gets its LSE gradient
 
@@ -42,7 +43,7 @@ from torch import Tensor, nn
 
 from megatron_gptoss.errors import LayoutError
 from megatron_gptoss.model.attention import CoreAttention
-from megatron_gptoss.ops.sink_attention import sink_attention
+from megatron_gptoss.ops.sink_attention import _compiled_flex_attention, sink_attention
 from megatron_gptoss.parallel.collectives import gather_from_sequence_parallel, gather_to_replicated
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.tensor_parallel import swap_module
@@ -122,8 +123,43 @@ def rect_attention(
 ) -> tuple[Tensor, Tensor]:
     """Queries q [Lq, Hq, D] at micro-batch positions q_start.. against keys k/v [Lk, Hkv, D] at
     k_start.., every key before every query (no causal mask), window W: key j seen when j > i - W. No
-    sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key); fp64 for fp64
-    inputs. Differentiable (scores materialised: the reference the GPU path is checked against)."""
+    sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key).
+    Differentiable; CUDA runs `flex_rect_attention`, other devices `eager_rect_attention`."""
+    if q.is_cuda:
+        return flex_rect_attention(q, k, v, q_start, k_start, window, scale)
+    return eager_rect_attention(q, k, v, q_start, k_start, window, scale)
+
+
+def flex_rect_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """`rect_attention` through compiled flex_attention (its LSE differentiable), O in q's dtype upcast."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    block_mask = None
+    if window is not None:
+        offset = torch.tensor(q_start - k_start - window, device=q.device)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx > q_idx + offset
+
+        block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=q.device)
+    out, lse = _compiled_flex_attention()(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+        return_lse=True,
+    )
+    return out[0].transpose(0, 1).float(), lse[0].float()
+
+
+def eager_rect_attention(
+    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
+) -> tuple[Tensor, Tensor]:
+    """`rect_attention` with the scores materialised (fp32; fp64 for fp64 inputs): the reference."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     qf = q.to(compute).transpose(0, 1)

@@ -12,6 +12,11 @@ the data-parallel replicas.
               replicas (`loss_denominators` with the dp group), gradients are summed over dp by the
               distributed optimizer, one optimizer step
 
+Context parallel ranks hold the same rows: each runs its chunks of every micro-batch's tokens, and the
+runner gathers the log-probs and entropy over cp, so the loss, its denominators, the metrics, the
+rollout correction, the critic's values and router replay's tables are computed alike on every cp rank
+(replicated; the gradients of each rank's tokens are summed over dp x cp by the optimizer).
+
 Metrics are the single-process ones: each micro-batch's metrics (on the last pipeline stage) are combined
 as `learner.MetricTotals` does, over micro-batches and replicas, then sent to every rank of the pp group.
 """
@@ -73,8 +78,8 @@ class ParallelPolicy:
             top = torch.tensor([budget], dtype=torch.long, device=self.runner.comm_device())
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
             budget = int(top)
-        if self.dims.sequence_parallel:
-            budget = -(-budget // self.dims.tp) * self.dims.tp
+        multiple = self.runner.token_multiple()  # cp's 2cp chunks, sequence parallel's tp
+        budget = -(-budget // multiple) * multiple
         # only loss tokens need log-probs: the others are marked -1 (GPTOSSModel.token_logprobs)
         targets = batch.targets.masked_fill(batch.loss_mask == 0, -1)
         routing = batch.routing if self.replays else None
