@@ -2,6 +2,7 @@
 
     python benchmarks/bench_mxfp4_gemm.py                          # check, then the table (~1-2 minutes)
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256,4096 --paths auto,portable
+    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --sweep     # and the fastest of SWEEP's tiles
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
@@ -35,11 +36,18 @@ from collections.abc import Callable
 import torch
 
 from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm
+from megatron_gptoss.ops.mxfp4_gemm import Mxfp4Config
 
 LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
 TOLERANCE = 1e-2
 PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # SXM / HBM3(e) spec bandwidth, by device name
 DECODE_ROWS_PER_EXPERT = 64
+# (row tile factor, block_n, block_k, warps, stages) tried by --sweep: block_m = `moe_decode.row_tile(rows,
+# experts, factor)` (factor 2 is `default_config`'s)
+SWEEP = [
+    (2, 64, 128, 4, 3), (2, 32, 128, 4, 3), (2, 128, 128, 4, 3), (2, 64, 256, 4, 3), (2, 64, 64, 4, 4),
+    (2, 64, 128, 8, 3), (2, 64, 128, 4, 2), (2, 64, 128, 4, 5), (1, 64, 128, 4, 3), (2, 32, 256, 4, 4),
+]  # fmt: skip
 
 
 class Layers:
@@ -64,19 +72,58 @@ class Layers:
         self.count, self.experts, self.hidden, self.inter = count, experts, hidden, inter
 
 
-def mxfp4_layer(path: str):
-    """(fc1, fc2) of the MXFP4 path: each (x, layers, i, bounds) -> rows."""
+def mxfp4_layer(path: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None):
+    """(fc1, fc2) of the MXFP4 path (tiles: `default_config`, or cfg1 / cfg2): each (x, layers, i, bounds)
+    -> rows."""
 
     def fc1(x, layers: Layers, i: int, bounds):
         blocks, scales = layers.fc1[i]
-        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, path)
+        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, path, cfg1)
 
     def fc2(h, layers: Layers, i: int, bounds):
         blocks, scales = layers.fc2[i]
-        y = mxfp4_gemm.grouped_linear_mxfp4(h, blocks, scales, bounds, path)
+        y = mxfp4_gemm.grouped_linear_mxfp4(h, blocks, scales, bounds, path, cfg2)
         return fused_moe.expert_bias(y, layers.b2[i], bounds)
 
     return fc1, fc2
+
+
+def sweep(path: str, layers: Layers, x, bounds, reps: int, device):
+    """(best fc1 config, best fc2 config) of `path` over SWEEP at these rows: each config checked, then
+    fc1 and fc2 timed alone; the three fastest of each printed. A config that does not compile or run is
+    skipped."""
+    found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
+    h = mxfp4_layer(path)[0](x, layers, 0, bounds)
+    for factor, block_n, block_k, warps, stages in SWEEP:
+        block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
+        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages)
+        fc1, fc2 = mxfp4_layer(path, cfg, cfg)
+        try:
+            if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
+                print(f"    {path} {describe(cfg)}: wrong results, skipped")
+                continue
+            for name, fn, rows_in in (("fc1", fc1, x), ("fc2", fc2, h)):
+
+                def call(i: int, f=fn, r=rows_in):
+                    return f(r, layers, i, bounds)
+
+                found[name].append((time_per_layer(call, layers.count, reps, device), cfg))
+        except Exception as exc:  # noqa: BLE001 - a config beyond the device's resources is skipped
+            first = str(exc).splitlines()[0][:90] if str(exc) else ""
+            print(f"    {path} {describe(cfg)}: {type(exc).__name__}: {first}")
+    best = []
+    for name, results in found.items():
+        results.sort(key=lambda r: r[0])
+        print(
+            f"  {x.shape[0]} rows, {path} {name} fastest: "
+            + ", ".join(f"{ms * 1e3:.0f} us {describe(c)}" for ms, c in results[:3])
+        )
+        best.append(results[0][1] if results else None)
+    return best[0], best[1]
+
+
+def describe(cfg: Mxfp4Config) -> str:
+    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}"
 
 
 def library_fc1(x, layers: Layers, i: int, bounds):
@@ -106,14 +153,15 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def check(name: str, fc1, fc2, layers: Layers, x, bounds) -> bool:
+def check(name: str, fc1, fc2, layers: Layers, x, bounds, verbose: bool = True) -> bool:
     (b1, s1), (b2, s2) = layers.fc1[0], layers.fc2[0]
     h_ref = mxfp4_gemm.reference_dequantized(x, b1, s1, bounds, layers.b1[0], (LIMIT, ALPHA))
     h = fc1(x, layers, 0, bounds)
     y_ref = mxfp4_gemm.reference_dequantized(h, b2, s2, bounds, layers.b2[0])
     e1, e2 = rel_err(h, h_ref), rel_err(fc2(h, layers, 0, bounds), y_ref)
     ok = e1 <= TOLERANCE and e2 <= TOLERANCE
-    print(f"  {x.shape[0]:6d} rows {name:16s} fc1 {e1:.2e}  fc2 {e2:.2e}  {'ok' if ok else 'FAILED'}")
+    if verbose:
+        print(f"  {x.shape[0]:6d} rows {name:16s} fc1 {e1:.2e}  fc2 {e2:.2e}  {'ok' if ok else 'FAILED'}")
     return ok
 
 
@@ -185,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="auto,portable", help="MXFP4 paths timed, comma-separated")
     parser.add_argument("--layers", type=int, default=4, help="layers of weights cycled through")
     parser.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of each MXFP4 path")
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
     with torch.no_grad():
@@ -220,13 +269,19 @@ def run(args: argparse.Namespace) -> int:
         x = torch.randn(tokens * TOPK, width, generator=g).to(device, dtype)
         rows = x.shape[0]
         candidates = [(f"mxfp4 {p}", *mxfp4_layer(p), 4.25) for p in paths]
+        if args.sweep and device.type == "cuda":
+            for p in paths:
+                cfg1, cfg2 = sweep(p, layers, x, bounds, max(reps // 2, 1), device)
+                if cfg1 is not None and cfg2 is not None:
+                    candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}",
+                                       *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
         candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
         for name, fc1, fc2, bits in candidates:
             ok &= check(name, fc1, fc2, layers, x, bounds)
             if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
-                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1])})"
+                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1].rstrip(':'))})"
             h = fc1(x, layers, 0, bounds)
 
             def one(f, rows_in, b=bounds):
@@ -249,6 +304,10 @@ def run(args: argparse.Namespace) -> int:
         floor_text = f"{floor:.0f}" if floor else "-"
         print(f"| {tokens} | {rows} | {name} | {ms1 * 1e3:.0f} | {ms2 * 1e3:.0f} | {ms * 1e3:.0f} | "
               f"{floor_text} | {ratio} |")  # fmt: skip
+    for (device_name, cfg, gated), why in mxfp4_gemm.scaled_failures().items():
+        print(
+            f"tl.dot_scaled failed ({device_name}, {describe(cfg)}, gated {gated}), portable ran: {why[:200]}"
+        )
     print(f"({time.perf_counter() - began:.0f} s in all){'' if ok else '  CHECK FAILED'}")
     return 0 if ok else 1
 

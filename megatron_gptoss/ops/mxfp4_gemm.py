@@ -208,12 +208,20 @@ def _kernels():
 
 
 _X_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # kernels' x dtypes
-_SCALED_FAILED: dict[str, str] = {}  # device name -> why the scaled kernel did not compile there
+# (device name, tiles, gated) -> why the scaled kernel did not compile or run there (`scaled_failures`)
+_SCALED_FAILED: dict[tuple[str, Mxfp4Config, bool], str] = {}
+
+
+def scaled_failures() -> dict[tuple[str, Mxfp4Config, bool], str]:
+    """The (device name, tiles, gated) launches of the scaled kernel that failed and ran the portable
+    kernel instead, with the error: empty where every scaled launch compiled and ran."""
+    return dict(_SCALED_FAILED)
 
 
 def kernel_for(x: Tensor, path: str | None = None) -> str:
     """Which implementation a call on x runs: "reference", "portable" or "scaled" (`tl.dot_scaled`, the
-    auto path for bf16 / fp16 rows on Hopper and later). The interpreter (CPU) runs the kernels on fp32 rows
+    auto path for bf16 / fp16 rows on Hopper and later; tiles it fails on run the portable kernel,
+    `scaled_failures`). The interpreter (CPU) runs the kernels on fp32 rows
     only: its `tl.dot` does not model 16-bit floats and its casts to them truncate."""
     path = _resolve_path(path)
     if path == "reference" or not kernels_can_run(x) or x.dtype not in _X_FORMATS:
@@ -222,9 +230,7 @@ def kernel_for(x: Tensor, path: str | None = None) -> str:
         return "reference"
     if path == "portable" or x.dtype == torch.float32:
         return "portable"
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
-        return "portable"
-    return "portable" if torch.cuda.get_device_name(x.device) in _SCALED_FAILED else "scaled"
+    return "portable" if torch.cuda.get_device_capability(x.device) < (9, 0) else "scaled"
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
@@ -265,19 +271,22 @@ def _forward_any(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
     limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
 ) -> Tensor:  # fmt: skip
-    """`_forward`; where the scaled kernel fails to compile on a GPU, warns once and runs the portable
-    kernel from then on for that device."""
+    """`_forward`; where the scaled kernel fails to compile or launch on a GPU with these tiles, warns once
+    and runs the portable kernel from then on for them (`scaled_failures`)."""
     if kernel != "scaled" or not x.is_cuda:
         return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, config)
+    cfg = default_config(x.shape[0], blocks.shape[0], x.device, gated) if config is None else config
+    key = (torch.cuda.get_device_name(x.device), cfg, gated)
+    if key in _SCALED_FAILED:
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", cfg)
     compile_errors = (importlib.import_module("triton.compiler.errors").CompilationError, RuntimeError)
     try:
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, config)
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, cfg)
     except compile_errors as error:
-        name = torch.cuda.get_device_name(x.device)
-        _SCALED_FAILED[name] = f"{type(error).__name__}: {error}"
-        warnings.warn(f"MXFP4 GEMM: tl.dot_scaled kernel failed on {name}, using the portable kernel "
-                      f"({_SCALED_FAILED[name][:300]})", stacklevel=3)  # fmt: skip
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", config)
+        _SCALED_FAILED[key] = f"{type(error).__name__}: {error}"
+        warnings.warn(f"MXFP4 GEMM: the tl.dot_scaled kernel failed on {key[0]} with {cfg} (gated {gated}), "
+                      f"running the portable kernel: {_SCALED_FAILED[key][:300]}", stacklevel=3)  # fmt: skip
+        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", cfg)
 
 
 def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
