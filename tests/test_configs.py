@@ -35,6 +35,8 @@ WORLDS = {
     "configs/gpt_oss_120b_gsm8k.yaml": 64,
     "configs/gpt_oss_20b_retool.yaml": 8,
     "configs/gpt_oss_20b_lora_1gpu.yaml": 1,
+    "configs/gpt_oss_20b_lora_24gb.yaml": 1,
+    "configs/gpt_oss_120b_lora_1gpu.yaml": 1,
 }
 NAMED = re.compile(r"configs/[A-Za-z0-9_./-]+\.yaml")
 

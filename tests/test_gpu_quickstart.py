@@ -7,6 +7,7 @@ and 201,088-way output layer, two RL steps), then `tools/evaluate.py` on its `hf
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -82,7 +83,7 @@ def test_readme_quickstart_commands_at_tiny_width(tmp_path):
             "model.num_attention_heads=2", "model.num_query_groups=1", "model.head_dim=16",
             "model.num_experts=4", "model.max_position_embeddings=1024",
             "model.attention_backend=eager"]  # fmt: skip
-    base = load_config(config, tiny).model
+    base = dataclasses.replace(load_config(config, tiny).model, expert_format="bf16")  # float, to write
     released = write_mxfp4_checkpoint(build_model(base, seed=3), tmp_path / "gpt-oss-20b")
     hf_config = json.loads((released / "config.json").read_text())
     assert hf_config["quantization_config"]["quant_method"] == "mxfp4"

@@ -1,6 +1,8 @@
-"""configs/gpt_oss_20b_lora_1gpu.yaml: the header's command loads it for a world of one GPU, LoRA is on with
-a frozen base (at full size: the adapters are a small fraction of the model), the layout fits one rank, and
-at tiny width (hidden 64, the real o200k_harmony tokenizer) two RL steps run through the one trainer."""
+"""The one-GPU LoRA recipes (gpt-oss-20b and gpt-oss-120b on an 80 GB card, gpt-oss-20b on a 24 GB one):
+the header's command loads each for a world of one GPU, LoRA is on over the released MXFP4 experts (at full
+size: the adapters are a small fraction of the model, the count the header states, and the lower bound of
+the memory fits the card), the layout fits one rank, and at tiny width (hidden 64, the real o200k_harmony
+tokenizer) two RL steps of configs/gpt_oss_20b_lora_1gpu.yaml run through the one trainer."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from test_gsm8k_configs import header_command, launched, tiny
 
 from megatron_gptoss.config import load_config
+from megatron_gptoss.config.memory import run_memory
 from megatron_gptoss.envs.word_problems import write_splits
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.parallel.dims import validate_layout
@@ -21,22 +25,37 @@ ROOT = Path(__file__).resolve().parents[1]
 NAME = "configs/gpt_oss_20b_lora_1gpu.yaml"
 
 
-def test_the_header_command_loads_a_one_gpu_lora_recipe():
-    config, world, overrides = launched(header_command(NAME))
-    assert config == NAME and world == 1
+# config -> (layers, experts, the card it is written for in GiB, the adapter parameters its header states)
+CARDS = {
+    NAME: (24, 32, 78.0, "0.37 B"),
+    "configs/gpt_oss_120b_lora_1gpu.yaml": (36, 128, 78.0, "268.0 M"),
+    "configs/gpt_oss_20b_lora_24gb.yaml": (24, 32, 22.0, "91.9 M"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_the_header_command_loads_a_one_gpu_lora_recipe(name):
+    config, world, overrides = launched(header_command(name))
+    assert config == name and world == 1
     cfg = load_config(ROOT / config, overrides)
-    assert cfg.run.init_from_hf.startswith("/path/to/gpt-oss-20b")
+    layers, experts, card_gib, stated = CARDS[name]
+    assert cfg.run.init_from_hf.startswith("/path/to/gpt-oss-")
     assert cfg.model.lora.enabled and cfg.model.lora.dropout == 0.0
-    assert cfg.model.num_layers == 24 and cfg.model.num_experts == 32
-    assert (cfg.rollout.prompts_per_step, cfg.rollout.n_samples_per_prompt) == (64, 8)
+    assert cfg.model.num_layers == layers and cfg.model.num_experts == experts
+    assert cfg.model.expert_format == "mxfp4"  # the released experts stay 4-bit
     assert cfg.rollout.max_new_tokens == 1024 and cfg.data.max_prompt_tokens == 512
     assert cfg.ppo.kl_coef > 0  # the reference is free with LoRA
     assert shares_base(cfg)  # the engine uses the learner's base: the weights are held once
     validate_layout(cfg.parallel, cfg.model, 1)
     model = GPTOSSModel(cfg.model, device="meta")
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    assert 0 < trainable < 0.03 * total  # adapters only
+    assert 0 < trainable < 0.03 * cfg.model.param_counts()["total"]  # adapters only
+    assert stated in (ROOT / name).read_text()  # the header's count is the model's
+    assert f"{trainable / 1e6:.1f} M" == stated or f"{trainable / 1e9:.2f} B" == stated
+    # the base at 4.25 bits an expert value, the adapters' bf16 weights, fp32 gradients, master weights and
+    # Adam moments (18 bytes each), and the KV cache the engine is made for: below the card
+    memory = run_memory(cfg, 1)
+    assert memory["total"] + 18 * trainable < card_gib * 2**30, memory
 
 
 def test_two_lora_rl_steps_at_tiny_width(tmp_path):

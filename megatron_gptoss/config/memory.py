@@ -2,7 +2,7 @@
 
     learner        the policy's parameters (run.dtype), fp32 gradients and AdamW state (12 bytes a parameter
                    with bf16 parameters: fp32 master weights and two moments; 8 with fp32 ones); with LoRA
-                   the frozen base only
+                   the frozen base only (its experts at 4.25 bits a value with model.expert_format mxfp4)
     engine         the embedded engine's own copy of the weights (rollout.dtype); not counted with LoRA
                    (its engine may share the learner's base)
     kv_cache       the embedded engine's paged KV cache as the engine sizes it (`kv_cache_bytes`) for the
@@ -66,7 +66,7 @@ def learner_bytes(cfg: TrainConfig) -> int:
     params = cfg.model.param_counts()["total"]
     weight = DTYPE_BYTES[cfg.run.dtype]
     if cfg.model.lora.enabled:  # the base is frozen: no gradient, no optimizer state (adapters not counted)
-        return params * weight
+        return int(cfg.model.weight_bytes(weight))  # MXFP4 experts: 4.25 bits a value
     optimizer = 12 if weight < 4 else 8
     return params * (weight + 4 + optimizer)
 

@@ -171,3 +171,16 @@ def test_a_full_parameter_run_asking_for_mxfp4_experts_is_refused():
         tiny_config(expert_format="fp8")
     with pytest.raises(ConfigError, match="intermediate_size=48 is not a multiple"):
         tiny_config(expert_format="mxfp4", intermediate_size=48)
+
+
+def test_weight_bytes_count_mxfp4_experts_at_4_25_bits():
+    from megatron_gptoss.config import gpt_oss_20b, gpt_oss_120b
+
+    for preset, expert_values, gib in ((gpt_oss_20b, 19.1e9, 12.8), (gpt_oss_120b, 114.7e9, 60.8)):
+        config = preset(expert_format="mxfp4", lora=LORA)
+        counts = config.param_counts()
+        assert round(counts["expert_weights"] / 1e9, 1) == expert_values / 1e9
+        other = counts["total"] - counts["expert_weights"]
+        assert config.weight_bytes(2) == 2 * other + counts["expert_weights"] * 4.25 / 8
+        assert round(config.weight_bytes(2) / 2**30, 1) == gib
+        assert preset().weight_bytes(2) == 2 * counts["total"]  # bf16 experts: every value 2 bytes
