@@ -22,7 +22,7 @@ in flight; on a root, the transfer in flight: its gathered pieces or full tensor
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,33 +30,65 @@ from torch import nn
 
 from megatron_gptoss.bridge.plan import EngineLayout, ParamInfo, Transfer, buckets_of, plan_transfers
 from megatron_gptoss.config import ModelConfig
-from megatron_gptoss.hf.names import match_ours, to_hf
+from megatron_gptoss.hf.mxfp4 import quantize_mxfp4
+from megatron_gptoss.hf.names import fc1_rows_to_hf, match_ours, to_hf
 from megatron_gptoss.model.lora import adapter_of, is_adapter_param, merged_weight
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, mxfp4_weights
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
-from megatron_gptoss.parallel.sharding import get_shard
+from megatron_gptoss.parallel.sharding import ShardSpec, get_shard
 
 Pairs = list[tuple[str, torch.Tensor]]
 
 
-def param_infos(chunks: Sequence[nn.Module]) -> list[ParamInfo]:
+def weights(chunks: Sequence[nn.Module]) -> dict[str, nn.Parameter | MXFP4Weight]:
+    """Every weight this rank holds by our parameter name: the parameters, and the MXFP4 expert weights
+    (`model.expert_format: mxfp4`, buffers rather than parameters) under the name their parameter has."""
+    out: dict[str, nn.Parameter | MXFP4Weight] = {}
+    for chunk in chunks:
+        out.update(chunk.named_parameters())
+        out.update(mxfp4_weights(chunk))
+    return out
+
+
+def param_infos(chunks: Sequence[nn.Module], config: ModelConfig) -> list[ParamInfo]:
     """This rank's parameters (every model chunk it holds) as plan metadata; LoRA adapters are not sent
-    on their own: they are merged into their layer's weight (`local_weight`)."""
-    return [
-        ParamInfo(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), get_shard(p))
-        for chunk in chunks
-        for name, p in chunk.named_parameters()
-        if not is_adapter_param(name)
-    ]
+    on their own: they are merged into their layer's weight (`local_weight`). An MXFP4 expert weight counts
+    as its logical [E, out, in] weight in its dtype, cut over ep (dim 0) when it holds fewer than every
+    expert."""
+    out = []
+    for name, w in weights(chunks).items():
+        if is_adapter_param(name):
+            continue
+        if isinstance(w, MXFP4Weight):
+            spec = ShardSpec(0, "ep") if w.shape[0] < config.num_experts else None
+        else:
+            spec = get_shard(w)
+        out.append(ParamInfo(name, tuple(w.shape), str(w.dtype).removeprefix("torch."), spec))
+    return out
 
 
-def local_weight(params: dict[str, nn.Parameter], name: str, scale: float) -> torch.Tensor:
+def local_weight(params: Mapping[str, nn.Parameter | MXFP4Weight], name: str, scale: float) -> torch.Tensor:
     """This rank's shard of parameter `name` as the engine must see it: with a LoRA adapter on its layer,
-    W + scale * B A (fresh memory, the adapter shards cut to match the weight's), else the parameter."""
-    local = params[name].detach()
+    W + scale * B A (fresh memory, the adapter shards cut to match the weight's), else the parameter. An
+    MXFP4 weight is dequantized (exactly) in its dtype first."""
+    weight = params[name]
+    local = weight.dequantize() if isinstance(weight, MXFP4Weight) else weight.detach()
     prefix = adapter_of(name)
     if prefix is None or f"{prefix}.a" not in params:
         return local
-    return merged_weight(local, params[f"{prefix}.a"].detach(), params[f"{prefix}.b"].detach(), scale)
+    a, b = params[f"{prefix}.a"], params[f"{prefix}.b"]
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)  # adapters are parameters
+    return merged_weight(local, a.detach(), b.detach(), scale)
+
+
+def packed_experts(t: Transfer, full: torch.Tensor) -> Pairs:
+    """An expert transfer sent as MXFP4 (`t.dtype` "uint8"): our full fc1 [E, 2I, H] ([gate; up] rows) or
+    fc2 [E, H, I] weight -> [(blocks name, [E, out, in / 32, 16]), (scales name, [E, out, in / 32])], rows in
+    HF's order (fc1's gate and up interleaved), quantized along the input dimension by `quantize_mxfp4`:
+    `hf.mxfp4.pack_expert_weight` of the HF tensor `to_hf` would give, bit for bit."""
+    weight = fc1_rows_to_hf(full) if match_ours(t.ours).rule.kind == "fc1" else full
+    blocks, scales = quantize_mxfp4(weight)
+    return [(t.names[0], blocks), (t.names[1], scales)]
 
 
 class WeightExporter:
@@ -77,7 +109,7 @@ class WeightExporter:
         dtype: torch.dtype | None = None,
     ):
         self.chunks, self.config, self.dims, self.dst = list(chunks), config, dims, dst
-        mine = param_infos(self.chunks)
+        mine = param_infos(self.chunks, config)
         if dims is None:
             layout, holdings = Layout(world=1, tp=1, pp=1, ep=1), {0: mine}
         else:
@@ -94,7 +126,7 @@ class WeightExporter:
     def buckets(self) -> Iterator[Pairs]:
         """One list of (HF name or expert-slice name, tensor) per bucket on `dst` (empty lists elsewhere);
         every rank of the learner must iterate it to the end, in step."""
-        params = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        params = weights(self.chunks)
         for bucket in buckets_of(self.plan):
             out: Pairs = []
             for transfer in bucket:
@@ -108,7 +140,7 @@ class WeightExporter:
 
     # ----------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def _assemble(self, t: Transfer, params: dict[str, nn.Parameter]) -> Pairs:
+    def _assemble(self, t: Transfer, params: Mapping[str, nn.Parameter | MXFP4Weight]) -> Pairs:
         """The transfer's HF tensors on its root (fresh memory); [] on every other rank. Collective over the
         transfer's sources."""
         if self.rank not in t.sources:
@@ -121,10 +153,12 @@ class WeightExporter:
         if self.rank != t.root:
             return []
         assert full is not None
+        if t.dtype == "uint8":  # MXFP4: quantized from the weight's own dtype
+            return packed_experts(t, full)
         return self._to_hf(t, full.to(getattr(torch, t.dtype)), local)
 
     @torch.no_grad()
-    def _run(self, t: Transfer, params: dict[str, nn.Parameter]) -> Pairs:
+    def _run(self, t: Transfer, params: Mapping[str, nn.Parameter | MXFP4Weight]) -> Pairs:
         rank, dst = self.rank, self.dst
         if rank not in t.sources and rank != dst:
             return []

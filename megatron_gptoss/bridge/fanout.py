@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_gptoss.bridge.export import Pairs, WeightExporter
+from megatron_gptoss.bridge.export import Pairs, WeightExporter, weights
 from megatron_gptoss.bridge.plan import EngineLayout, Transfer, buckets_of, plan_fanout
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -56,7 +56,7 @@ class FanoutExporter(WeightExporter):
     def buckets(self) -> Iterator[Pairs]:
         """One list of (HF name or expert-slice name, tensor) per bucket: what this rank's engine worker
         needs from it. Every rank must iterate to the end, in step."""
-        params = {name: p for chunk in self.chunks for name, p in chunk.named_parameters()}
+        params = weights(self.chunks)
         for bucket in buckets_of(self.plan):
             mine: Pairs = []
             ops: list[dist.P2POp] = []

@@ -35,11 +35,12 @@ from dataclasses import dataclass, replace
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.engine_api.buckets import ALIGN
 from megatron_gptoss.engine_api.protocol import expert_slice_name
+from megatron_gptoss.hf.mxfp4 import packed_shapes
 from megatron_gptoss.hf.names import hf_shapes, match_ours, our_names
 from megatron_gptoss.parallel.dims import Layout
 from megatron_gptoss.parallel.sharding import ShardSpec
 
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8, "uint8": 1}
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class EngineLayout:
     workers: int = 1
     ep: int = 1
     expert_slices: bool = False
+    # How the engine holds the expert weights (fc1 / fc2, not their biases): "bf16" takes them as float HF
+    # tensors; "mxfp4" as the released checkpoints store them, `<name>_blocks` and `<name>_scales` (uint8,
+    # HF's row order), quantized by the bridge (`hf.mxfp4.quantize_mxfp4`) from the learner's weights.
+    expert_format: str = "bf16"
 
 
 @dataclass(frozen=True)
@@ -67,7 +72,7 @@ class Transfer:
     ours: str  # our parameter name
     names: tuple[str, ...]  # names sent: HF names, or expert-slice names
     shapes: tuple[tuple[int, ...], ...]  # their shapes (vocabulary padding removed)
-    dtype: str  # dtype sent
+    dtype: str  # dtype sent ("uint8" for MXFP4 blocks and scales, quantized from the parameter's dtype)
     layer: int | None
     phase: str  # "dense" or "experts"
     sources: tuple[int, ...]  # learner ranks holding the pieces, in concatenation order
@@ -97,6 +102,8 @@ def plan_transfers(
     the parameters' dtype."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    if engine.expert_format not in ("bf16", "mxfp4"):
+        raise ValueError(f"engine expert_format={engine.expert_format!r} not in ('bf16', 'mxfp4')")
     holders: dict[str, list[tuple[int, ParamInfo]]] = {}
     for rank in sorted(holdings):
         for info in holdings[rank]:
@@ -218,17 +225,32 @@ def _expert_transfers(
     if len(owners) != c.layout.ep or (c.layout.ep > 1 and (spec is None or spec.group != "ep")):
         raise ValueError(f"{c.name}: {len(owners)} expert-parallel owners ({spec}), expected {c.layout.ep}")
     total, engine = c.config.num_experts, c.engine
+    packed = engine.expert_format == "mxfp4" and match.rule.kind in ("fc1", "fc2")
+
+    def sent(start: int, stop: int, whole: bool) -> tuple[tuple[str, ...], tuple[tuple[int, ...], ...]]:
+        """Names and shapes sent for experts [start, stop): the HF tensor, or its MXFP4 blocks and scales."""
+        part = (stop - start, *shape[1:])
+        if not packed:
+            return (hf_name if whole else expert_slice_name(hf_name, start, stop),), (part,)
+        shapes = packed_shapes(part)
+        if shapes is None:
+            raise ValueError(f"{hf_name} {shape} cannot be MXFP4: its input width is not a multiple of 32")
+        names = tuple(n if whole else expert_slice_name(n, start, stop) for n in _packed_names(hf_name))
+        return names, shapes
 
     def transfer(names, shapes, sources, gather, experts, receivers) -> Transfer:
         return Transfer(
-            c.name, names, shapes, c.dtype, match.layer, "experts", sources, gather, experts, receivers,
-            root=c.root(sources),
+            c.name, names, shapes, "uint8" if packed else c.dtype, match.layer, "experts", sources, gather,
+            experts, receivers, root=c.root(sources),
         )  # fmt: skip
 
     if not engine.expert_slices:
         everyone = tuple(range(engine.workers))
-        return [transfer((hf_name,), (shape,), owners, spec if len(owners) > 1 else None, None, everyone)]
-    per_expert = _aligned(_numel(shape[1:]) * _DTYPE_BYTES[c.dtype])
+        names, shapes = sent(0, total, whole=True)
+        return [transfer(names, shapes, owners, spec if len(owners) > 1 else None, None, everyone)]
+    per_expert = sum(
+        _aligned(_numel(s[1:]) * _DTYPE_BYTES["uint8" if packed else c.dtype]) for s in sent(0, 1, False)[1]
+    )
     step = max(1, bucket_bytes // per_expert)
     edges = sorted(
         {0, total}
@@ -240,12 +262,15 @@ def _expert_transfers(
         owner = owners[lo * c.layout.ep // total]
         for start in range(lo, hi, step):
             stop = min(start + step, hi)
-            name = expert_slice_name(hf_name, start, stop)
+            names, shapes = sent(start, stop, whole=False)
             receivers = _expert_receivers(engine, start, stop, total)
-            out.append(
-                transfer((name,), ((stop - start, *shape[1:]),), (owner,), None, (start, stop), receivers)
-            )
+            out.append(transfer(names, shapes, (owner,), None, (start, stop), receivers))
     return out
+
+
+def _packed_names(hf_name: str) -> tuple[str, str]:
+    """The MXFP4 blocks and scales names of an HF expert weight (as the released checkpoints name them)."""
+    return hf_name + "_blocks", hf_name + "_scales"
 
 
 def _expert_receivers(engine: EngineLayout, start: int, stop: int, total: int) -> tuple[int, ...]:

@@ -1,13 +1,23 @@
-"""Configuration of the embedded rollout engine's scheduler and paged KV cache."""
+"""Configuration of the embedded rollout engine's scheduler and paged KV cache, and the checks of how the
+engine holds the experts (`rollout.expert_format`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_gptoss.errors import ConfigError
 
+if TYPE_CHECKING:
+    from megatron_gptoss.config.model import ModelConfig
+    from megatron_gptoss.config.train import RolloutConfig
+
 SCHEDULES = ("continuous", "static")
 GRAPH_MODES = ("auto", "off", "padded")
+# How the rollout engine holds the expert weights (`rollout.expert_format`).
+ROLLOUT_EXPERT_FORMATS = ("bf16", "mxfp4")
+# Values per MXFP4 block along an expert's input dimension.
+_MXFP4_BLOCK = 32
 
 
 @dataclass
@@ -53,3 +63,31 @@ class EmbeddedEngineConfig:
             raise ConfigError(f"embedded.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
         if self.kv_blocks < 0:
             raise ConfigError(f"embedded.kv_blocks must be >= 0, got {self.kv_blocks}")
+
+
+def check_rollout_expert_format(rollout: RolloutConfig, model: ModelConfig) -> None:
+    """`rollout.expert_format: mxfp4` (the embedded engine holds MXFP4 experts, re-quantized by the bridge
+    at every weight sync while the learner trains in its dtype) needs the embedded engine (vLLM would need
+    its MXFP4 MoE path fed packed weights at every sync: refused), expert input widths that are multiples of
+    32, and no bitwise on-policy mode (quantized experts are not the learner's). Raises ConfigError naming
+    the setting."""
+    if rollout.expert_format not in ROLLOUT_EXPERT_FORMATS:
+        raise ConfigError(f"rollout.expert_format={rollout.expert_format!r} not in {ROLLOUT_EXPERT_FORMATS}")
+    if rollout.expert_format != "mxfp4":
+        return
+    if rollout.engine != "embedded":
+        raise ConfigError(
+            f"rollout.expert_format='mxfp4' needs rollout.engine='embedded', got {rollout.engine!r}: the "
+            "bridge does not feed vLLM's MXFP4 experts (use rollout.expert_format='bf16' with vLLM)"
+        )
+    if rollout.bitwise_on_policy:
+        raise ConfigError(
+            "rollout.bitwise_on_policy=true needs the engine to hold the learner's weights: "
+            "rollout.expert_format='mxfp4' holds them quantized (set it to 'bf16')"
+        )
+    for name in ("hidden_size", "intermediate_size"):  # the experts' input widths
+        if getattr(model, name) % _MXFP4_BLOCK:
+            raise ConfigError(
+                f"rollout.expert_format='mxfp4' quantizes the experts' inputs in blocks of {_MXFP4_BLOCK}: "
+                f"model.{name}={getattr(model, name)} is not a multiple of it"
+            )

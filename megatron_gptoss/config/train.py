@@ -11,7 +11,7 @@ from megatron_gptoss.config.checks import DTYPES, check_at_least, check_positive
 from megatron_gptoss.config.critic import CriticConfig
 from megatron_gptoss.config.dapo import DAPOConfig
 from megatron_gptoss.config.data import DataConfig
-from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.config.engine import EmbeddedEngineConfig, check_rollout_expert_format
 from megatron_gptoss.config.env import EnvConfig
 from megatron_gptoss.config.model import ModelConfig
 from megatron_gptoss.config.moe import MoEReplayConfig
@@ -217,6 +217,12 @@ class RolloutConfig:
     # Needs the embedded engine and the learner at tensor parallel 1, model.attention_backend='triton' and
     # rollout.dtype = run.dtype; slower than the library GEMMs (benchmarks/bench_bitwise.py measures it).
     bitwise_on_policy: bool = False
+    # How the embedded engine holds the expert weights: "bf16" (in rollout.dtype, as the learner sends them)
+    # or "mxfp4" (the released 4-bit format: at every weight sync the bridge quantizes the learner's experts
+    # into the engine's blocks and scales, `hf.mxfp4.quantize_mxfp4`; the learner trains in its own dtype,
+    # and the quantization's share of the rollout/learner mismatch shows in mismatch/* and is corrected by
+    # ppo.correction_mode). With model.expert_format='mxfp4' the engine holds MXFP4 experts either way.
+    expert_format: str = "bf16"
 
     def validate(self) -> None:
         if self.engine not in ("embedded", "vllm"):
@@ -358,6 +364,7 @@ class TrainConfig:
         self.sandbox.validate()
         self.critic.validate()
         self.embedded.validate()
+        check_rollout_expert_format(self.rollout, self.model)
         if self.model.lora.enabled and self.algorithm.advantage == "gae":
             raise ConfigError(
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "

@@ -17,7 +17,9 @@ a model that does not fit one GPU.
                  on every member alike otherwise
     update:      (HF name, tensor) pairs: full HF tensors (each rank narrows them to its shard with
                  `parallel.loading.shard_of_hf`, the checkpoint loader's slicing) and expert-range slices
-                 (`engine_api.protocol.expert_slice_name`; a rank keeps the experts of the slice it holds)
+                 (`engine_api.protocol.expert_slice_name`; a rank keeps the experts of the slice it holds);
+                 MXFP4 experts (`expert_format: mxfp4`) arrive as `<name>_blocks` / `<name>_scales`, whole or
+                 sliced, in HF's row order, and are copied byte for byte (fc1's rows de-interleaved)
 
 Log-probs follow the project's convention (docs/architecture.md) exactly as `EmbeddedEngine`:
 log_softmax(logits / T)[token] of the untruncated tempered distribution, fp32. Rank layout (pp 1):
@@ -35,9 +37,10 @@ import torch.distributed as dist
 from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig, ModelConfig, ParallelConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams, parse_expert_slice
 from megatron_gptoss.errors import CheckpointError
-from megatron_gptoss.hf.names import from_hf, hf_shapes, match_hf, match_ours
+from megatron_gptoss.hf.names import fc1_rows_from_hf, from_hf, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, mxfp4_weights
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
@@ -125,12 +128,22 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         if self.asleep:
             raise RuntimeError("update_weights called while the engine sleeps; call wake_up() first")
         params = dict(self.model.named_parameters())
+        packed = mxfp4_weights(self.model)
         pending: dict[str, dict[str, torch.Tensor]] = {}
         written: set[str] = set()
         experts: dict[str, torch.Tensor] = {}  # our expert parameter -> which local experts arrived
         for name, tensor in tensors:
             sliced = parse_expert_slice(name)
-            match = match_hf(sliced[0] if sliced else name)
+            base = sliced[0] if sliced else name
+            if base.endswith(("_blocks", "_scales")) and packed:
+                target, part = self._packed_target(base, packed)
+                start, stop = sliced[1:] if sliced else (0, self.config.num_experts)
+                got = experts.setdefault(
+                    f"{target}.{part}", torch.zeros(packed[target].shape[0], dtype=torch.bool)
+                )
+                self._load_packed(packed[target], target, part, tensor, start, stop, got)
+                continue
+            match = match_hf(base)
             if match is None or match.ours not in params:
                 raise CheckpointError(f"unexpected tensor {name!r}: not a parameter of this model")
             if match.ours in self.memory.shared:
@@ -149,8 +162,10 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             absent = [n for ours, parts in pending.items() for n in match_ours(ours).hf if n not in parts]
             raise CheckpointError(f"missing tensors {sorted(absent)}")
         written |= {ours for ours, got in experts.items() if bool(got.all())}
-        if strict and set(params) - written:
-            absent = sorted(set(params) - written)
+        expected = set(params) | {f"{n}.{part}" for n in packed for part in ("blocks", "scales")}
+        expected -= set(self.memory.shared)
+        if strict and expected - written:
+            absent = sorted(expected - written)
             raise CheckpointError(f"missing tensors (or experts) of {absent}")
         self.memory.weights_loaded()
         self.weight_version += 1
@@ -188,6 +203,35 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             param[lo - first : hi - first].copy_(
                 from_hf(match, [tensor[lo - start : hi - start]], self.config)
             )
+            got[lo - first : hi - first] = True
+
+    def _packed_target(self, name: str, packed: Mapping[str, MXFP4Weight]) -> tuple[str, str]:
+        """(our MXFP4 weight, "blocks" or "scales") that the HF name `<weight>_blocks` / `_scales` fills."""
+        base, part = name.rsplit("_", 1)
+        match = match_hf(base)
+        if match is None or match.ours not in packed:
+            raise CheckpointError(f"unexpected tensor {name!r}: not an MXFP4 expert weight of this model")
+        if f"{match.ours}.{part}" in self.memory.shared:
+            raise CheckpointError(f"{name!r} is the learner's shared base: the engine never writes it")
+        return match.ours, part
+
+    def _load_packed(
+        self, weight: MXFP4Weight, ours: str, part: str, tensor: torch.Tensor, start: int, stop: int, got
+    ) -> None:
+        """Experts [start, stop) of an MXFP4 weight's blocks or scales (HF row order, uint8) -> the ones this
+        rank holds, into its buffer (fc1's rows de-interleaved to our [gate; up])."""
+        buffer = getattr(weight, part)
+        full = (self.config.num_experts, *buffer.shape[1:])
+        if tensor.dtype != torch.uint8 or stop > full[0] or tuple(tensor.shape) != (stop - start, *full[1:]):
+            raise CheckpointError(
+                f"MXFP4 {part} of {ours} for experts [{start}:{stop}]: got {tensor.dtype} "
+                f"{tuple(tensor.shape)}, expected torch.uint8 {(stop - start, *full[1:])}"
+            )
+        first = self.dims.coord("ep") * buffer.shape[0]  # experts split evenly over ep, in ep-rank order
+        lo, hi = max(start, first), min(stop, first + buffer.shape[0])
+        if lo < hi:
+            rows = tensor[lo - start : hi - start]
+            buffer[lo - first : hi - first].copy_(fc1_rows_from_hf(rows) if ".linear_fc1." in ours else rows)
             got[lo - first : hi - first] = True
 
     # ----------------------------------------------------------------------------------------------

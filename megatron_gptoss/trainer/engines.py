@@ -32,7 +32,7 @@ from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.fanout import FanoutExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.bridge.transport import sync_in_process
-from megatron_gptoss.config import ParallelConfig, TrainConfig
+from megatron_gptoss.config import ModelConfig, ParallelConfig, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.lora import base_config, is_adapter_param
@@ -56,7 +56,17 @@ def shares_base(cfg: TrainConfig) -> bool:
         and p.tensor_model_parallel_size == r.tensor_parallel_size
         and p.expert_model_parallel_size == r.expert_parallel_size
         and cfg.run.dtype == r.dtype
+        and (r.expert_format == "bf16" or cfg.model.expert_format == "mxfp4")
     )
+
+
+def engine_model_config(cfg: TrainConfig, shared: bool) -> ModelConfig:
+    """The embedded engine's model config: the learner's (a shared LoRA base), or without adapters (merged
+    weights); MXFP4 experts with `rollout.expert_format: mxfp4` (the bridge quantizes them at every sync)."""
+    config = cfg.model if shared else base_config(cfg.model)
+    if cfg.rollout.expert_format == "mxfp4":
+        config = dataclasses.replace(config, expert_format="mxfp4")
+    return config
 
 
 class EmbeddedHost:
@@ -77,8 +87,9 @@ class EmbeddedHost:
             options = dataclasses.replace(options, record_routing=True)
         self.shared = shares_base(cfg)
         base = frozen_base(models[0])  # the parameters but the adapters, and any MXFP4 experts' buffers
+        engine_model = engine_model_config(cfg, self.shared)
         self.engine = ParallelEmbeddedEngine(  # LoRA: the shared base and adapters, or the merged weights
-            cfg.model if self.shared else base_config(cfg.model),
+            engine_model,
             edims,
             DTYPES[cfg.rollout.dtype],
             device,
@@ -92,7 +103,7 @@ class EmbeddedHost:
                 models,
                 cfg.model,
                 dims,
-                EngineLayout(workers=dims.layout.world, ep=edims.ep, expert_slices=True),
+                EngineLayout(dims.layout.world, edims.ep, True, expert_format=engine_model.expert_format),
                 cfg.rollout.bucket_size_mb << 20,
                 dtype=DTYPES[cfg.rollout.dtype],
             )
