@@ -33,26 +33,25 @@ from megatron_gptoss.ops.moe_kernels import _swiglu_parts
 
 @triton.jit
 def _fp4_values(codes):
-    """int32 FP4 e2m1 codes (0..15) -> their values in fp32, exactly: magnitudes 2..7 are the fp32 bit
-    patterns (code << 22) + bits(0.5) (exponent and mantissa bits moved into place), magnitude 1 is 0.5 and
-    0 is 0; bit 3 is the sign."""
-    mag = codes & 7
-    bits = tl.where(mag > 1, (mag << 22) + 0x3F000000, mag * 0x3F000000)
-    bits = bits | ((codes & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+    """int32 FP4 e2m1 codes (0..15) -> their values times 2 ** -14 in fp32, exactly and without branches:
+    the code's exponent and mantissa bits moved into an fp16's (code 1, 0.5, lands on the fp16 subnormal
+    2 ** -15, which the conversion to fp32 keeps), bit 3 into its sign."""
+    bits = ((codes & 7) << 9) | ((codes & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
 def _scale_values(s):
-    """uint8 E8M0 scales -> 2 ** (s - 127) in fp32 (the byte is the fp32 exponent field; 0 gives 0, not
-    2 ** -127)."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    """uint8 E8M0 scales -> 2 ** (s - 127) * 2 ** 14 in fp32 (the factor `_fp4_values` leaves out): the fp32
+    with exponent field s + 14, exact for s <= 240 (larger scales, values beyond 2 ** 113, are out of the
+    kernels' range)."""
+    return ((s.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _decode(byte_ptrs, scale_ptrs, mask, DTYPE: tl.constexpr):
     """The weight values of a byte tile in DTYPE: (even, odd) = (low nibbles, high nibbles), each times
-    the scale of its block (exact: the product has at most two significant bits). Masked bytes read 0."""
+    the scale of its block (exact: powers of two times at most two significant bits). Masked bytes read 0."""
     byte = tl.load(byte_ptrs, mask=mask, other=0, eviction_policy="evict_first").to(tl.int32)
     scale = _scale_values(tl.load(scale_ptrs, mask=mask, other=0, eviction_policy="evict_first"))
     even = (_fp4_values(byte & 15) * scale).to(DTYPE)

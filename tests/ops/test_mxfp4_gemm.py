@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
-from megatron_gptoss.ops import fused_moe, mxfp4_gemm
+from megatron_gptoss.ops import fused_moe, mxfp4_gemm, mxfp4_kernels
 from megatron_gptoss.ops.mxfp4_gemm import (
     Mxfp4Config,
     fc1_swiglu_mxfp4,
@@ -57,6 +59,31 @@ def test_dequantize_equals_hf_reference():
         ref = dequantize_mxfp4(blocks, scales, dtype)
         assert torch.equal(ours.isnan(), ref.isnan())
         assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+
+
+@triton.jit
+def _decode_rows_kernel(B, S, Out, BYTES: tl.constexpr):
+    """Row r of B [R, BYTES] bytes with scales S [R, BYTES / 16] -> Out [R, 2 BYTES] fp32, the kernels'
+    in-register decoding."""
+    r = tl.program_id(0)
+    j = tl.arange(0, BYTES)
+    even, odd = mxfp4_kernels._decode(
+        B + r * BYTES + j, S + r * (BYTES // 16) + j // 16, j < BYTES, tl.float32
+    )
+    both = tl.reshape(tl.join(even, odd), [2 * BYTES])
+    tl.store(Out + r * 2 * BYTES + tl.arange(0, 2 * BYTES), both)
+
+
+@interpreted
+def test_kernel_decoding_is_exact():
+    """Every byte under every scale byte 0..240 (the kernels' range): the kernels' decoded values equal
+    `dequantize`'s bit for bit."""
+    scales = torch.arange(241, dtype=torch.uint8)[:, None].expand(241, 16).contiguous()
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(241, 1)
+    out = torch.empty(241, 512)
+    _decode_rows_kernel[(241,)](blocks, scales, out, BYTES=256)
+    ref = mxfp4_gemm.dequantize(blocks.view(241, 16, 16), scales, torch.float32)
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
 
 
 @interpreted
