@@ -345,11 +345,16 @@ def fc1_swiglu_mxfp4(
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, fc1 blocks [E, 2I, in / 32, 16] / scales [E, 2I, in / 32] ([gate; up]
     rows), bias [E, 2I] or None -> the clamped SwiGLU [M, I] of x W[e]^T + bias[e] in x's dtype (module doc).
-    Forward only: without autograd recording (the learner composes `grouped_linear_mxfp4` and
+    Forward only: refused where autograd would record it (the learner composes `grouped_linear_mxfp4` and
     `fused_moe.swiglu_bias`)."""
     _check(x, blocks, scales, bounds, bias)
     if blocks.shape[1] % 2:
         raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias)):
+        raise RuntimeError(
+            "fc1_swiglu_mxfp4 is forward only and autograd would record it (x or bias requires grad): "
+            "compose grouped_linear_mxfp4 and fused_moe.swiglu_bias, or call it under torch.no_grad()"
+        )
     kernel = kernel_for(x, path)
     with torch.no_grad():
         if kernel == "reference":

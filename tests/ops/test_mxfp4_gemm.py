@@ -200,3 +200,5 @@ def test_errors_name_the_tensor():
         fc1_swiglu_mxfp4(x, odd_blocks, odd_scales, None, bounds, LIMIT, ALPHA)
     with pytest.raises(ValueError, match="path must be one of"):
         grouped_linear_mxfp4(x, blocks, scales, bounds, path="fast")
+    with pytest.raises(RuntimeError, match="forward only"):
+        fc1_swiglu_mxfp4(x.requires_grad_(), blocks, scales, None, bounds, LIMIT, ALPHA)
