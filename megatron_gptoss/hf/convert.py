@@ -11,17 +11,22 @@ from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.names import Match, from_hf, hf_shapes, match_hf, match_ours, to_hf
 from megatron_gptoss.model.lora import adapter_of, is_adapter_param, merged_weight
+from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, mxfp4_weights
 
 
 def iter_hf_tensors(model: nn.Module, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(hf_name, tensor) for every parameter of a single-device model, one parameter at a time.
     Tensors share memory with the parameters where the layout allows it (detached). LoRA adapters are
-    merged into their layer's weight (W + scale * B A, fresh memory): the HF model is the adapted one."""
+    merged into their layer's weight (W + scale * B A, fresh memory): the HF model is the adapted one.
+    MXFP4 expert weights (`model.expert_format: mxfp4`) come dequantized (exactly) in their dtype, after the
+    parameters."""
     params = dict(model.named_parameters())
-    for name, param in params.items():
+    weights: dict[str, torch.Tensor | MXFP4Weight] = {**params, **mxfp4_weights(model)}
+    for name, param in weights.items():
         if is_adapter_param(name):
             continue
-        tensor, prefix = param.detach(), adapter_of(name)
+        tensor = param.dequantize() if isinstance(param, MXFP4Weight) else param.detach()
+        prefix = adapter_of(name)
         if prefix is not None and f"{prefix}.a" in params:
             a, b = params[f"{prefix}.a"].detach(), params[f"{prefix}.b"].detach()
             tensor = merged_weight(tensor, a, b, config.lora.scale)

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from megatron_gptoss.config import ConfigError, TrainConfig
 from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig
-from megatron_gptoss.hf import quantize_mxfp4
+from megatron_gptoss.hf import load_hf, quantize_mxfp4, save_hf
 from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
@@ -29,7 +29,7 @@ LORA = LoRAConfig(rank=4, alpha=8.0, targets=list(LORA_TARGETS))
 def _pair(backend: str, seed: int = 0) -> tuple[GPTOSSModel, GPTOSSModel]:
     """(LoRA over MXFP4 experts, LoRA over their dequantized fp32 experts): same base values, same adapters
     (B random, so every adapter gets a gradient)."""
-    base = reference_model(seed, tiny_config(expert_backend=backend))
+    base = reference_model(seed, tiny_config(expert_backend=backend, num_layers=1))
     packed = GPTOSSModel(dataclasses.replace(base.config, lora=LORA, expert_format="mxfp4"))
     dense = GPTOSSModel(dataclasses.replace(base.config, lora=LORA))
     source = dict(base.named_parameters())
@@ -60,7 +60,7 @@ def test_lora_over_mxfp4_experts_equals_lora_over_the_dequantized_base(backend):
     packed, dense = _pair(backend)
     assert not any(isinstance(p, MXFP4Weight) for p in packed.parameters())
     assert all(is_adapter_param(n) for n, p in packed.named_parameters() if p.requires_grad)
-    tokens = torch.randint(0, packed.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, packed.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
     loss_q, grads_q = _loss_and_adapter_grads(packed, tokens)
     loss_d, grads_d = _loss_and_adapter_grads(dense, tokens)
     assert sorted(grads_q) == sorted(grads_d) and any(".experts.linear_fc1.lora" in n for n in grads_q)
@@ -114,11 +114,12 @@ def test_released_layout_checkpoint_loads_its_bytes_and_equals_the_dequantized_l
                 dense_params[name].copy_(p)
         tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         assert rel_err(packed(tokens), dense(tokens)) <= 1e-6
+        # exported (experts dequantized, adapters merged), it loads as the plain model it computes
+        exported = load_hf(save_hf(packed, tmp_path / "export", dtype=torch.float32))
+        assert rel_err(exported(tokens), packed(tokens)) <= 1e-5
 
 
 def test_a_float_checkpoint_loads_as_its_quantized_experts(tmp_path):
-    from megatron_gptoss.hf import save_hf
-
     ref = reference_model(2, tiny_config())
     path = save_hf(ref, tmp_path / "bf16", dtype=torch.float32)
     config = dataclasses.replace(ref.config, lora=LORA, expert_format="mxfp4")
