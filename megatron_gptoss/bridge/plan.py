@@ -19,6 +19,10 @@ engine takes expert slices, each expert-parallel owner sends its own experts as 
 learner's and the engine's expert-parallel boundaries and to at most `bucket_bytes` (one expert at least),
 so the experts are never gathered over ep.
 
+MXFP4 engine experts (`EngineLayout.expert_format` "mxfp4"): each expert weight transfer (fc1 / fc2, whole or
+a slice) sends `<name>_blocks` and `<name>_scales` (uint8, their packed shapes) in place of `<name>`; the
+root quantizes (`bridge.export.packed_experts`).
+
 Fan-out (`plan_fanout`): the engine's workers are the learner's ranks (engine worker w runs on learner rank
 w, a colocated engine of its own layout). There is no dst: each transfer's root sends its HF tensors to the
 transfer's `receivers` directly. Dense tensors go from their root to every worker (a broadcast); an expert

@@ -6,6 +6,8 @@ released checkpoints' layout; the engine copies the bytes into its MXFP4 weights
   biases and dense tensors do not; bucket bounds count the packed bytes.
 - export: the packed pairs equal `pack_expert_weight` of the HF tensors, from one process and from an
   ep2 / tp2 learner (gathered on dst).
+- a learner holding MXFP4 experts itself (LoRA over a 4-bit base) exports them dequantized, adapters merged,
+  or re-quantized for an MXFP4 engine.
 - fan-out on 2 gloo ranks, ep2 learner into ep2 and tp1-replica engines: after a sync every engine rank's
   blocks and scales equal `quantize_mxfp4` of the learner's weights (its experts), its dense parameters the
   learner's; the engine generates.
@@ -96,6 +98,41 @@ def test_export_quantizes_expert_weights_as_the_release_stores_them(layout):
     for name, tensor in pairs:
         assert tensor.dtype == expected[name].dtype and torch.equal(tensor, expected[name]), name
     assert any(name.endswith("_blocks") for name, _ in pairs)
+
+
+def test_mxfp4_learner_exports_its_experts_dequantized_and_merged():
+    from helpers.hf_checkpoints import released_blocks
+
+    from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig
+    from megatron_gptoss.hf.names import match_ours, to_hf
+    from megatron_gptoss.model import GPTOSSModel
+
+    config = dataclasses.replace(
+        CONFIG, expert_format="mxfp4", lora=LoRAConfig(rank=2, alpha=4.0, targets=list(LORA_TARGETS))
+    )
+    model = GPTOSSModel(config)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn(p.shape, generator=gen))  # adapters' B non-zero: the merge matters
+        for weight in mxfp4_weights(model).values():
+            weight.copy_packed_(*released_blocks(gen, tuple(weight.scales.shape), scale_range=(118, 122)))
+    params = dict(model.named_parameters())
+    expected = {}
+    for name, weight in mxfp4_weights(model).items():
+        prefix = name.removesuffix(".weight") + ".lora"
+        a, b = params[prefix + ".a"].double(), params[prefix + ".b"].double()
+        merged = (weight.dequantize(torch.float64) + config.lora.scale * b @ a).float()
+        ((hf, tensor),) = to_hf(match_ours(name), merged, config)
+        expected[hf] = tensor
+    dense = dict(WeightExporter([model], config, None, EngineLayout(), BUCKET).pairs())
+    packed = dict(WeightExporter([model], config, None, PACKED, BUCKET).pairs())
+    assert not any("lora" in n for n in dense) and len(expected) == 2 * config.num_layers
+    for hf, tensor in expected.items():
+        assert (dense[hf] - tensor).abs().max() < 1e-6, hf
+        blocks, scales = pack_expert_weight(dense[hf])
+        assert torch.equal(packed[hf + "_blocks"], blocks) and torch.equal(packed[hf + "_scales"], scales)
+        assert hf not in packed
 
 
 def fanout_on_ranks(state, engines):
