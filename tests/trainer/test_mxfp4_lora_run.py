@@ -1,6 +1,6 @@
 """Two RL steps of the demo (configs/demo_cpu.yaml) with LoRA over MXFP4 experts: the random experts are
-quantized once, the embedded engine shares the learner's 4-bit base, and every step logs finite metrics,
-the engine/learner mismatch among them."""
+quantized once, the embedded engine shares the learner's 4-bit base, every step logs finite metrics (the
+engine/learner mismatch among them), the checkpoint stores the adapters alone, the final HF export loads."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import json
 import math
 from pathlib import Path
 
+from torch.distributed.checkpoint import FileSystemReader
+
 from megatron_gptoss.config import load_config
+from megatron_gptoss.hf import load_hf
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.trainer import loop
@@ -19,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_two_demo_steps_with_lora_over_mxfp4_experts(tmp_path):
     overrides = ["model.expert_format=mxfp4", "model.lora.rank=4", "model.num_layers=2",
                  "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2", "run.steps=2",
-                 "run.eval_every=0", "run.save_every=-1", "run.export_hf=false", "run.tensorboard=false",
+                 "run.eval_every=0", "run.save_every=2", "run.tensorboard=false",
                  "run.progress=false", f"run.output_dir={tmp_path}"]  # fmt: skip
     cfg = load_config(ROOT / "configs/demo_cpu.yaml", overrides)
     assert cfg.model.expert_format == "mxfp4" and cfg.model.lora.enabled
@@ -34,3 +37,12 @@ def test_two_demo_steps_with_lora_over_mxfp4_experts(tmp_path):
         assert all(math.isfinite(v) for v in line.values() if isinstance(v, float)), line
         assert line["mismatch/abs_diff_max"] < 1e-4  # the same kernels on the same 4-bit base, fp32
         assert line["sync/bytes"] == adapter_bytes  # the engine shares the learner's base: adapters sent
+    # the checkpoint holds the adapters (and their optimizer state) only: nothing of the frozen 4-bit base
+    step = tmp_path / "checkpoints" / "step_000002"
+    stored = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    model_keys = [k for k in stored if k.startswith("model/")]
+    assert model_keys and all(".lora." in k for k in model_keys), model_keys
+    assert json.loads((step / "manifest.json").read_text())["model"]["expert_format"] == "mxfp4"
+    # the final HF export: experts dequantized and merged with their adapters, loadable as a plain model
+    exported = load_hf(tmp_path / "hf_final")
+    assert exported.config.expert_format == "bf16" and exported.config.num_layers == 2
