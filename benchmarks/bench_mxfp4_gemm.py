@@ -42,11 +42,13 @@ LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
 TOLERANCE = 1e-2
 PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # SXM / HBM3(e) spec bandwidth, by device name
 DECODE_ROWS_PER_EXPERT = 64
-# (row tile factor, block_n, block_k, warps, stages) tried by --sweep: block_m = `moe_decode.row_tile(rows,
-# experts, factor)` (factor 2 is `default_config`'s)
+# (row tile factor, block_n, block_k, warps, stages, swap) tried by --sweep: block_m =
+# `moe_decode.row_tile(rows, experts, factor)` (factor 2 is `default_config`'s); swap (the weight on the left
+# of tl.dot_scaled) only for the auto path's scaled kernel
 SWEEP = [
-    (2, 64, 128, 4, 3), (2, 32, 128, 4, 3), (2, 128, 128, 4, 3), (2, 64, 256, 4, 3), (2, 64, 64, 4, 4),
-    (2, 64, 128, 8, 3), (2, 64, 128, 4, 2), (2, 64, 128, 4, 5), (1, 64, 128, 4, 3), (2, 32, 256, 4, 4),
+    (2, 64, 128, 4, 3, 0), (2, 64, 128, 4, 3, 1), (2, 32, 128, 4, 3, 0), (2, 128, 128, 4, 3, 0),
+    (2, 128, 128, 4, 3, 1), (2, 64, 256, 4, 3, 0), (2, 64, 64, 4, 4, 0), (2, 64, 128, 8, 3, 0),
+    (2, 64, 128, 4, 2, 0), (2, 64, 128, 4, 5, 0), (1, 64, 128, 4, 3, 0), (2, 32, 256, 4, 4, 0),
 ]  # fmt: skip
 
 
@@ -94,9 +96,11 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device):
     skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
     h = mxfp4_layer(path)[0](x, layers, 0, bounds)
-    for factor, block_n, block_k, warps, stages in SWEEP:
+    for factor, block_n, block_k, warps, stages, swap in SWEEP:
+        if swap and mxfp4_gemm.kernel_for(x, path) != "scaled":
+            continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
-        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages)
+        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages, bool(swap))
         fc1, fc2 = mxfp4_layer(path, cfg, cfg)
         try:
             if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
@@ -123,7 +127,8 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device):
 
 
 def describe(cfg: Mxfp4Config) -> str:
-    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}"
+    swap = " swap" if cfg.swap else ""
+    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}{swap}"
 
 
 def library_fc1(x, layers: Layers, i: int, bounds):

@@ -173,6 +173,7 @@ class Mxfp4Config:
     block_k: int
     warps: int
     stages: int
+    swap: bool = False  # scaled kernel: the weight on the left of tl.dot_scaled (the portable one always is)
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
@@ -260,7 +261,8 @@ def _forward(
         x, blocks, scales, bias_arg, out, bounds, n, k, x.stride(0), blocks.stride(0), blocks.stride(1),
         scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0, out.stride(0),
         float(limit), float(alpha),
-        GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", SWAP=cfg.swap, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip

@@ -17,8 +17,9 @@ Two ways to form the products:
   the product is W_even x_even^T + W_odd x_odd^T, x's tile split into its even and odd columns (no
   interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
   unit's wide side, the few rows of x the narrow one).
-- scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) on the left and the packed bytes and
-  scales on the right, Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its matrix units).
+- scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) and the packed bytes and scales (on
+  the right, or with SWAP on the left), Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its
+  matrix units).
 The input gradient (`mxfp4_bwd_kernel`) decodes the same byte tiles along the other axis: grad_x's even
 and odd columns are grad_y W_even and grad_y W_odd, joined (interleaved) before the store.
 """
@@ -99,35 +100,59 @@ def _portable_products(
 @triton.jit
 def _scaled_products(
     X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    X_FORMAT: tl.constexpr,
+    GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, X_FORMAT: tl.constexpr,
 ):  # fmt: skip
-    """`_portable_products` through `tl.dot_scaled` (x in bf16 or fp16, X_FORMAT its name)."""
+    """`_portable_products` through `tl.dot_scaled` (x in bf16 or fp16, X_FORMAT its name): x's tile on the
+    left and the weight's bytes [BLOCK_K / 2, BLOCK_N] on the right, or with SWAP the weight's bytes
+    [BLOCK_N, BLOCK_K / 2] on the left (the wide side of the matrix unit) and x's tile transposed."""
     HALF: tl.constexpr = BLOCK_K // 2
     GROUPS: tl.constexpr = BLOCK_K // 32
-    lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        lo = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     hi = lo
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + rows[:, None] * stride_x + ks[None, :],
-            mask=row_ok[:, None] & (ks < K)[None, :],
-            other=0.0,
-            eviction_policy="evict_last",
-        )
         kb = k0 // 2 + tl.arange(0, HALF)
-        b_ptrs = wb_base + cols[None, :] * stride_wbn + kb[:, None]  # [HALF, BLOCK_N]: packed along K
-        b_mask = col_ok[None, :] & (kb < K // 2)[:, None]
         kg = k0 // 32 + tl.arange(0, GROUPS)
         s_ptrs = ws_base + cols[:, None] * stride_wsn + kg[None, :]  # [BLOCK_N, GROUPS]
         s_mask = col_ok[:, None] & (kg < K // 32)[None, :]
+        if SWAP:
+            xt = tl.load(
+                X + rows[None, :] * stride_x + ks[:, None],
+                mask=row_ok[None, :] & (ks < K)[:, None],
+                other=0.0,
+                eviction_policy="evict_last",
+            )
+            b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]  # [BLOCK_N, HALF]
+            b_mask = col_ok[:, None] & (kb < K // 2)[None, :]
+        else:
+            x = tl.load(
+                X + rows[:, None] * stride_x + ks[None, :],
+                mask=row_ok[:, None] & (ks < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_last",
+            )
+            b_ptrs = wb_base + cols[None, :] * stride_wbn + kb[:, None]  # [HALF, BLOCK_N]: packed along K
+            b_mask = col_ok[None, :] & (kb < K // 2)[:, None]
         w = tl.load(b_ptrs, mask=b_mask, other=0, eviction_policy="evict_first")
         s = tl.load(s_ptrs, mask=s_mask, other=0, eviction_policy="evict_first")
-        lo = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=lo)
+        if SWAP:
+            lo = tl.dot_scaled(w, s, "e2m1", xt, None, X_FORMAT, acc=lo)
+        else:
+            lo = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=lo)
         if GATED:
             w = tl.load(b_ptrs + N * stride_wbn, mask=b_mask, other=0, eviction_policy="evict_first")
             s = tl.load(s_ptrs + N * stride_wsn, mask=s_mask, other=0, eviction_policy="evict_first")
-            hi = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=hi)
+            if SWAP:
+                hi = tl.dot_scaled(w, s, "e2m1", xt, None, X_FORMAT, acc=hi)
+            else:
+                hi = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=hi)
+    if SWAP:
+        lo = tl.trans(lo)
+        hi = tl.trans(hi)
     return lo, hi
 
 
@@ -135,8 +160,8 @@ def _scaled_products(
 def mxfp4_fwd_kernel(
     X, Wb, Ws, Bias, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be,
     stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    X_FORMAT: tl.constexpr,
+    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate * sigmoid(alpha gate)
@@ -163,7 +188,7 @@ def mxfp4_fwd_kernel(
         if SCALED:
             lo, hi = _scaled_products(
                 X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+                GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
             )  # fmt: skip
         else:
             lo, hi = _portable_products(

@@ -8,6 +8,8 @@ the dequantization against `hf.mxfp4`, and clear errors. Errors per tensor are |
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -131,10 +133,11 @@ def test_fc1_swiglu_forward(bias):
 
 
 @interpreted
-@pytest.mark.parametrize("gated", [False, True])
-def test_scaled_kernel_on_bf16_rows(gated):
-    """The `tl.dot_scaled` kernel (the auto path's on bf16 rows), its products rounded to fp32 instead of
-    bf16: within 1e-6 of the float64 product of the bf16 rows and the decoded weights."""
+@pytest.mark.parametrize("gated,swap", [(False, False), (True, False), (True, True)])
+def test_scaled_kernel_on_bf16_rows(gated, swap):
+    """The `tl.dot_scaled` kernel (the auto path's on bf16 rows), the weight on either side, its products
+    rounded to fp32 instead of bf16: within 1e-6 of the float64 product of the bf16 rows and the decoded
+    weights."""
     counts, n, k = [7, 0, 21], 48, 96
     blocks, scales = weights(len(counts), n, k, seed=6)
     x, bounds = rows(counts, k, seed=6)
@@ -148,8 +151,9 @@ def test_scaled_kernel_on_bf16_rows(gated):
         exact = mxfp4_gemm.reference_dequantized(
             x16.double(), blocks, scales, bounds, b.double(), (LIMIT, ALPHA)
         )  # fmt: skip
+    tiles = dataclasses.replace(TILES, swap=swap)
     ours = mxfp4_gemm._forward(
-        x16, blocks, scales, b, bounds, gated, LIMIT, ALPHA, "scaled", TILES, out_dtype=torch.float32
+        x16, blocks, scales, b, bounds, gated, LIMIT, ALPHA, "scaled", tiles, out_dtype=torch.float32
     )  # fmt: skip
     assert rel_err(ours, exact) <= 1e-6
 

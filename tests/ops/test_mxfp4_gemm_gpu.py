@@ -8,6 +8,7 @@ portable kernel with Triton's pre-Hopper matrix instructions (DISABLE_MMA_V3=1, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -119,6 +120,22 @@ def test_both_paths_round_as_the_dequantized_bf16_path(tokens):
     x = torch.zeros(1, WIDTH, device="cuda", dtype=torch.bfloat16)
     if torch.cuda.get_device_capability() >= (9, 0):
         assert mxfp4_gemm.kernel_for(x, "auto") == "scaled"
+    assert not mxfp4_gemm.scaled_failures()
+
+
+def test_scaled_kernel_with_the_weight_on_the_left():
+    """The auto path's tl.dot_scaled kernel with `swap` (the weight's bytes on the left): rounds as the
+    dequantized bf16 path at 64 tokens, fc1 and fc2, without falling back."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(64)
+    rows = x.shape[0]
+    cfg1, cfg2 = (
+        dataclasses.replace(mxfp4_gemm.default_config(rows, EXPERTS, x.device, gated), swap=True)
+        for gated in (True, False)
+    )
+    h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path="auto", config=cfg1)
+    assert_rounds_as("auto swap fc1 vs float64", h, ideal_fc1(x, b1, s1, bias, bounds))
+    y = grouped_linear_mxfp4(h, b2, s2, bounds, path="auto", config=cfg2)
+    assert_rounds_as("auto swap fc2 vs float64", y, exact_products(h, b2, s2, bounds).bfloat16())
     assert not mxfp4_gemm.scaled_failures()
 
 
