@@ -238,6 +238,14 @@ def _contiguous_rows(t: Tensor) -> Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """blocks and scales as the kernels read them: any strides over (expert, row), each row's bytes and
+    scales contiguous (a slice of experts or rows is not copied)."""
+    if blocks.stride(3) != 1 or blocks.stride(2) != BLOCK_BYTES:
+        blocks = blocks.contiguous()
+    return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
+
+
 def _forward(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
     limit: float, alpha: float, kernel: str, config: Mxfp4Config | None, out_dtype: torch.dtype | None = None,
@@ -245,8 +253,8 @@ def _forward(
     """One launch of the forward kernel; the output in x's dtype (`out_dtype`: another, which the products
     are rounded to instead: the tests' fp32 view of the bf16 kernels under the interpreter)."""
     x = _contiguous_rows(x)
-    blocks, scales = blocks.contiguous(), scales.contiguous()
-    bias = bias if bias is None else bias.contiguous()
+    blocks, scales = _kernel_layout(blocks, scales)
+    bias = bias if bias is None else _contiguous_rows(bias)
     m, k = x.shape
     e, rows_w = blocks.shape[:2]
     n = rows_w // 2 if gated else rows_w
@@ -294,7 +302,7 @@ def _forward_any(
 def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
                 config: Mxfp4Config | None) -> Tensor:  # fmt: skip
     grad = _contiguous_rows(grad.to(dtype))
-    blocks, scales = blocks.contiguous(), scales.contiguous()
+    blocks, scales = _kernel_layout(blocks, scales)
     m, n = grad.shape
     e = blocks.shape[0]
     k = blocks.shape[2] * BLOCK
