@@ -41,6 +41,13 @@ class MXFP4Weight(nn.Module):
             "scales", torch.zeros(experts, out_features, groups, dtype=torch.uint8, device=device)
         )
 
+    def _apply(self, fn, recurse=True):
+        """`module.to(...)`, `.cuda()`, `.bfloat16()`: the buffers keep their bytes (uint8 is never cast) and
+        `dtype` follows the conversion floating-point tensors get."""
+        super()._apply(fn, recurse)
+        self.dtype = fn(torch.empty(0, dtype=self.dtype, device=self.blocks.device)).dtype
+        return self
+
     @property
     def shape(self) -> torch.Size:
         """The logical weight's shape [E, out, in]."""

@@ -83,7 +83,10 @@ class ExpertParallelExperts(Experts):
             for path in ("weight", "weight.blocks", "weight.scales", "bias", "lora.a", "lora.b"):
                 owner, _, attr = f"{name}.{path}".rpartition(".")
                 src = getattr(full.get_submodule(owner), attr) if _has(full, owner) else None
-                if isinstance(src, MXFP4Weight):  # its buffers follow
+                if isinstance(src, MXFP4Weight):  # its dtype; its buffers follow
+                    target = self.get_submodule(f"{name}.weight")
+                    assert isinstance(target, MXFP4Weight)
+                    target.dtype = src.dtype
                     continue
                 if src is not None and attr in ("blocks", "scales"):
                     self.get_submodule(owner).register_buffer(attr, local_shard(src, spec, dims).clone())

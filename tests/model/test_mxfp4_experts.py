@@ -185,3 +185,14 @@ def test_weight_bytes_count_mxfp4_experts_at_4_25_bits():
         assert config.weight_bytes(2) == 2 * other + counts["expert_weights"] * 4.25 / 8
         assert round(config.weight_bytes(2) / 2**30, 1) == gib
         assert preset().weight_bytes(2) == 2 * counts["total"]  # bf16 experts: every value 2 bytes
+
+
+def test_module_conversions_keep_the_bytes_and_move_the_dtype():
+    packed, _ = _pair("loop")
+    before = {n: w.blocks.clone() for n, w in mxfp4_weights(packed).items()}
+    packed.to(torch.bfloat16)
+    for name, weight in mxfp4_weights(packed).items():
+        assert weight.blocks.dtype == torch.uint8 and torch.equal(weight.blocks, before[name])
+        assert weight.dtype == torch.bfloat16 and weight.dequantize().dtype == torch.bfloat16
+    experts = packed.decoder.layers["0"].mlp.experts
+    assert experts.linear_fc1.dtype == experts.linear_fc1.bias.dtype == torch.bfloat16
