@@ -1,6 +1,6 @@
 """Two-phase demos: a supervised cold start, then RL from the cold start's HF export, one plot of both phases
-and a summary. The demos in tools/ (demo_reverse.py, demo_lookup.py, demo_word_problems.py) are this driver
-with their task's data, config and settings.
+and a summary. The demos in tools/ (demo_reverse.py, demo_lookup.py) are this driver with their task's data,
+config and settings.
 
     OUT/cold_start       python -m megatron_gptoss.train --config CONFIG [data] [user] [cold start's own]
                          run.steps=N run.output_dir=OUT/cold_start

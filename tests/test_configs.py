@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLDS = {
     "configs/demo_cpu.yaml": 1,
     "configs/demo_reverse.yaml": 1,
+    "configs/demo_reverse_gpu.yaml": 1,
     "configs/demo_word_problems.yaml": 1,
     "configs/demo_lookup.yaml": 1,
     "configs/layouts/tiny_tp2_pp2_cpu.yaml": 4,
