@@ -223,6 +223,16 @@ class RolloutConfig:
     # and the quantization's share of the rollout/learner mismatch shows in mismatch/* and is corrected by
     # ppo.correction_mode). With model.expert_format='mxfp4' the engine holds MXFP4 experts either way.
     expert_format: str = "bf16"
+    # Asynchronous rollouts (`trainer.rollout_buffer`): the learner trains on rows sampled by policies at
+    # most this many versions (optimizer steps) older than its own; 0 is the synchronous loop. The engine
+    # samples the batches of the next k steps ahead of the learner.
+    max_staleness: int = 0
+    # Partial rollouts (embedded engine): rows in flight when new weights arrive pause and continue under
+    # them, each token recording the version that sampled it.
+    partial: bool = False
+    # With `partial`, the cache of a paused row's prefix: "keep" (as the old weights computed it) or
+    # "recompute" (prefilled again with the new weights).
+    partial_kv: str = "recompute"
 
     def validate(self) -> None:
         if self.engine not in ("embedded", "vllm"):
@@ -242,7 +252,9 @@ class RolloutConfig:
             "tensor_parallel_size",
             "expert_parallel_size",
         )
-        check_at_least("rollout", self, 0, "top_k")
+        check_at_least("rollout", self, 0, "top_k", "max_staleness")
+        if self.partial_kv not in ("keep", "recompute"):
+            raise ConfigError(f"rollout.partial_kv={self.partial_kv!r} not in ('keep', 'recompute')")
         if self.dtype not in DTYPES:
             raise ConfigError(f"rollout.dtype={self.dtype!r} not in {DTYPES}")
         if self.sleep_level not in (0, 1, 2):
@@ -365,6 +377,7 @@ class TrainConfig:
         self.critic.validate()
         self.embedded.validate()
         check_rollout_expert_format(self.rollout, self.model)
+        self._check_async()
         if self.model.lora.enabled and self.algorithm.advantage == "gae":
             raise ConfigError(
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
@@ -376,6 +389,29 @@ class TrainConfig:
                 "LoRA (model.lora.rank > 0). A full-parameter run trains the experts in the run's dtype; "
                 "to generate from MXFP4 experts there, set rollout.expert_format='mxfp4' (the engine's copy)"
             )
+
+    def _check_async(self) -> None:
+        """Asynchronous rollouts: what the rollout buffer and partial rollouts cannot serve."""
+        r = self.rollout
+        if (r.max_staleness or r.partial) and self.dapo.dynamic_sampling:
+            raise ConfigError(
+                "dapo.dynamic_sampling generates extra rounds inside a step: it needs "
+                "rollout.max_staleness=0 and rollout.partial=false"
+            )
+        if not r.partial:
+            return
+        needs = {
+            "rollout.engine='embedded'": r.engine == "embedded",
+            "embedded.schedule='continuous'": self.embedded.schedule == "continuous",
+            "rollout.sleep_level=0 (a sleeping engine drops the rows in flight)": r.sleep_level == 0,
+            "agent.enabled=false": not self.agent.enabled,
+            "moe.router_replay other than 'r3' (a recomputed prefix would be recorded twice)": (
+                self.moe.router_replay != "r3"
+            ),
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise ConfigError(f"rollout.partial=true needs {'; '.join(missing)}")
 
     def _check_rollout_sizes(self) -> None:
         """Groups of one sample under a group estimator, and responses longer than the model's context."""

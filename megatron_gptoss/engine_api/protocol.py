@@ -57,6 +57,9 @@ class Generation:
     # layers, top-k] (int16 past 255 experts), the experts each token the engine computed was routed to, in
     # sequence order: every prompt token and every response token but the last (never fed to the model).
     routing: torch.Tensor | None = None
+    # The policy version (the learner's optimizer steps) of the weights that sampled each response token,
+    # where the engine records it (a row continued across a weight update holds several).
+    versions: list[int] | None = None
 
 
 @dataclass

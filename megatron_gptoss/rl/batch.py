@@ -33,6 +33,8 @@ class RolloutBatch:
     # [B, T, layers, k] router replay: the experts of input token t at every layer (`moe.no_route` where
     # it routes itself); the engine's (r3) or the old policy's (r2)
     routing: torch.Tensor | None = None
+    # [B, T] int64 the policy version that sampled each target (asynchronous rollouts; -1 where none did)
+    versions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -56,11 +58,13 @@ def build_batch(
     rewards: list[float],
     response_masks: list[list[int]] | None = None,
     routing: list[torch.Tensor | None] | None = None,
+    versions: list[list[int]] | None = None,
 ) -> RolloutBatch:
     """Rows from token lists. `response_masks[b][i]` = 0 marks response token i as written by a tool or
     the environment (excluded from the loss and the correction statistics); default all 1. `routing[b]`:
     the engine's experts of row b's input tokens [len(prompt) + len(response) - 1, layers, k] (router
-    replay), or None where a row routes itself."""
+    replay), or None where a row routes itself. `versions[b][i]`: the policy version that sampled response
+    token i of row b (-1 at every other position)."""
     if not (len(prompts) == len(responses) == len(rollout_logprobs) == len(rewards)):
         raise ValueError("prompts, responses, rollout_logprobs and rewards must have one entry per row")
     rows = len(prompts)
@@ -85,6 +89,13 @@ def build_batch(
     batch = RolloutBatch(
         input_ids, targets, valid, loss_mask, rollout, torch.tensor(rewards, dtype=torch.float32)
     )
+    if versions is not None:
+        table = torch.full((rows, width), -1, dtype=torch.long)
+        for b, (prompt, row) in enumerate(zip(prompts, versions)):
+            if len(row) != len(responses[b]):
+                raise ValueError(f"row {b}: {len(responses[b])} response tokens but {len(row)} versions")
+            table[b, len(prompt) - 1 : len(prompt) - 1 + len(row)] = torch.tensor(row, dtype=torch.long)
+        batch.versions = table
     known = [r for r in routing or [] if r is not None]
     if known:
         table = torch.full((rows, width, *known[0].shape[1:]), no_route(known[0].dtype), dtype=known[0].dtype)

@@ -212,3 +212,48 @@ def rollout_correction(
             }
         )
     return weights.float(), new_mask, {k: v.float() for k, v in metrics.items()}
+
+
+def staleness_metrics(
+    versions: Tensor,
+    version: int,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    mask: Tensor,
+    new_mask: Tensor,
+    weights: Tensor,
+) -> dict[str, float]:
+    """Version gaps of asynchronous rollouts, and the mismatch and correction split by gap.
+
+    The gap of a token is `version` (the learner's, the proximal policy's) minus `versions` (the policy
+    that sampled it, the behaviour policy). Over the trained tokens (`new_mask`, the loss mask after the
+    rollout correction):
+      staleness/max, staleness/mean
+    and for every gap g among the loss tokens (`mask`, before the correction):
+      mismatch/staleness{g}/*         `mismatch_metrics` over the loss tokens of gap g
+      correction/staleness{g}/weight_mean        mean weight over its trained tokens
+      correction/staleness{g}/masked_token_frac  share of its loss tokens the correction removed
+    With no trained token staleness/* are 0.
+
+    Args:
+        versions: [B, T] int64, the sampling policy's version of each target (-1 at non-response positions).
+        old_logprobs, rollout_logprobs: [B, T] proximal (learner) and behaviour (engine) log-probs.
+        mask, new_mask: [B, T] the loss mask before and after the correction; weights: [B, T] its weights.
+    """
+    _check_inputs("staleness_metrics", old_logprobs, rollout_logprobs, mask)
+    m, kept = mask.bool(), new_mask.bool()
+    gaps = version - versions.long()
+    if bool(((gaps < 0) & m).any()):
+        raise ValueError(f"staleness_metrics: a token's version is newer than the learner's ({version})")
+    trained = gaps[kept].double()
+    out = {
+        "staleness/max": float(trained.max()) if trained.numel() else 0.0,
+        "staleness/mean": float(trained.mean()) if trained.numel() else 0.0,
+    }
+    for gap in sorted(set(gaps[m].tolist())):
+        of_gap = m & (gaps == gap)
+        for key, value in mismatch_metrics(old_logprobs, rollout_logprobs, of_gap).items():
+            out[key.replace("mismatch/", f"mismatch/staleness{gap}/")] = float(value)
+        out[f"correction/staleness{gap}/weight_mean"] = float(_mean(weights.double(), of_gap & kept))
+        out[f"correction/staleness{gap}/masked_token_frac"] = float((of_gap & ~kept).sum() / of_gap.sum())
+    return out

@@ -69,6 +69,8 @@ class EmbeddedEngine:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.asleep = False
         self.weight_version = 0
+        # the policy version recorded with every sampled token (set by the trainer after each sync)
+        self.policy_version = 0
         self.memory = EngineMemory(self.model, self.device)
         self.routing = RoutingRecorder(self.model, self.config) if self.options.record_routing else None
         self._cache: PagedKVCache | None = None
@@ -134,6 +136,14 @@ class EmbeddedEngine:
     ) -> list[Generation]:
         """One response per prompt. `max_new_tokens` (this engine's extension): a budget per row in place
         of `params.max_new_tokens`."""
+        return self.finish(self.start(prompts, params, max_new_tokens))
+
+    def start(
+        self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: list[int] | None = None
+    ) -> list[Sequence]:
+        """Queue one row per prompt (row i samples from the stream `params.seed + i`) and return the rows
+        without stepping: they advance in later `advance` / `finish` calls alongside every other row, across
+        weight updates (partial rollouts). Arguments as `generate`'s."""
         self._check_awake("generate")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
@@ -158,18 +168,42 @@ class EmbeddedEngine:
         ]
         for seq in seqs:
             scheduler.add(seq)
+        return seqs
+
+    @torch.no_grad()
+    def advance(self, steps: int) -> None:
+        """Run at most `steps` engine steps over the rows in flight (fewer once no rank of the lockstep
+        block has any left)."""
+        self._check_awake("generate")
+        for _ in range(steps):
+            if not self._block_any(self._scheduler is not None and self._scheduler.has_work()):
+                return
+            self._step()
+
+    @torch.no_grad()
+    def finish(self, seqs: list[Sequence]) -> list[Generation]:
+        """Step until every row of `seqs` (from `start`) has stopped; their generations, in order. Other
+        rows in flight advance alongside."""
+        self._check_awake("generate")
         while self._block_any(any(not s.left for s in seqs)):
             self._step()
         return [
             Generation(
-                prompt_ids=list(prompt),
+                prompt_ids=seq.tokens[: seq.counter_base],
                 token_ids=seq.out_tokens,
                 logprobs=seq.out_logprobs,
                 finish_reason=seq.finish_reason or "length",
-                routing=self._routing_of(seq, len(prompt) + len(seq.out_tokens) - 1),
+                routing=self._routing_of(seq, seq.counter_base + len(seq.out_tokens) - 1),
+                versions=seq.out_versions,
             )
-            for prompt, seq in zip(prompts, seqs)
+            for seq in seqs
         ]
+
+    def recompute_in_flight(self) -> int:
+        """`rollout.partial_kv: recompute`: every generation row in flight drops its KV cache, to be
+        prefilled again under the weights of now (call after `update_weights`); the rows sent back."""
+        self._ahead = None
+        return self._scheduler.recompute() if self._scheduler is not None else 0
 
     @torch.no_grad()
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -348,6 +382,7 @@ class EmbeddedEngine:
             return
         seq.out_tokens.append(token)
         seq.out_logprobs.append(logprob)
+        seq.out_versions.append(self.policy_version)
         seq.budget -= 1
         if token in seq.params.stop_token_ids:
             seq.finish_reason = "stop"

@@ -57,6 +57,8 @@ class Sequence:
     released: list[int] = field(default_factory=list)
     out_tokens: list[int] = field(default_factory=list)
     out_logprobs: list[float] = field(default_factory=list)
+    # the engine's policy version when each of out_tokens was sampled
+    out_versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     # static schedule: finished, still decoding until its batch ends (samples discarded)
     ghost: bool = False
@@ -342,6 +344,22 @@ class Scheduler:
             for block in seq.tables[i]:
                 pool.release(block)
             seq.tables[i], seq.released[i], seq.quota[i] = [], 0, 0
+
+    def recompute(self) -> int:
+        """Every unfinished generation row (not a session) forgets its cache and waits, ahead of the rows
+        that never ran, in its order, to be prefilled again: the next steps compute its prefix with the
+        weights of now. Returns the number of rows sent back."""
+        rows = [s for s in self.running if s.sid < 0 and not s.left and not s.ghost]
+        rows += [s for s in self.waiting if s.sid < 0 and s.computed > 0]
+        for seq in rows:
+            if seq in self.running:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.free(seq)
+            seq.computed = 0
+        self.waiting.extendleft(reversed(rows))
+        return len(rows)
 
     def discard(self, seq: Sequence) -> None:
         """Remove a sequence wherever it is and free its blocks (a closed session)."""

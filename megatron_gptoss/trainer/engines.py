@@ -143,6 +143,14 @@ class EmbeddedHost:
     def by_replica(self, prompts: list[list[int]], params: SamplingParams, generate: Callable) -> list:
         """`generate(rows, params)` of replica r on its block of rows (row i keeps the seed stream
         `params.seed + i`), every replica's results gathered on every rank in row order (collective)."""
+        rows, params, wanted = self._split(prompts, params)
+        return self._gather(generate(rows, params) if rows else [], wanted)
+
+    def _split(
+        self, prompts: list[list[int]], params: SamplingParams
+    ) -> tuple[list[list[int]], SamplingParams, int]:
+        """This replica's block of rows, their sampling parameters (the block's first row's seed stream) and
+        the number of rows asked for."""
         replicas, wanted = self.engine_dims.dp, len(prompts)
         tp, ep = self.engine_dims.tp, self.engine_dims.ep
         if 0 < wanted < replicas and math.lcm(tp, ep) > tp:
@@ -151,13 +159,36 @@ class EmbeddedHost:
         rows = torch.tensor_split(torch.arange(len(prompts)), replicas)[self.replica].tolist()
         if params.seed is not None and rows:  # row i keeps its stream (seed + i) whatever the split
             params = dataclasses.replace(params, seed=params.seed + rows[0])
-        mine = generate([prompts[i] for i in rows], params) if rows else []
+        return [prompts[i] for i in rows], params, wanted
+
+    def _gather(self, mine: list, wanted: int) -> list:
+        """Every replica's results on every rank, in row order, the first `wanted` (collective)."""
         if self.dims.layout.world == 1:
             return mine
         gathered: list = [None] * self.dims.layout.world
         dist.all_gather_object(gathered, (self.replica, self.engine_dims.coord("tp"), mine))
         by_replica = {r: gens for r, tp_rank, gens in gathered if tp_rank == 0}
-        return [g for r in range(replicas) for g in by_replica[r]][:wanted]
+        return [g for r in range(self.engine_dims.dp) for g in by_replica[r]][:wanted]
+
+    # ------------------------------------------------------------------------- partial rollouts
+    def start(self, prompts: list[list[int]], params: SamplingParams) -> tuple[list, int]:
+        """Queue the rows (replica r its block) without waiting for them; a handle for `finish`
+        (collective)."""
+        rows, params, wanted = self._split(prompts, params)
+        return (self.engine.start(rows, params) if rows else []), wanted
+
+    def finish(self, handle: tuple[list, int]) -> list[Generation]:
+        """Step the engines until every row of `handle` has stopped (rows of other handles advance
+        alongside); the rows' generations on every rank, in row order (collective)."""
+        seqs, wanted = handle
+        return self._gather(self.engine.finish(seqs), wanted)
+
+    def weights_changed(self, version: int, recompute: bool) -> None:
+        """The engine now holds the policy of `version` (recorded with every token it samples from now on);
+        with `recompute` the rows in flight prefill their prefix again under it."""
+        self.engine.policy_version = version
+        if recompute:
+            self.engine.recompute_in_flight()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -3,12 +3,17 @@ modes. Every step is collective over the world; every rank holds the whole batch
 
     RL step (`run.mode: rl`)
       prompts    the same on every rank, drawn from a generator seeded by (env.seed, step)
-      generate   the rollout engine (`trainer.engines`); row i sampled from the stream (run.seed, step, i)
+      generate   the rollout engine (`trainer.engines`); row i sampled from the stream (run.seed, step, i);
+                 with `rollout.max_staleness: k` the batches of the next k steps are sampled ahead, and
+                 with `rollout.partial` rows in flight continue under each new policy
+                 (`trainer.rollout_buffer`)
       score      the task's reward (plus DAPO's overlong penalty); DAPO's dynamic sampling drops groups of
                  equal rewards and generates more (`trainer.rollouts`); a group with a non-finite reward is
                  dropped (`rl.guards`)
       prepare    old (and reference) log-probs through the learner's layout, advantages, rollout
-                 correction, engine/learner mismatch metrics (`rl.parallel_learner.prepare`)
+                 correction, engine/learner mismatch metrics (`rl.parallel_learner.prepare`); the old
+                 log-probs are the proximal policy of decoupled PPO, the engine's the behaviour policy's
+                 (staleness/*, and mismatch and correction by staleness)
       update     PPO epochs and mini-batches, the distributed optimizer (`rl.parallel_learner.update`); the
                  critic's value loss on the same mini-batches when gae (`rl.critic`)
       sync       the learner's weights into the engine through the bridge
@@ -40,6 +45,7 @@ from megatron_gptoss.hf.io import check_hf_config
 from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch
+from megatron_gptoss.rl.correction import staleness_metrics
 from megatron_gptoss.rl.critic import critic_update
 from megatron_gptoss.rl.guards import drop_nonfinite_groups
 from megatron_gptoss.rl.kl_control import KLController
@@ -47,7 +53,8 @@ from megatron_gptoss.trainer.agentic import AgentRollout, start_tools
 from megatron_gptoss.trainer.cadence import Cadence, RunResult, claim_output_dir
 from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
-from megatron_gptoss.trainer.rollouts import collect_rollouts
+from megatron_gptoss.trainer.engines import EmbeddedHost
+from megatron_gptoss.trainer.rollout_buffer import RolloutBuffer, idle_fractions
 from megatron_gptoss.trainer.session import check_memory, session
 
 
@@ -85,13 +92,17 @@ def _run(cfg: TrainConfig) -> RunResult:
         with claim_output_dir(cfg) as claim:
             setup = Colocated(cfg, device, with_engine=cfg.run.mode == "rl")
             rollout = AgentRollout(cfg, setup, launcher) if agent and cfg.run.mode == "rl" else setup
-            with Cadence(cfg, setup, run_session, claim, task) as cadence:
-                sampling = sampling_params(cfg, task.stop_token_ids)
+            sampling = sampling_params(cfg, task.stop_token_ids)
+            buffer = None
+            if cfg.run.mode == "rl":  # the task's prompt stream is saved as the buffer knows it
+                host = setup.host if isinstance(setup.host, EmbeddedHost) else None
+                buffer = RolloutBuffer(cfg, rollout, host, task, sampling)
+            with Cadence(cfg, setup, run_session, claim, buffer or task) as cadence:
                 evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
                 last: dict[str, float] = {}
                 for step in cadence.steps(evaluation):
-                    if cfg.run.mode == "rl":
-                        last = rl_step(cfg, setup, rollout, task, sampling, step, device, cadence.kl_ctrl)
+                    if buffer is not None:
+                        last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
                     else:
                         start = time.perf_counter()
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
@@ -108,18 +119,17 @@ def rl_step(
     cfg: TrainConfig,
     setup: Colocated,
     rollout: Colocated | AgentRollout,
-    task,
-    sampling,
+    buffer: RolloutBuffer,
     step: int,
     device,
     kl_ctrl: KLController,
 ) -> dict[str, float]:
     """generate -> score -> prepare -> update -> sync; the step's metrics. `rollout`: the setup itself, or
-    its agentic rollouts (tool tokens out of the loss). `kl_ctrl`: the coefficient of the KL penalty in the
-    reward, updated with the step's KL."""
+    its agentic rollouts (tool tokens out of the loss); `buffer` gives the step's scored rollouts.
+    `kl_ctrl`: the coefficient of the KL penalty in the reward, updated with the step's KL."""
     t0 = time.perf_counter()
     group = cfg.rollout.n_samples_per_prompt
-    rollouts, rollout_extra = collect_rollouts(cfg, rollout, task, sampling, step)
+    rollouts, versions, rollout_extra = buffer.take(step, cfg.run.steps)
     generations = rollouts.generations
     agentic = isinstance(rollout, AgentRollout)
     batch = build_batch(
@@ -129,11 +139,13 @@ def rl_step(
         rollouts.rewards,
         [g.sources for g in generations] if agentic else None,  # type: ignore[attr-defined]
         [g.routing for g in generations] if cfg.moe.router_replay == "r3" else None,
+        versions,
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guards)
         return {"train/skipped": 1.0, **rollout_extra, **kept.metrics()}
     memory = setup.sleep_engine()  # rollout.sleep_level: the engine's memory for the learner until the sync
+    loss_mask = batch.loss_mask  # before the rollout correction masks any token
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(
         setup.policy,
@@ -149,6 +161,18 @@ def rl_step(
     )
     if "kl_reward/kl" in metrics:
         kl_ctrl.update(metrics["kl_reward/kl"], len(batch))
+    assert batch.versions is not None and batch.old_logprobs is not None and batch.is_weights is not None
+    metrics.update(
+        staleness_metrics(
+            batch.versions,
+            step - 1,  # the learner's version: its optimizer steps so far
+            batch.old_logprobs,
+            batch.rollout_logprobs,
+            loss_mask,
+            batch.loss_mask,
+            batch.is_weights,
+        )
+    )
     t2 = time.perf_counter()
     shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
     metrics.update(parallel_learner.update(setup.policy, batch, cfg.ppo, cfg.rollout.temperature, shuffle))
@@ -158,7 +182,9 @@ def rl_step(
     t3 = time.perf_counter()
     memory.update(setup.wake_engine())
     memory.update(setup.sync())  # sync/bytes: what this rank's engine shard received
+    buffer.weights_are(step)  # the engine holds version `step`; rows in flight continue under it
     metrics.update(step_times(device, t0, t1, t2, t3))
+    metrics.update(idle_fractions(time.perf_counter() - t0, t1 - t0, t3 - t1))
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
     metrics.update(rollout_extra)
     metrics.update(kept.metrics())

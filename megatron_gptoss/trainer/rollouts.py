@@ -99,12 +99,19 @@ def collect_rollouts(
                 "dapo/batch_groups": float(len(result.rewards) // group),
             }
         )
+    metrics.update(batch_metrics(cfg, result))
+    return result, metrics
+
+
+def batch_metrics(cfg: TrainConfig, result: Rollouts) -> dict[str, float]:
+    """The overlong penalty's metrics (`dapo.overlong_buffer`) and the task's reward metrics of a batch."""
+    metrics: dict[str, float] = {}
     if cfg.dapo.overlong_buffer:
         penalties = torch.tensor(result.penalties)
         metrics["dapo/overlong_frac"] = float((penalties < 0).double().mean())
         metrics["dapo/overlong_penalty_mean"] = float(penalties.double().mean())
     metrics.update(combine_reward_metrics(result.reward_metrics))
-    return result, metrics
+    return metrics
 
 
 def generate_round(
@@ -114,14 +121,32 @@ def generate_round(
     the step's prompts from a generator seeded by (env.seed, step) and samples row i with seed
     (run.seed, step) + i; round k > 0 draws from a generator seeded by (env.seed, step, k) and offsets the
     row seeds by k x rows."""
+    rows, params = draw_round(cfg, task, sampling, step, round_)
+    generations = engine.generate([list(p.token_ids) for p in rows], params)
+    return score_round(cfg, task, rows, generations)
+
+
+def draw_round(
+    cfg: TrainConfig, task, sampling: SamplingParams, step: int, round_: int
+) -> tuple[list, SamplingParams]:
+    """A round's rows (`n_samples_per_prompt` consecutive rows per prompt) and their sampling parameters
+    (row i samples from the stream `params.seed + i`), as `generate_round` describes."""
     group = cfg.rollout.n_samples_per_prompt
     seed = cfg.env.seed * 1_000_003 + step
     rng = random.Random(seed) if round_ == 0 else random.Random(f"dapo:{seed}:{round_}")
     prompts = task.sample_prompts(cfg.rollout.prompts_per_step, rng)
     rows = [p for p in prompts for _ in range(group)]
-    base = (cfg.run.seed << 40) + (step << 20) + round_ * len(rows)  # row i samples with base + i
-    params = SamplingParams(**{**sampling.__dict__, "seed": base})
-    generations = engine.generate([list(p.token_ids) for p in rows], params)
+    return rows, SamplingParams(**{**sampling.__dict__, "seed": seed_base(cfg, step, round_, len(rows))})
+
+
+def seed_base(cfg: TrainConfig, step: int, round_: int, rows: int) -> int:
+    """Row i of round `round_` of data step `step` (`rows` rows a round) samples from the stream
+    seed_base + i."""
+    return (cfg.run.seed << 40) + (step << 20) + round_ * rows
+
+
+def score_round(cfg: TrainConfig, task, rows: list, generations: list[Generation]) -> Rollouts:
+    """The rows' scores (rank 0's, on every rank) and rewards: the task's plus DAPO's overlong penalty."""
     scores, reward_metrics = score_on_rank0(task, rows, [g.token_ids for g in generations])
     lengths = torch.tensor([len(g.token_ids) for g in generations])
     dapo = cfg.dapo

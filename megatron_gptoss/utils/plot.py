@@ -48,6 +48,9 @@ PANELS: tuple[tuple[str, str, tuple[str, ...], bool], ...] = (
     ("KL to reference", "KL estimate", ("train/kl_ref", "loss/kl"), False),
     ("Loss", "loss", ("train/loss", "pg/loss", "loss/total"), False),
     ("Response length", "tokens", ("response/length_mean",), False),
+    ("Staleness", "policy versions", ("staleness/max", "staleness/mean"), False),
+    ("Rollout buffer", "rows", ("buffer/depth", "staleness/dropped_rows"), False),
+    ("Idle time", "fraction of the step", ("idle/engine_frac", "idle/learner_frac"), False),
 )
 DEFAULT_KEYS = tuple(key for _, _, keys, _ in PANELS for key in keys)
 SMOOTH_MIN_POINTS = 20  # series at least this long get a smoothed line over the faint raw one
