@@ -35,6 +35,12 @@ Parts:
     slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights drawn on the
               device, per --slots
 
+--expert-format bf16,mxfp4 runs the decode part once per format, one engine in memory at a time: bf16 holds
+the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
+(`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same. Each row's
+roofline counts the bytes that format reads: 4.25 bits per MXFP4 expert value (a 4-bit code and a shared
+8-bit scale per 32 values).
+
 Prints one markdown table per part; --json appends every result as a JSON line.
 """
 
@@ -42,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import statistics
@@ -49,15 +56,17 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_gptoss.config import EmbeddedEngineConfig, ModelConfig, gpt_oss_20b, gpt_oss_120b
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.hf.io import iter_checkpoint
+from megatron_gptoss.hf.io import iter_checkpoint, weight_map_of
 from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
-from megatron_gptoss.hf.names import hf_names, hf_shapes, match_hf
+from megatron_gptoss.hf.names import fc1_rows_from_hf, hf_names, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import build_model
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 from megatron_gptoss.ops import batch_invariant, moe_decode
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
@@ -172,16 +181,22 @@ def graphs_used(engine: EmbeddedEngine) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ roofline
+MXFP4_BYTES_PER_VALUE = 4.25 / 8  # a 4-bit code, and an 8-bit scale shared by 32 values
+
+
 def decode_bytes(config: ModelConfig, batch: int, keys_read: int, weight_bytes: int, kv_bytes: int) -> float:
-    """Bytes one decode step of `batch` rows reads: weights (experts hit in expectation) + KV."""
+    """Bytes one decode step of `batch` rows reads: weights (experts hit in expectation) + KV. The experts'
+    fc1 / fc2 matrices count `MXFP4_BYTES_PER_VALUE` a value when `config.expert_format` is mxfp4, else
+    `weight_bytes`; their biases `weight_bytes`."""
     h, i, e, k = config.hidden_size, config.intermediate_size, config.num_experts, config.moe_router_topk
     d, hq, hkv = config.head_dim, config.num_attention_heads, config.num_query_groups
     attention = h * (hq + 2 * hkv) * d + hq * d * h + 4 * h  # qkv, o_proj, norms and biases (about)
-    expert = 3 * h * i + 2 * i + h
+    matrix = MXFP4_BYTES_PER_VALUE if config.expert_format == "mxfp4" else weight_bytes
+    expert = 3 * h * i * matrix + (2 * i + h) * weight_bytes
     hit = e * (1 - (1 - k / e) ** batch)
-    weights = config.num_layers * (attention + e * h + hit * expert) + config.vocab_size * h
+    dense = config.num_layers * (attention + e * h) + config.vocab_size * h
     kv = keys_read * hkv * d * 2  # k and v, per key and layer, at the cache dtype
-    return weights * weight_bytes + kv * kv_bytes
+    return dense * weight_bytes + config.num_layers * hit * expert + kv * kv_bytes
 
 
 def keys_per_step(config: ModelConfig, contexts: list[int]) -> int:
@@ -302,7 +317,8 @@ def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[
                     engine_options(args, slots, new=new, graphs=graphs, chunk=args.decode_chunk)
                 )
                 engine.log = []
-                head = {"part": "decode", "slots": slots, "experts": experts, "graphs": graphs}
+                head = {"part": "decode", "format": config.expert_format, "slots": slots, "experts": experts,
+                        "graphs": graphs}  # fmt: skip
                 library = moe_decode.library_only() if experts == "library" else contextlib.nullcontext()
                 try:
                     with library:
@@ -408,11 +424,31 @@ def random_weights(engine: EmbeddedEngine, seed: int = 0) -> None:
     engine.memory.weights_loaded()
 
 
+def load_mxfp4_bytes(engine: EmbeddedEngine, checkpoint: Path) -> None:
+    """Fill the engine's MXFP4 expert weights with the checkpoint's `<name>_blocks` / `<name>_scales` bytes as
+    they are (fc1's rows from HF's interleaved gate/up to our [gate; up])."""
+    files = weight_map_of(checkpoint)
+    for name, weight in mxfp4_weights(engine.model).items():
+        match = match_ours(name)
+        hf_name = match.hf[0]
+        packed = []
+        for part in ("_blocks", "_scales"):
+            with safe_open(str(checkpoint / files[hf_name + part]), framework="pt") as f:
+                t = f.get_tensor(hf_name + part)
+            packed.append(fc1_rows_from_hf(t) if match.rule.kind == "fc1" else t)
+        weight.copy_packed_(packed[0].to(weight.device), packed[1].to(weight.device))
+
+
 def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> TimedEngine:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     engine = TimedEngine(config, dtype, device, options=engine_options(args, args.slots[0]))
     engine.log = []
-    if checkpoint is not None:
+    if checkpoint is not None and config.expert_format == "mxfp4":
+        experts = ("gate_up_proj", "down_proj")  # their matrices arrive as bytes below, biases here
+        dense = ((n, t) for n, t in iter_checkpoint(checkpoint, config, dtype) if not n.endswith(experts))
+        engine.update_weights(dense, strict=False)
+        load_mxfp4_bytes(engine, checkpoint)
+    elif checkpoint is not None:
         engine.update_weights(iter_checkpoint(checkpoint, config, dtype))
     else:
         random_weights(engine)
@@ -457,9 +493,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         help="decode part: the engine's expert GEMMs, comma-separated: decode (the decode kernels of "
         "ops.moe_decode where eligible), library (grouped GEMM)",
     )
+    parser.add_argument(
+        "--expert-format",
+        type=lambda s: s.split(","),
+        default=["bf16"],
+        help="decode part: how the engine holds the experts, comma-separated: bf16 (dequantized), mxfp4 (the "
+        "checkpoint's 4-bit bytes); one engine per format, in order",
+    )
     args = parser.parse_args(argv)
     if not set(args.experts) <= {"decode", "library"}:
         parser.error(f"--experts takes decode and library, got {args.experts}")
+    if not set(args.expert_format) <= {"bf16", "mxfp4"}:
+        parser.error(f"--expert-format takes bf16 and mxfp4, got {args.expert_format}")
     with batch_invariant.enabled(args.bitwise):
         return _run(args)
 
@@ -492,6 +537,17 @@ def _run(args) -> list[dict]:
             sliced = build_engine(config, args, device, None)
             rows += [{**r, "part": "slice"} for r in part_decode(args, sliced, config, device)]
             del sliced
+        elif part == "decode" and args.expert_format != ["bf16"]:
+            config = tiny_config() if args.tiny else gpt_oss_20b()
+            path = write_synthetic_mxfp4(config, args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b"))
+            engine = None  # one engine in memory at a time
+            for expert_format in args.expert_format:
+                held = dataclasses.replace(config, expert_format=expert_format)
+                formatted = build_engine(held, args, device, path)
+                rows += part_decode(args, formatted, held, device)
+                del formatted
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
         else:
             config = tiny_config() if args.tiny else gpt_oss_20b()
             if engine is None:
