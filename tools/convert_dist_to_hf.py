@@ -9,9 +9,10 @@ index.json and config.json, loadable by transformers and vLLM.
 `--experts mxfp4` writes the expert weights as the released gpt-oss checkpoints store them: `<name>_blocks`
 and `<name>_scales` (uint8, quantized along the input dimension in blocks of 32, gate_up_proj's rows HF's
 interleaved gate/up; `megatron_gptoss/hf/mxfp4.py` states the rounding rule), everything else in --dtype,
-and config.json carries the released `quantization_config`, so transformers and vLLM load it as they load
-the original checkpoint. A checkpoint whose experts came from an MXFP4 checkpoint and were not trained
-comes back byte for byte. The default, `--experts bf16`, writes them in --dtype like every other tensor.
+and config.json carries the released `quantization_config`, so transformers loads it as it loads the
+original checkpoint. Experts that came from a released checkpoint and were not trained come back byte for
+byte (tests/checkpoint/test_mxfp4_export.py). The default, `--experts bf16`, writes them in --dtype like every
+other tensor.
 
 A checkpoint root (a directory with `latest`) resolves to its newest checkpoint whose checksums verify.
 A step directory has every file's checksum checked first (a corrupted file stops the export, naming it),
