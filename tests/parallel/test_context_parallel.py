@@ -14,7 +14,7 @@ from helpers.harness import pool
 from helpers.sharded import rel_err, tiny_config
 from test_layouts import DOCS, compare, reference_run, run_layout
 
-from megatron_gptoss.config import ConfigError, ParallelConfig
+from megatron_gptoss.config import ConfigError, ParallelConfig, load_config
 from megatron_gptoss.parallel import context_parallel
 from megatron_gptoss.parallel.context_parallel import ContextParallel, plan_chunk
 from megatron_gptoss.parallel.dims import Layout, validate_layout
@@ -25,7 +25,8 @@ CP2 = {"context_parallel_size": 2}
 
 def _layouts(cases: list[tuple[dict, dict]]) -> list[dict]:
     """Every (parallel, options) case on this rank, one after the other. Option `drop_sinks`: the
-    diagonal blocks run without the sinks (what a CP path that forgets them computes)."""
+    diagonal blocks run without the sinks (what a CP path that forgets them computes); `backend`: the
+    diagonal blocks' kernel (the model's is eager)."""
     out = []
     for parallel, options in cases:
         options = dict(options)
@@ -36,6 +37,13 @@ def _layouts(cases: list[tuple[dict, dict]]) -> list[dict]:
                 return original(q, k, v, torch.full_like(sinks, float("-inf")), **kwargs)
 
             context_parallel.sink_attention = without_sinks
+        backend = options.pop("backend", None)
+        if backend is not None:
+
+            def on_backend(*args, original=original, forced=backend, **kwargs):
+                return original(*args, **{**kwargs, "backend": forced})
+
+            context_parallel.sink_attention = on_backend
         try:
             out.append(run_layout(parallel, LAYERS, DOCS[1], options))
         finally:
@@ -90,6 +98,42 @@ def test_layout_rank_order_and_refused_layouts():
         ContextParallel(4, 0).check(12)
 
 
+def _routing(layouts: list[dict]) -> list[tuple]:
+    """Per layout: the log-probs and every token's experts of one packed micro-batch (documents across
+    the chunks), then the log-probs with those experts replayed (split by cp like every input)."""
+    from helpers.sharded import build_dims
+    from helpers.stages import build_stages
+    from test_layouts import BUDGET, batch_of
+
+    from megatron_gptoss.parallel.pipeline import PipelineRunner
+
+    out = []
+    for parallel in layouts:
+        config = tiny_config(num_layers=LAYERS)
+        cfg, dims = build_dims(config, **parallel)
+        models, plans = build_stages(config, dims, cfg)
+        runner = PipelineRunner(models, plans, dims, chunk_size=16)
+        b = batch_of(0, 0, DOCS[1][0][0])
+        packed = runner.pack(b["input_ids"], b["targets"], b["valid"], BUDGET)
+        lp, routing = runner.routed_logprobs(packed)
+        replay = runner.pack(b["input_ids"], b["targets"], b["valid"], BUDGET, routing)
+        out.append((lp, routing, runner.logprobs(replay)[0]))
+    return out
+
+
+def test_router_replay_under_cp2_equals_one_replica():
+    """Captured routing is gathered back to token order, replayed routing is split like the tokens."""
+    for (lp, routing, replayed), (ref_lp, ref_routing, _) in pool(2).run(_routing, [CP2, {}]):
+        assert torch.equal(routing, ref_routing)
+        assert rel_err(lp, ref_lp) < 1e-6 and rel_err(replayed, ref_lp) < 1e-6
+
+
+def test_bitwise_on_policy_refuses_context_parallel():
+    overrides = ["rollout.bitwise_on_policy=true", "model.attention_backend=triton"]
+    with pytest.raises(ConfigError, match="parallel.context_parallel_size=1"):
+        load_config(None, [*overrides, "rollout.engine=embedded", "parallel.context_parallel_size=2"])
+
+
 def test_zigzag_split_and_chunk_plans():
     cp = ContextParallel(2, 1)
     assert cp.local_index(8).tolist() == [2, 3, 4, 5]  # chunks 1 and 2 of 4
@@ -124,3 +168,48 @@ def test_flex_rectangle_equals_eager_forward_and_backward(window):
     for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
         if name != "seen":
             assert rel_err(b, a) < 1e-5, name
+
+
+def _attention_errors(backend: str, windows: list[int | None]) -> dict[str, float]:
+    """`ContextParallelAttention` (diagonal blocks on `backend`) of this cp rank's tokens of 16 packed
+    tokens in chunks of 4 (documents [0, 3) [3, 9) [9, 16)), forward and backward, against the eager
+    kernel on all 16: outputs gathered, q/k/v gradients of this rank's tokens, sink gradients summed."""
+    import torch.distributed as dist
+
+    from megatron_gptoss.model.attention import CoreAttention
+    from megatron_gptoss.ops.sink_attention import sink_attention
+
+    group = dist.new_group([0, 1])
+    cp = ContextParallel(2, dist.get_rank(), group)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(16, h, 16, generator=gen) for h in (4, 2, 2))
+    weight = torch.randn(16, 4, 16, generator=gen)
+    cu = torch.tensor([0, 3, 9, 16], dtype=torch.int32)
+    out = {}
+    for window in windows:
+        core = CoreAttention(4, window, backend)
+        with torch.no_grad():
+            core.softmax_offset.copy_(torch.randn(4, generator=gen))
+        sinks = core.softmax_offset.detach().clone().requires_grad_()
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = sink_attention(*ref_in, sinks, window=window, cu_seqlens=cu, max_seqlen=7, backend="eager")
+        (ref * weight).sum().backward()
+        mine = [cp.split(t, 0).detach().requires_grad_() for t in (q, k, v)]
+        local = context_parallel.ContextParallelAttention(core, cp)(*mine, cu)
+        full = cp.gather(local, 0)
+        (full * weight).sum().backward()
+        sink_grad = core.softmax_offset.grad.clone()
+        dist.all_reduce(sink_grad, group=group)
+        out[f"out w{window}"] = rel_err(full, ref)
+        for name, ours, theirs in zip("qkv", mine, ref_in):
+            out[f"d{name} w{window}"] = rel_err(ours.grad, cp.split(theirs.grad, 0))
+        out[f"dsink w{window}"] = rel_err(sink_grad, sinks.grad)
+    return out
+
+
+def test_attention_blocks_on_the_triton_kernel():
+    """The whole-layout tests run the eager kernel; here the diagonal blocks run ours (interpreted)."""
+    # window 3: the previous chunk's last 2 keys are exchanged; 6 reaches past it (all keys); None: full
+    per_rank = pool(2).run(_attention_errors, "triton", [3, 6, None])
+    worst = max((err, name) for errs in per_rank for name, err in errs.items())
+    assert worst[0] <= 1e-5, worst
