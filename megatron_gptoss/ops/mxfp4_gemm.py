@@ -27,6 +27,7 @@ CPU, fp64 rows, a CPU without the interpreter, no Triton) every path is the refe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -195,7 +196,34 @@ def default_config(rows: int, experts: int, device: torch.device, gated: bool) -
         return CPU_CONFIG
     block_m = row_tile(rows, experts, 2)
     warps = 8 if gated and block_m >= 128 else 4
-    return Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3)
+    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3)
+    return fit_shared_memory(cfg, _shared_memory(device), gated)
+
+
+@functools.cache
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory one block may use on `device` (H100: 227 KB; Ada and consumer Ampere: 99 KB)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 99 * 1024))
+
+
+def fit_shared_memory(cfg: Mxfp4Config, budget: int, gated: bool) -> Mxfp4Config:
+    """cfg with stages (down to 2), then block_k (down to 64) lowered until the forward's pipelined tiles
+    (per stage: x's tile in 16-bit, the weight's bytes and scales, twice when `gated`) fit 3/4 of `budget`
+    (the rest is left to the epilogue's layout conversions)."""
+    stages, block_k = cfg.stages, cfg.block_k
+
+    def over() -> bool:
+        per_stage = cfg.block_m * block_k * 2 + (2 if gated else 1) * cfg.block_n * (
+            block_k // 2 + block_k // 32
+        )
+        return stages * per_stage > budget * 3 // 4
+
+    while over() and stages > 2:
+        stages -= 1
+    while over() and block_k > 64:
+        block_k //= 2
+    return dataclasses.replace(cfg, stages=stages, block_k=block_k)
 
 
 def _split(rows: int, experts: int, block_m: int) -> int:

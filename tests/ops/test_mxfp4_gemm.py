@@ -219,3 +219,12 @@ def test_errors_name_the_tensor():
         grouped_linear_mxfp4(x, blocks, scales, bounds, path="fast")
     with pytest.raises(RuntimeError, match="forward only"):
         fc1_swiglu_mxfp4(x.requires_grad_(), blocks, scales, None, bounds, LIMIT, ALPHA)
+
+
+def test_tiles_fit_the_shared_memory():
+    """At 99 KB a block (Ada, consumer Ampere) the 128-row fc1 tiles drop to 2 stages and a 64 K step; at
+    227 KB (H100) they stay as chosen."""
+    cfg = Mxfp4Config(block_m=128, block_n=64, block_k=128, warps=8, stages=3)
+    small = mxfp4_gemm.fit_shared_memory(cfg, 99 * 1024, gated=True)
+    assert (small.stages, small.block_k) == (2, 64)
+    assert mxfp4_gemm.fit_shared_memory(cfg, 227 * 1024, gated=True) == cfg
