@@ -30,6 +30,16 @@ EXPERTS, WIDTH, TOPK = 32, 2880, 4
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(autouse=True)
+def full_precision_library_gemms():
+    """The dequantized bf16 path's GEMMs (cuBLAS) accumulate in fp32 only, as `torch._grouped_mm` does."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_bf16_reduced_precision_reduction
+    matmul.allow_bf16_reduced_precision_reduction = False
+    yield
+    matmul.allow_bf16_reduced_precision_reduction = saved
+
+
 def inputs(tokens: int, seed: int = 7):
     """bf16 rows of `tokens` tokens routed to TOPK of EXPERTS experts at random (sorted by expert), MXFP4
     fc1 [E, 2 * WIDTH, WIDTH] and fc2 [E, WIDTH, WIDTH] with every code and scales 2^-6 .. 2^-4 (products of
@@ -156,4 +166,5 @@ def test_portable_path_with_pre_hopper_matrix_instructions():
 
 
 if __name__ == "__main__":  # the child process of the test above
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     check_paths(256, ("portable",))
