@@ -60,6 +60,7 @@ TIMEOUT = 240.0  # seconds a pool call may take on a loaded machine before the t
 TP2_PP2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
 PP2_DP2_EP2 = {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}
 TP2_DP2_EP2 = {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}
+CP2_DP2_EP2 = {"context_parallel_size": 2, "expert_model_parallel_size": 2}
 
 
 def global_batch(step: int, order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -247,8 +248,12 @@ def reference():
 
 @pytest.mark.parametrize(
     "first, second",
-    [((TP2_PP2, True), (PP2_DP2_EP2, True)), ((PP2_DP2_EP2, False), (TP2_DP2_EP2, True))],
-    ids=["tp2xpp2->pp2xdp2xep2", "pp2xdp2xep2-replicated->tp2xdp2xep2"],
+    [
+        ((TP2_PP2, True), (PP2_DP2_EP2, True)),
+        ((PP2_DP2_EP2, False), (TP2_DP2_EP2, True)),
+        ((CP2_DP2_EP2, True), (TP2_PP2, True)),
+    ],
+    ids=["tp2xpp2->pp2xdp2xep2", "pp2xdp2xep2-replicated->tp2xdp2xep2", "cp2xdp2xep2->tp2xpp2"],
 )
 def test_save_in_one_layout_load_in_another(tmp_path, reference, first, second):
     root = str(tmp_path / "ckpt")
