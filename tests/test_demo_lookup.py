@@ -1,8 +1,8 @@
 """The lookup demo's command (tools/demo_lookup.py) at tiny width and length: it writes the lookup task and
-its cold-start conversations, trains the cold start, starts agentic RL (the calculator and lookup tools)
-from the cold start's HF export with the real tokenizer and the full 201,088-way output layer, evaluates the
-held-out keys before and after RL (reward and call rate), measures the cold start's teacher-forced copy
-rates, and plots both phases on one axis."""
+its cold-start conversations, trains the cold start (a sampled softmax over its output layer), starts agentic
+RL (the calculator and lookup tools) from the cold start's HF export with the real tokenizer and the full
+201,088-way output layer, evaluates the held-out keys before and after RL (reward and call rate), measures the
+cold start's teacher-forced copy rates, and plots both phases on one axis."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ def test_demo_runs_both_phases(tmp_path):
     cold = read_metrics(tmp_path / "cold_start/metrics.jsonl")
     assert [r["step"] for r in cold] == [1, 2] and all(r["sft/tokens"] > 0 for r in cold)
     assert (tmp_path / "cold_start/hf_final/config.json").exists()
+    cold_config = json.loads((tmp_path / "cold_start/config.json").read_text())
+    assert cold_config["sft"]["sampled_vocab"] == 4096 and cold_config["run"]["mode"] == "sft"
     rl_config = json.loads((tmp_path / "rl/config.json").read_text())
     assert rl_config["run"]["init_from_hf"] == str(tmp_path / "cold_start/hf_final")
     assert rl_config["model"]["vocab_size"] == 201088 and rl_config["run"]["mode"] == "rl"

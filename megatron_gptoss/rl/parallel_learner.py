@@ -31,7 +31,7 @@ from megatron_gptoss.config.algorithm import AlgorithmConfig
 from megatron_gptoss.config.moe import MoEReplayConfig
 from megatron_gptoss.model.lora import adapters_disabled
 from megatron_gptoss.model.moe import no_route
-from megatron_gptoss.model.sampled_softmax import draw_vocab_sample
+from megatron_gptoss.model.sampled_softmax import VocabSample
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
@@ -283,24 +283,16 @@ def supervised_step(
     policy: ParallelPolicy,
     batch: RolloutBatch,
     micro_batches: int,
-    sampled_vocab: int = 0,
-    generator: torch.Generator | None = None,
+    vocab_sample: VocabSample | None = None,
 ) -> dict[str, float]:
     """One supervised optimizer step: the token-mean negative log-likelihood (temperature 1) of `batch`'s
     loss tokens, normalised by the loss tokens of the whole batch over all replicas (collective). Metrics:
     `sft/loss` (the mean NLL, also as `loss/total`), `sft/tokens` and the optimizer's, on every rank.
-    `sampled_vocab` > 0: the NLL is that of a sampled softmax (`model.sampled_softmax`) over this rank's
-    targets and `sampled_vocab` rows drawn with the host `generator` (needed then); its output layer must be
-    whole on the rank (tensor parallel 1)."""
+    With `vocab_sample` (holding every loss target of `batch`) the NLL is that of the sampled softmax over its
+    rows (`model.sampled_softmax`); the output layer must be whole on the rank (tensor parallel 1)."""
     if policy.optimizer is None:
         raise ValueError("supervised_step needs a ParallelPolicy with an optimizer")
     mine = batch.select(policy.my_rows(len(batch)))
-    sample = None
-    if sampled_vocab:
-        if generator is None:
-            raise ValueError("a sampled softmax (sampled_vocab > 0) needs the step's host generator")
-        targets = mine.targets.masked_fill(mine.loss_mask == 0, -1)
-        sample = draw_vocab_sample(targets, policy.runner.config.vocab_size, sampled_vocab, generator)
     device = policy.runner.comm_device()
     denom = loss_denominators([mine.loss_mask.to(device)], policy.dims.group("dp"))
     packed = policy.pack(mine, micro_batches)
@@ -314,7 +306,7 @@ def supervised_step(
         totals.add({"loss/nll": loss.detach(), "pg/tokens": mask.sum()})
         return loss
 
-    with policy.runner.scoring(sample):
+    with policy.runner.scoring(vocab_sample):
         policy.runner.forward_backward(packed, loss_fn, 1.0)
     combined = policy._combine(totals)
     loss = combined["loss/nll"]

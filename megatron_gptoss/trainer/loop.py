@@ -42,6 +42,7 @@ from megatron_gptoss.envs.synthetic import progression_documents
 from megatron_gptoss.errors import ConfigError
 from megatron_gptoss.harmony import VOCAB_SIZE
 from megatron_gptoss.hf.io import check_hf_config
+from megatron_gptoss.model.sampled_softmax import VocabSample, draw_vocab_sample
 from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rl import parallel_learner
 from megatron_gptoss.rl.batch import RolloutBatch, build_batch
@@ -100,15 +101,16 @@ def _run(cfg: TrainConfig) -> RunResult:
             with Cadence(cfg, setup, run_session, claim, buffer or task) as cadence:
                 evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
                 last: dict[str, float] = {}
+                always = trained_tokens(conversations) if cfg.sft.sampled_vocab else None
                 for step in cadence.steps(evaluation):
                     if buffer is not None:
                         last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
                     else:
                         start = time.perf_counter()
                         batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
-                        draws = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
+                        sample = None if always is None else step_vocab_sample(cfg, batch, always, step)
                         last = parallel_learner.supervised_step(
-                            setup.policy, batch, cfg.sft.micro_batches, cfg.sft.sampled_vocab, draws
+                            setup.policy, batch, cfg.sft.micro_batches, sample
                         )
                         last["time/step_s"] = time.perf_counter() - start
                     cadence.end_step(step, last)
@@ -221,6 +223,23 @@ def supervised_batch(
     responses = [task.reference_response(p) for p in prompts]
     prompt_ids = [list(p.token_ids) for p in prompts]
     return build_batch(prompt_ids, responses, [[0.0] * len(r) for r in responses], [0.0] * len(prompts))
+
+
+def trained_tokens(conversations: ConversationSet | None) -> torch.Tensor:
+    """Every token id the conversations train on (int64, ascending; empty without conversations): the rows a
+    sampled softmax always scores, so the tokens the data teaches always compete with each other."""
+    if conversations is None:
+        return torch.zeros(0, dtype=torch.long)
+    ids = {t for e in conversations.examples for t, trained in zip(e.token_ids, e.trained) if trained}
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def step_vocab_sample(cfg: TrainConfig, batch: RolloutBatch, always: torch.Tensor, step: int) -> VocabSample:
+    """The sampled softmax's rows of a supervised step (`sft.sampled_vocab`): the batch's loss targets,
+    `always`, and sft.sampled_vocab rows drawn from the rest with a generator seeded by (run.seed, step)."""
+    targets = batch.targets.masked_fill(batch.loss_mask == 0, -1).reshape(-1)
+    draws = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
+    return draw_vocab_sample(torch.cat([targets, always]), cfg.model.vocab_size, cfg.sft.sampled_vocab, draws)
 
 
 def step_times(device: torch.device, t0: float, t1: float, t2: float, t3: float) -> dict[str, float]:
