@@ -122,9 +122,10 @@ def quantize_mxfp4(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for start in range(0, flat.shape[0], _CHUNK_BLOCKS):
         stop = start + _CHUNK_BLOCKS
         x = flat[start:stop].float().contiguous()
-        if not bool(torch.isfinite(x).all()):
+        amax = x.abs().amax(dim=-1)  # NaN or inf wherever the block holds one
+        if not bool(torch.isfinite(amax).all()):
             raise ValueError("MXFP4 quantization of a non-finite value (NaN or inf)")
-        scales[start:stop] = scale_bytes(x.abs().amax(dim=-1))
+        scales[start:stop] = scale_bytes(amax)
         codes = fp4_codes(x / _power_of_two(scales[start:stop]).unsqueeze(-1))
         blocks[start:stop] = codes[:, 0::2] | codes[:, 1::2] << 4
     groups = width // BLOCK
@@ -159,10 +160,28 @@ def fp4_codes(scaled: torch.Tensor) -> torch.Tensor:
     """FP4 codes (uint8, 0..15) of values already divided by their block's scale (float32, |x| <= 6 for
     the nearest code to be within half a step): the nearest magnitude, ties to the larger one (0.25 -> 0.5,
     0.75 -> 1, 1.25 -> 1.5, 1.75 -> 2, 2.5 -> 3, 3.5 -> 4, 5 -> 6, as triton_kernels' e2m1 conversion
-    rounds), larger magnitudes to 6; bit 3 is the sign bit, so -0.0 gives code 8."""
-    midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=scaled.device)
-    codes = torch.bucketize(scaled.abs(), midpoints, right=True).to(torch.uint8)
-    return codes | torch.signbit(scaled).to(torch.uint8) << 3
+    rounds), larger magnitudes to 6; bit 3 is the sign bit, so -0.0 gives code 8.
+
+    The code is a function of the value's top 16 float32 bits (sign, exponent, 7 mantissa bits): every
+    midpoint has at most 2 significant bits, so truncating the lower mantissa bits keeps a value on its side
+    of each midpoint (and on it). One gather from a 65,536-entry table (`_code_table`, built from the
+    midpoints) gives it."""
+    index = (scaled.float().contiguous().view(torch.int32) >> 16) & 0xFFFF
+    return torch.index_select(_code_table(scaled.device), 0, index.reshape(-1)).reshape(scaled.shape)
+
+
+_CODE_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _code_table(device: torch.device) -> torch.Tensor:
+    """[65536] uint8: the FP4 code of the float32 whose top 16 bits are the index (lower bits zero), by
+    counting the midpoints at or below its magnitude."""
+    if device not in _CODE_TABLES:
+        values = (torch.arange(1 << 16, dtype=torch.int32) << 16).view(torch.float32)
+        midpoints = torch.tensor(_MIDPOINTS, dtype=torch.float32)
+        codes = (values.abs().unsqueeze(-1) >= midpoints).sum(-1).to(torch.uint8)  # NaN: 0, never looked up
+        _CODE_TABLES[device] = (codes | torch.signbit(values).to(torch.uint8) << 3).to(device)
+    return _CODE_TABLES[device]
 
 
 def unpack_expert_weight(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -169,3 +169,19 @@ def test_pack_is_the_inverse_of_unpack_and_errors_are_named():
         quantize_mxfp4(torch.zeros(2, 40))
     with pytest.raises(ValueError, match=r"\[E, in, out\]"):
         pack_expert_weight(torch.zeros(4, 64))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_on_cuda_equals_the_cpu(dtype):
+    """The weight sync quantizes on the learner's device: the same bytes as on the CPU, at gpt-oss-20b's
+    fc1 width, with released blocks, ties, signed zeros and an all-zero block among them."""
+    gen = torch.Generator().manual_seed(5)
+    x = (0.02 * torch.randn(4, 5760, 2880, generator=gen)).to(dtype)
+    blocks, scales = released_blocks(gen, (90,))
+    x[0, 0] = dequantize_mxfp4(blocks, scales, dtype)
+    x[0, 1, :64] = torch.tensor([0.25, -0.75, 1.25, -1.75, 2.5, -3.5, 5.0, -0.0] * 4 + [6.0] + [0.0] * 31)
+    x[0, 2, :32] = -0.0
+    cpu = quantize_mxfp4(x)
+    cuda = quantize_mxfp4(x.cuda())
+    assert cuda[0].is_cuda and torch.equal(cuda[0].cpu(), cpu[0]) and torch.equal(cuda[1].cpu(), cpu[1])
