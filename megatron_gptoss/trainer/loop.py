@@ -145,6 +145,7 @@ def rl_step(
     )
     batch, kept = drop_nonfinite_groups(batch, group)  # a NaN / inf reward drops its group, counted
     if kept.all_dropped:  # nothing to learn from: the step is skipped (and counted by the guards)
+        buffer.wait()
         return {"train/skipped": 1.0, **rollout_extra, **kept.metrics()}
     memory = setup.sleep_engine()  # rollout.sleep_level: the engine's memory for the learner until the sync
     loss_mask = batch.loss_mask  # before the rollout correction masks any token
@@ -182,11 +183,12 @@ def rl_step(
         shuffle = torch.Generator().manual_seed(cfg.run.seed * 1_000_003 + step)
         metrics.update(critic_update(setup.critic_policy, batch, cfg.ppo, cfg.critic.value_clip, shuffle))
     t3 = time.perf_counter()
+    buffer.wait()  # the batches generated ahead meanwhile, before the engine's weights change
     memory.update(setup.wake_engine())
     memory.update(setup.sync())  # sync/bytes: what this rank's engine shard received
     buffer.weights_are(step)  # the engine holds version `step`; rows in flight continue under it
     metrics.update(step_times(device, t0, t1, t2, t3))
-    metrics.update(idle_fractions(time.perf_counter() - t0, t1 - t0, t3 - t1))
+    metrics.update(idle_fractions(time.perf_counter() - t0, buffer.busy_s(), t3 - t1))
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))
     metrics.update(rollout_extra)
     metrics.update(kept.metrics())

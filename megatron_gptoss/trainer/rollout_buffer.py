@@ -3,20 +3,26 @@
 The policy version v is the learner's weights after v optimizer steps; at step s the learner holds version
 s - 1 and so does the engine (synced after every update). With `rollout.max_staleness: k`:
 
-    take(s)   submit    the batches of data steps s .. s + k not yet submitted, each with the prompts and
-                        sampling seeds the synchronous loop gives that step (`rollouts.draw_round`), under
-                        the engine's version now; without partial rollouts each batch is generated and
-                        scored whole at once
-              finish    (`rollout.partial`) the engine steps until batch s's rows have stopped; the rows of
-                        later batches advance alongside and pause where they are, to continue under the next
-                        weights (`rollout.partial_kv`: their prefix's cache kept, or recomputed)
+    take(s)   batch s   (submitted at an earlier step, or now) with the prompts and sampling seeds the
+                        synchronous loop gives step s (`rollouts.draw_round`); with `rollout.partial` the
+                        engine steps until its rows have stopped
               check     a row whose oldest token is more than k versions behind the learner is dropped and
                         generated again now, with the same prompt and seed (`staleness/dropped_rows`)
+              ahead     the batches of steps s + 1 .. s + k not yet submitted, under the engine's version
+                        now: generated and scored whole, or (partial) queued; then the next partial batch is
+                        stepped to its end, the rows of later batches advancing alongside and pausing where
+                        they are, to continue under the next weights (`rollout.partial_kv`: their prefix's
+                        cache kept, or recomputed)
               -> batch s, its rows' per-token versions
 
 So batch s was first sampled at version >= s - 1 - k and every trained token is at most k versions old;
-k = 0 is the synchronous loop, call for call (the same prompts, seeds and engine calls). Colocated, the
-batches ahead are generated while the learner waits: the schedule of an engine that runs beside it.
+k = 0 is the synchronous loop, call for call (the same prompts, seeds and engine calls).
+
+Overlap (`RolloutBuffer.overlaps`: k >= 1 at world size 1 with the embedded engine awake): the work ahead
+runs in a thread while the learner computes log-probs and updates; the loop joins it (`wait`) before the
+weights change. The work and its order are those of the sequential schedule (elsewhere it runs before the
+learner starts), so the results are too, up to the rounding of kernels that split their work over the
+threads they find free.
 
 Checkpoints: the buffer is the task the cadence saves: its prompt stream's position is the one before the
 first batch not yet trained, so a resumed run draws the batches in flight again (generated with the
@@ -25,8 +31,12 @@ resumed weights): no prompt of the data order is skipped or trained twice.
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch.distributed as dist
 
 from megatron_gptoss.config import TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
@@ -80,6 +90,10 @@ class RolloutBuffer:
         self.k, self.partial = cfg.rollout.max_staleness, cfg.rollout.partial
         self.pending: dict[int, Submitted] = {}
         self.version: int | None = None  # the engine's policy version as this buffer knows it
+        self.overlap = self.overlaps(cfg, host)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._busy_s = 0.0  # the engine's generation time since `busy_s` was last read
 
     # ------------------------------------------------------------------------------- the task's state
     def state_dict(self) -> dict[str, Any]:
@@ -92,24 +106,27 @@ class RolloutBuffer:
         self.task.load_state_dict(state)
 
     def close(self) -> None:
+        """Join the background generation (its error dropped: the run is ending), close the task."""
+        if self._thread is not None:
+            self._thread.join()
+        self._thread, self._error = None, None
         self.task.close()
 
     # ------------------------------------------------------------------------------------------------
     def take(self, step: int, last_step: int) -> tuple[Rollouts, list[list[int]], dict[str, float]]:
         """Batch `step` (learner and engine at version step - 1), the per-token versions of its rows, and
         its metrics (the reward metrics, `staleness/dropped_rows`, `buffer/depth`: rows submitted and not
-        yet trained after this one). Batches up to `last_step` are submitted ahead."""
+        yet trained after this one). Batches up to `last_step` are submitted ahead; with `overlap` the
+        batches ahead are generated in the background until `wait`."""
+        self.wait()
+        start = time.perf_counter()
         version = step - 1
         self.weights_are(version)
-        for ahead in range(step, min(step + self.k, last_step) + 1):
-            if ahead not in self.pending:
-                self._submit(ahead, version)
+        if step not in self.pending:
+            self._submit(step, version)
         batch = self.pending.pop(step)
-        if batch.rollouts is None:
-            assert batch.params is not None
-            generations = self.host.finish(batch.handle)
-            batch.rollouts = score_round(self.cfg, self.task, batch.rows, generations)
-            batch.metrics = batch_metrics(self.cfg, batch.rollouts)
+        self._complete(batch)
+        assert batch.rollouts is not None
         rollouts, metrics = batch.rollouts, dict(batch.metrics)
         versions = row_versions(rollouts.generations, batch.version)
         dropped = stale_rows(versions, version, self.k)
@@ -117,8 +134,77 @@ class RolloutBuffer:
             rollouts, versions = self._resubmit(batch, dropped, versions, version)
             metrics.update(batch_metrics(self.cfg, rollouts))
         metrics["staleness/dropped_rows"] = float(len(dropped))
-        metrics["buffer/depth"] = float(sum(self._rows(b) for b in self.pending.values()))
+        later = [a for a in range(step + 1, min(step + self.k, last_step) + 1) if a not in self.pending]
+        rows = self.cfg.rollout.prompts_per_step * self.cfg.rollout.n_samples_per_prompt
+        depth = sum(self._rows(b) for b in self.pending.values()) + rows * len(later)
+        metrics["buffer/depth"] = float(depth)
+        if self.overlap:
+            self._busy_s += time.perf_counter() - start
+            self._background(later, version)
+        else:
+            self._ahead(later, version)
+            self._busy_s += time.perf_counter() - start
         return rollouts, versions, metrics
+
+    def _complete(self, batch: Submitted) -> None:
+        """A partial batch's rows stepped to their end and scored."""
+        if batch.rollouts is None:
+            generations = self.host.finish(batch.handle)
+            batch.rollouts = score_round(self.cfg, self.task, batch.rows, generations)
+            batch.metrics = batch_metrics(self.cfg, batch.rollouts)
+
+    def _ahead(self, later: list[int], version: int) -> None:
+        """The engine's work while the learner trains: submit the batches `later` (generated whole, or
+        queued), and step the next partial batch to its end (the rows of later batches advance alongside and
+        pause there, to continue under the next weights)."""
+        for ahead in later:
+            self._submit(ahead, version)
+        if self.partial and self.pending:
+            self._complete(self.pending[min(self.pending)])
+
+    def _background(self, later: list[int], version: int) -> None:
+        """`_ahead` in a thread while the learner computes; `wait` joins it."""
+
+        def work() -> None:
+            start = time.perf_counter()
+            try:
+                self._ahead(later, version)
+            except BaseException as err:  # re-raised by wait() in the loop's thread
+                self._error = err
+            self._busy_s += time.perf_counter() - start
+
+        self._thread = threading.Thread(target=work, name="rollouts-ahead", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Join the background generation (before the engine's weights change, a checkpoint or an
+        evaluation); its error, if any, raised here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def busy_s(self) -> float:
+        """Seconds the engine generated (in `take` and in the background) since the last call."""
+        busy, self._busy_s = self._busy_s, 0.0
+        return busy
+
+    @staticmethod
+    def overlaps(cfg: TrainConfig, host) -> bool:
+        """Whether the batches ahead are generated in a thread while the learner computes: k >= 1, a world
+        of one rank (the engine's generation then makes no collective that could interleave with the
+        learner's), the embedded engine, no agentic rollouts, an engine that stays awake."""
+        r = cfg.rollout
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return (
+            r.max_staleness > 0
+            and world == 1
+            and host is not None
+            and not cfg.agent.enabled
+            and not r.sleep_level
+        )
 
     def _rows(self, batch: Submitted) -> int:
         if batch.rollouts is not None:

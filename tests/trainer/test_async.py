@@ -3,8 +3,9 @@
 - `rollout.max_staleness=0` is the synchronous loop: the same metrics and final weights as a loop that
   calls `collect_rollouts` for every step;
 - k = 1: every trained token's recorded version is the one the schedule says (batch s sampled at version
-  max(0, s - 2)), `staleness/max` <= 1 every step; with partial rollouts too (`tests/rollout/test_partial.py`
-  checks what a continued row computes under `keep` and `recompute`);
+  max(0, s - 2)), `staleness/max` <= 1 every step; with partial rollouts too, where the batches ahead are
+  generated in a thread while the learner computes and the run equals one without that overlap
+  (`tests/rollout/test_partial.py` checks what a continued row computes under `keep` and `recompute`);
 - the buffer's checkpointed prompt stream is the one before the first batch not trained (a stateful task
   resumed from it draws the batches in flight again: none skipped, none twice);
 - a row older than k versions is dropped and generated again with its own seed, counted."""
@@ -49,6 +50,12 @@ class _Synchronous:
     def weights_are(self, version):
         pass
 
+    def wait(self):
+        pass
+
+    def busy_s(self):
+        return 0.0
+
     def state_dict(self):
         return self.task.state_dict()
 
@@ -86,6 +93,14 @@ def test_bounded_staleness(tmp_path, monkeypatch, mode):
         return batch
 
     monkeypatch.setattr(loop, "build_batch", recording)
+    background = {"calls": 0}
+    threaded = RolloutBuffer._background
+
+    def counted(self, later, version):
+        background["calls"] += 1
+        return threaded(self, later, version)
+
+    monkeypatch.setattr(RolloutBuffer, "_background", counted)
     partial = [] if mode == "whole" else ["rollout.partial=true", f"rollout.partial_kv={mode}"]
     lines = _run(tmp_path / mode, "run.export_hf=false", "rollout.max_staleness=1", *partial)
     assert len(seen) == 3
@@ -103,6 +118,17 @@ def test_bounded_staleness(tmp_path, monkeypatch, mode):
     )  # batch 2 ahead; none at the end
     if mode == "whole":
         assert torch.equal(seen[2], torch.ones_like(seen[2]))  # batch 3: sampled whole at version 1
+        return
+    # the batches ahead were generated in a thread while the learner computed; without, the same run up to
+    # float32 rounding (two threads share the CPU's intra-op pool: GEMMs split their sums differently)
+    assert background["calls"] == 3
+    monkeypatch.setattr(RolloutBuffer, "overlaps", staticmethod(lambda cfg, host: False))
+    alone = _run(tmp_path / "sequential", "run.export_hf=false", "rollout.max_staleness=1", *partial)
+    assert background["calls"] == 3
+    for step in (1, 2, 3):
+        for key, value in alone[step].items():
+            if not key.startswith(("time/", "idle/", "perf/")):
+                assert lines[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
 
 
 def test_partial_needs_the_embedded_engine():
