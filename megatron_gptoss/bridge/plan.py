@@ -186,10 +186,12 @@ class _Common:
     dtype: str
     dst: int
 
-    def first_replica(self, ranks: list[int], coord: str, order: str) -> tuple[int, ...]:
-        """Holders with `coord` rank 0, sorted by their `order` coordinate."""
+    def first_replica(self, ranks: list[int], coord: str | tuple[str, ...], order: str) -> tuple[int, ...]:
+        """Holders with rank 0 in `coord` (one coordinate or several), sorted by their `order` coordinate."""
+        kinds = (coord,) if isinstance(coord, str) else coord
         coords = self.layout.coords
-        return tuple(sorted((r for r in ranks if coords(r)[coord] == 0), key=lambda r: coords(r)[order]))
+        firsts = (r for r in ranks if all(coords(r)[kind] == 0 for kind in kinds))
+        return tuple(sorted(firsts, key=lambda r: coords(r)[order]))
 
     def root(self, sources: tuple[int, ...]) -> int:
         return self.dst if self.dst in sources else sources[0]
@@ -198,9 +200,10 @@ class _Common:
 def _dense_transfer(c: _Common, ranks: list[int], spec: ShardSpec | None) -> Transfer:
     match = match_ours(c.name)
     if spec is None:  # replicated: one holder sends it, dst itself when it holds it
-        sources: tuple[int, ...] = (c.dst,) if c.dst in ranks else c.first_replica(ranks, "dp", "tp")[:1]
+        first = c.first_replica(ranks, ("dp", "cp"), "tp")  # the cp ranks of a replica hold the same weights
+        sources: tuple[int, ...] = (c.dst,) if c.dst in ranks else first[:1]
     else:
-        sources = c.first_replica(ranks, "dp", "tp")
+        sources = c.first_replica(ranks, ("dp", "cp"), "tp")
         if len(sources) != c.layout.tp:
             raise ValueError(
                 f"{c.name}: {len(sources)} tp shards in the first replica, expected {c.layout.tp}"

@@ -213,3 +213,20 @@ def test_attention_blocks_on_the_triton_kernel():
     per_rank = pool(2).run(_attention_errors, "triton", [3, 6, None])
     worst = max((err, name) for errs in per_rank for name, err in errs.items())
     assert worst[0] <= 1e-5, worst
+
+
+def test_weight_sync_plan_sends_from_one_cp_replica():
+    """The bridge's plan under tp2 x cp2 x dp2, ep4: dense shards come from the (dp 0, cp 0) replica only,
+    experts from the ep owners, which span the cp ranks."""
+    from megatron_gptoss.bridge.plan import EngineLayout, ParamInfo, plan_transfers
+    from megatron_gptoss.checkpoint.dist_boxes import shard_spec_of
+    from megatron_gptoss.hf.names import our_names
+
+    config = tiny_config()
+    layout = Layout(world=8, tp=2, pp=1, ep=4, cp=2)
+    infos = [ParamInfo(name, (), "float32", shard_spec_of(name, 2)) for name in our_names(config)]
+    plan = plan_transfers(layout, EngineLayout(), dict.fromkeys(range(8), infos), config, 1 << 20, dst=0)
+    sources = {t.ours: t.sources for t in plan}
+    assert sources["decoder.layers.0.self_attention.linear_qkv.weight"] == (0, 1)
+    assert sources["decoder.layers.1.mlp.experts.linear_fc1.weight"] == (0, 1, 2, 3)
+    assert sources["decoder.layers.1.pre_mlp_layernorm.weight"] == (0,)
