@@ -8,8 +8,9 @@ the learner between rollouts.
 Every call returns the bytes it released or took, measured on CUDA with `torch.cuda.memory_allocated` (on
 the CPU the device is the host: the measured fields are 0 there, the weight and cache sizes are still given).
 
-Parameters named in `shared` (a LoRA engine's frozen base, which is the learner's own memory) are never
-moved or freed: sleep and wake act on the engine's own weights only.
+The weights are the parameters and the MXFP4 experts' uint8 buffers (`model.mxfp4_weight`, named
+`<weight>.blocks` / `<weight>.scales`). Tensors named in `shared` (a LoRA engine's frozen base, which is the
+learner's own memory) are never moved or freed: sleep and wake act on the engine's own weights only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 
 
 def _allocated(device: torch.device) -> int:
@@ -37,8 +40,12 @@ class EngineMemory:
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
         self.shared: set[str] = set()
 
-    def _own(self) -> dict[str, nn.Parameter]:
-        return {n: p for n, p in self.model.named_parameters() if n not in self.shared}
+    def _own(self) -> dict[str, torch.Tensor]:
+        """The engine's own weights: parameters and MXFP4 buffers not in `shared`."""
+        own: dict[str, torch.Tensor] = dict(self.model.named_parameters())
+        for name, weight in mxfp4_weights(self.model).items():
+            own[f"{name}.blocks"], own[f"{name}.scales"] = weight.blocks, weight.scales
+        return {n: t for n, t in own.items() if n not in self.shared}
 
     def weights_loaded(self) -> None:
         self.has_weights = True
