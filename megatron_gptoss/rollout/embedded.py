@@ -12,6 +12,9 @@
 prefill mixed with decode) or the static schedule (batches of prompts prefilled whole, decoded until the
 batch's last row stops); both run the same step and give the same tokens and log-probs for a seeded request.
 
+Partial rollouts: `start` / `advance` / `finish` keep rows in flight across `update_weights`; each sampled
+token records `policy_version`, and `recompute_in_flight` has the rows prefill their prefix again.
+
 Seeded sampling: row i of a `generate` request samples its response token t from counter t of the stream
 seed + i (`rollout.sampling`), whatever rows share its steps. A session's token at sequence position p
 (prompt included) comes from counter p of the session's seed (`engine_api.protocol.SessionEngine`).
