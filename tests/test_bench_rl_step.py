@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_rl_step  # noqa: E402
 
 from megatron_gptoss.config import load_config  # noqa: E402
-from megatron_gptoss.model import build_model  # noqa: E402
+from megatron_gptoss.model import GPTOSSModel  # noqa: E402
 from megatron_gptoss.model.lora import is_adapter_param  # noqa: E402
 
 
@@ -18,6 +18,6 @@ def test_tiny_step_reports_phases_and_sends_only_the_adapters(tmp_path):
     for phase in bench_rl_step.COLUMNS:
         assert step[phase] > 0, phase
     assert step["response/length_mean"] > 0
-    model = build_model(load_config(bench_rl_step.CONFIG, bench_rl_step.TINY).model)
+    model = GPTOSSModel(load_config(bench_rl_step.CONFIG, bench_rl_step.TINY).model, device="meta")
     adapter_bytes = sum(4 * p.numel() for name, p in model.named_parameters() if is_adapter_param(name))
     assert 0 < step["sync/bytes"] == adapter_bytes
