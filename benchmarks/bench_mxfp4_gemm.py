@@ -3,6 +3,8 @@
     python benchmarks/bench_mxfp4_gemm.py                          # check, then the table (~1-2 minutes)
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256,4096 --paths auto,portable
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --sweep     # and the fastest of SWEEP's tiles
+    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --decodes bytes,groups,ptx --sweep portable/ptx
+                                    # the portable kernel's decodings, and DECODE_SWEEP's tiles with PTX
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
@@ -10,6 +12,7 @@ Shapes: 32 experts, top-4 random routing of N tokens (N * 4 expert-sorted rows),
 2880, bf16 rows, MXFP4 weights with every code and scales 2^-6 .. 2^-4, bf16 biases. One expert layer =
 fc1 + bias + clamped SwiGLU, then fc2 + bias:
     mxfp4 <path>   `fc1_swiglu_mxfp4`, then `grouped_linear_mxfp4` + `fused_moe.expert_bias`
+    mxfp4 portable/<decode>  the same with the portable kernel's decoding `Mxfp4Config.decode` (`--decodes`)
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
                    `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
     bf16 decode    `moe_decode.decode_fc1` / `decode_fc2` on the dequantized weights (the engine's bf16 path;
@@ -29,6 +32,7 @@ device name, else the measured copy rate (2 x bytes / time of a 1 GiB device-to-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -49,6 +53,12 @@ SWEEP = [
     (2, 64, 128, 4, 3, 0), (2, 64, 128, 4, 3, 1), (2, 32, 128, 4, 3, 0), (2, 128, 128, 4, 3, 0),
     (2, 128, 128, 4, 3, 1), (2, 64, 256, 4, 3, 0), (2, 64, 64, 4, 4, 0), (2, 64, 128, 8, 3, 0),
     (2, 64, 128, 4, 2, 0), (2, 64, 128, 4, 5, 0), (1, 64, 128, 4, 3, 0), (2, 32, 256, 4, 4, 0),
+]  # fmt: skip
+# the same fields, tried by --sweep portable/<decode> for the block-vector decodings: K steps of 64 keep the
+# decoded tiles in few registers (fc1, 16 rows, PTX: 73-75 registers a thread at 4 warps against 158 at K 128)
+DECODE_SWEEP = [
+    (2, 64, 64, 4, 4, 0), (2, 64, 64, 4, 3, 0), (2, 32, 64, 4, 4, 0), (2, 128, 64, 8, 4, 0),
+    (2, 64, 128, 4, 3, 0), (2, 64, 128, 8, 3, 0), (2, 128, 128, 8, 3, 0), (1, 64, 64, 4, 4, 0),
 ]  # fmt: skip
 
 
@@ -74,33 +84,42 @@ class Layers:
         self.count, self.experts, self.hidden, self.inter = count, experts, hidden, inter
 
 
-def mxfp4_layer(path: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None):
-    """(fc1, fc2) of the MXFP4 path (tiles: `default_config`, or cfg1 / cfg2): each (x, layers, i, bounds)
-    -> rows."""
+def mxfp4_layer(
+    path: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None, decode: str = "bytes"
+):
+    """(fc1, fc2) of the MXFP4 path (tiles: `default_config` with `decode`, or cfg1 / cfg2): each (x, layers,
+    i, bounds) -> rows."""
+
+    def tiles(cfg: Mxfp4Config | None, rows, layers: Layers, gated: bool) -> Mxfp4Config | None:
+        if cfg is not None or decode == "bytes":
+            return cfg
+        default = mxfp4_gemm.default_config(rows.shape[0], layers.experts, rows.device, gated)
+        return dataclasses.replace(default, decode=decode)
 
     def fc1(x, layers: Layers, i: int, bounds):
         blocks, scales = layers.fc1[i]
-        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, path, cfg1)
+        cfg = tiles(cfg1, x, layers, True)
+        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, path, cfg)
 
     def fc2(h, layers: Layers, i: int, bounds):
         blocks, scales = layers.fc2[i]
-        y = mxfp4_gemm.grouped_linear_mxfp4(h, blocks, scales, bounds, path, cfg2)
+        y = mxfp4_gemm.grouped_linear_mxfp4(h, blocks, scales, bounds, path, tiles(cfg2, h, layers, False))
         return fused_moe.expert_bias(y, layers.b2[i], bounds)
 
     return fc1, fc2
 
 
-def sweep(path: str, layers: Layers, x, bounds, reps: int, device):
-    """(best fc1 config, best fc2 config) of `path` over SWEEP at these rows: each config checked, then
-    fc1 and fc2 timed alone; the three fastest of each printed. A config that does not compile or run is
-    skipped."""
+def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str = "bytes"):
+    """(best fc1 config, best fc2 config) of `path` over SWEEP (DECODE_SWEEP with the portable kernel's
+    `decode` other than "bytes") at these rows: each config checked, then fc1 and fc2 timed alone; the three
+    fastest of each printed. A config that does not compile or run is skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
     h = mxfp4_layer(path)[0](x, layers, 0, bounds)
-    for factor, block_n, block_k, warps, stages, swap in SWEEP:
+    for factor, block_n, block_k, warps, stages, swap in SWEEP if decode == "bytes" else DECODE_SWEEP:
         if swap and mxfp4_gemm.kernel_for(x, path) != "scaled":
             continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
-        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages, bool(swap))
+        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages, bool(swap), decode=decode)
         fc1, fc2 = mxfp4_layer(path, cfg, cfg)
         try:
             if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
@@ -128,7 +147,8 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device):
 
 def describe(cfg: Mxfp4Config) -> str:
     swap = " swap" if cfg.swap else ""
-    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}{swap}"
+    decode = "" if cfg.decode == "bytes" else f" {cfg.decode}"
+    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}{swap}{decode}"
 
 
 def library_fc1(x, layers: Layers, i: int, bounds):
@@ -238,7 +258,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="auto,portable", help="MXFP4 paths timed, comma-separated")
     parser.add_argument("--layers", type=int, default=4, help="layers of weights cycled through")
     parser.add_argument("--reps", type=int, default=20, help="graph replays timed")
-    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tiles of each MXFP4 path")
+    decodes = ",".join(mxfp4_gemm.DECODES)
+    parser.add_argument("--decodes", default="bytes", help=f"portable decodings timed ({decodes})")
+    parser.add_argument("--sweep", nargs="?", const="", default=None,
+                        help="also time the SWEEP tiles of each MXFP4 path; with a value, of these comma-"
+                        "separated paths or portable/<decode> (DECODE_SWEEP's tiles)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
     with torch.no_grad():
@@ -265,6 +289,11 @@ def run(args: argparse.Namespace) -> int:
     layers = Layers(count, experts, width, width, dtype, device)
     peak, source = peak_bandwidth(device)
     paths = [p for p in args.paths.split(",") if p]
+    decodes = [d for d in args.decodes.split(",") if d]
+    for decode in decodes:
+        if decode not in mxfp4_gemm.DECODES:
+            raise SystemExit(f"--decodes: {decode!r} is not one of {mxfp4_gemm.DECODES}")
+    swept = paths if args.sweep == "" else [p for p in (args.sweep or "").split(",") if p]
     table, ok = [], True
     print(f"check (layer 0, tolerance {TOLERANCE}):")
     for tokens in tokens_list:
@@ -274,9 +303,13 @@ def run(args: argparse.Namespace) -> int:
         x = torch.randn(tokens * TOPK, width, generator=g).to(device, dtype)
         rows = x.shape[0]
         candidates = [(f"mxfp4 {p}", *mxfp4_layer(p), 4.25) for p in paths]
-        if args.sweep and device.type == "cuda":
-            for p in paths:
-                cfg1, cfg2 = sweep(p, layers, x, bounds, max(reps // 2, 1), device)
+        candidates += [
+            (f"mxfp4 portable/{d}", *mxfp4_layer("portable", decode=d), 4.25) for d in decodes if d != "bytes"
+        ]
+        if device.type == "cuda":
+            for item in swept:
+                p, _, decode = item.partition("/")
+                cfg1, cfg2 = sweep(p, layers, x, bounds, max(reps // 2, 1), device, decode or "bytes")
                 if cfg1 is not None and cfg2 is not None:
                     candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}",
                                        *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
@@ -284,9 +317,14 @@ def run(args: argparse.Namespace) -> int:
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
         for name, fc1, fc2, bits in candidates:
-            ok &= check(name, fc1, fc2, layers, x, bounds)
+            try:
+                ok &= check(name, fc1, fc2, layers, x, bounds)
+            except Exception as exc:  # noqa: BLE001 - a variant that does not compile fails alone
+                print(f"  {rows:6d} rows {name}: {type(exc).__name__}: {str(exc)[:300]}  FAILED")
+                ok = False
+                continue
             if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
-                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1].rstrip(':'))})"
+                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1].split('/')[0].rstrip(':'))})"
             h = fc1(x, layers, 0, bounds)
 
             def one(f, rows_in, b=bounds):

@@ -175,10 +175,16 @@ class Mxfp4Config:
     warps: int
     stages: int
     swap: bool = False  # scaled kernel: the weight on the left of tl.dot_scaled (the portable one always is)
+    # portable kernel's decoding (`DECODES`, module doc of the kernels): "bytes", "groups" or "ptx" (bf16 rows
+    # on CUDA only; elsewhere "groups")
+    decode: str = "bytes"
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
     bwd_warps: int = 4
+
+
+DECODES = ("bytes", "groups", "ptx")
 
 
 # Interpreter tiles (the CPU): small, few numpy calls.
@@ -290,6 +296,11 @@ def _forward(
     if m == 0 or n == 0:
         return out
     cfg = default_config(m, e, x.device, gated) if config is None else config
+    if cfg.decode not in DECODES:
+        raise ValueError(f"Mxfp4Config.decode must be one of {DECODES}, got {cfg.decode!r}")
+    decode = DECODES.index(cfg.decode)
+    if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
+        decode = DECODES.index("groups")
     has_bias = bias is not None
     bias_arg = x if bias is None else bias
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
@@ -300,7 +311,7 @@ def _forward(
         GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", SWAP=cfg.swap, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        X_FORMAT=_X_FORMATS[x.dtype], num_warps=cfg.warps, num_stages=cfg.stages,
+        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 

@@ -16,7 +16,11 @@ Two ways to form the products:
   dtype twice, once per nibble: the low nibbles are W's even columns of K, the high ones its odd columns, so
   the product is W_even x_even^T + W_odd x_odd^T, x's tile split into its even and odd columns (no
   interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
-  unit's wide side, the few rows of x the narrow one).
+  unit's wide side, the few rows of x the narrow one). The decoding (DECODE): "bytes" (`_decode`: a scale
+  load and its conversion per byte, fp32 arithmetic per value), "groups" (`_decode_groups`: the bytes in
+  16-byte block vectors, one scale load per block, the same arithmetic) or "ptx" (`_decode_groups` through
+  `_E2M1_BF16_PTX`: byte-permute table lookups and one bf16x2 fma per two values, ~3 instructions a value
+  against ~15-25; bf16 on NVIDIA GPUs only, not under the interpreter).
 - scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) and the packed bytes and scales (on
   the right, or with SWAP on the left), Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its
   matrix units).
@@ -60,13 +64,99 @@ def _decode(byte_ptrs, scale_ptrs, mask, DTYPE: tl.constexpr):
     return even, odd
 
 
+# FP4 e2m1 bytes and E8M0 scale bytes -> bf16 (`_decode_groups` with PTX; 4 bytes a call in register $4,
+# their 4 scale bytes in $5): the magnitudes' high and low bf16 bytes looked up by `prmt` (code c & 7 picks
+# byte c of an 8-byte table), the sign (bit 3 of the code, through prmt's sign-replicating selector) moved
+# into the high byte, the bytes paired into bf16 words (the low nibbles' values in $0, $1, the high ones' in
+# $2, $3; element 2 i in a word's low half), then times the scale 2 ** (s - 127) (bf16 bits s << 7) by one
+# exact bf16x2 fma (+0 added) per pair.
+_E2M1_BF16_PTX = tl.constexpr(
+    """
+{
+.reg .b32 m, mh, rh, ha, hb, la, lb, sg, z, h01, l01, h23, l23, s01, s23, e0, e1, o0, o1, sc01, sc23;
+mov.b32 ha, 0x3F3F3F00;
+mov.b32 hb, 0x40404040;
+mov.b32 la, 0xC0800000;
+mov.b32 lb, 0xC0804000;
+mov.b32 sg, 0x80808080;
+mov.b32 z, 0;
+and.b32 m, $4, 0x77777777;
+shr.u32 mh, m, 16;
+shr.u32 rh, $4, 16;
+prmt.b32 h01, ha, hb, m;
+prmt.b32 l01, la, lb, m;
+prmt.b32 h23, ha, hb, mh;
+prmt.b32 l23, la, lb, mh;
+prmt.b32 s01, sg, sg, $4;
+prmt.b32 s23, sg, sg, rh;
+shl.b32 s01, s01, 7;
+shl.b32 s23, s23, 7;
+and.b32 s01, s01, 0x80808080;
+and.b32 s23, s23, 0x80808080;
+or.b32 h01, h01, s01;
+or.b32 h23, h23, s23;
+prmt.b32 e0, l01, h01, 0x6240;
+prmt.b32 o0, l01, h01, 0x7351;
+prmt.b32 e1, l23, h23, 0x6240;
+prmt.b32 o1, l23, h23, 0x7351;
+prmt.b32 sc01, $5, z, 0x4140;
+prmt.b32 sc23, $5, z, 0x4342;
+shl.b32 sc01, sc01, 7;
+shl.b32 sc23, sc23, 7;
+fma.rn.bf16x2 $0, e0, sc01, z;
+fma.rn.bf16x2 $1, e1, sc23, z;
+fma.rn.bf16x2 $2, o0, sc01, z;
+fma.rn.bf16x2 $3, o1, sc23, z;
+}
+"""
+)
+
+
+@triton.jit
+def _decode_groups(
+    wb_base, ws_base, cols, col_ok, k0, K, stride_wbn, stride_wsn, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of rows `cols` at K columns k0 + 2 j
+    and k0 + 2 j + 1 (`_decode`'s), the bytes read as [BLOCK_N, BLOCK_K / 32, 16] tiles (16-byte vectors)
+    and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by
+    `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else
+    by `_fp4_values` and `_scale_values`."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    g = k0 // 32 + tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & (g < K // 32)[None, :]
+    byte_ptrs = wb_base + cols[:, None, None] * stride_wbn + (g * 16)[None, :, None]
+    byte = tl.load(
+        byte_ptrs + tl.arange(0, 16)[None, None, :],
+        mask=mask[:, :, None],
+        other=0,
+        eviction_policy="evict_first",
+    )
+    scale = tl.load(
+        ws_base + cols[:, None] * stride_wsn + g[None, :], mask=mask, other=0, eviction_policy="evict_first"
+    )
+    if PTX:
+        scale = tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, 16])
+        even, odd = tl.inline_asm_elementwise(
+            _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+            pack=4,
+        )  # fmt: skip
+    else:
+        codes = byte.to(tl.int32)
+        factor = _scale_values(scale)[:, :, None]
+        even = (_fp4_values(codes & 15) * factor).to(DTYPE)
+        odd = (_fp4_values(codes >> 4) * factor).to(DTYPE)
+    return tl.reshape(even, [BLOCK_N, BLOCK_K // 2]), tl.reshape(odd, [BLOCK_N, BLOCK_K // 2])
+
+
 @triton.jit
 def _portable_products(
     X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
-    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T."""
+    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T. DECODE: 0
+    `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX."""
     HALF: tl.constexpr = BLOCK_K // 2
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
@@ -87,11 +177,23 @@ def _portable_products(
         w_mask = col_ok[:, None] & k_ok[None, :]
         b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
         s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
-        w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+        if DECODE == 0:
+            w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+        else:
+            w_even, w_odd = _decode_groups(
+                wb_base, ws_base, cols, col_ok, k0, K, stride_wbn, stride_wsn, dtype, BLOCK_N, BLOCK_K,
+                DECODE == 2,
+            )  # fmt: skip
         lo = tl.dot(w_even, x_even, lo, input_precision=DOT_PRECISION)
         lo = tl.dot(w_odd, x_odd, lo, input_precision=DOT_PRECISION)
         if GATED:
-            w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
+            if DECODE == 0:
+                w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
+            else:
+                w_even, w_odd = _decode_groups(
+                    wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0, K, stride_wbn,
+                    stride_wsn, dtype, BLOCK_N, BLOCK_K, DECODE == 2,
+                )  # fmt: skip
             hi = tl.dot(w_even, x_even, hi, input_precision=DOT_PRECISION)
             hi = tl.dot(w_odd, x_odd, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
@@ -161,13 +263,14 @@ def mxfp4_fwd_kernel(
     X, Wb, Ws, Bias, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be,
     stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate * sigmoid(alpha gate)
     with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded products with W[e, c] and
     W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = rounded product (+ bias). SCALED:
-    the products by `tl.dot_scaled`, else by the in-register decoding (module doc)."""
+    the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE: which,
+    `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -193,7 +296,7 @@ def mxfp4_fwd_kernel(
         else:
             lo, hi = _portable_products(
                 X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
         # the rounded values (a no-op in fp32)

@@ -1,7 +1,8 @@
 """MXFP4 grouped expert GEMMs (megatron_gptoss.ops.mxfp4_gemm) on a CUDA GPU, bf16 at gpt-oss-20b width (32
 experts, hidden = intermediate = 2880, top-4 routing): both paths per row against float64 with the
 dequantize-then-bf16 path's roundings and against that path itself; the input gradient likewise; the
-portable kernel with Triton's pre-Hopper matrix instructions (DISABLE_MMA_V3=1, in a child process).
+portable kernel's block-vector decodings (its PTX decoding exhaustively); the portable kernel with Triton's
+pre-Hopper matrix instructions (DISABLE_MMA_V3=1, in a child process).
 
     python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm_gpu.py -s
 """
@@ -147,6 +148,34 @@ def test_scaled_kernel_with_the_weight_on_the_left():
     y = grouped_linear_mxfp4(h, b2, s2, bounds, path="auto", config=cfg2)
     assert_rounds_as("auto swap fc2 vs float64", y, exact_products(h, b2, s2, bounds).bfloat16())
     assert not mxfp4_gemm.scaled_failures()
+
+
+def test_ptx_decoding_is_exact():
+    """The portable kernel's PTX decoding (decode="ptx"): every byte under every scale byte 2..240, read back
+    through one-hot rows (each product a single decoded value), equals `dequantize` in bf16."""
+    scales = torch.arange(2, 241, dtype=torch.uint8, device="cuda")[None, :, None].expand(1, 239, 16)
+    blocks = torch.arange(256, device="cuda").to(torch.uint8).reshape(1, 1, 16, 16).expand(1, 239, 16, 16)
+    x = torch.eye(512, device="cuda", dtype=torch.bfloat16)
+    bounds = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
+    cfg = dataclasses.replace(mxfp4_gemm.default_config(512, 1, x.device, False), decode="ptx")
+    y = grouped_linear_mxfp4(x, blocks.contiguous(), scales.contiguous(), bounds, path="portable", config=cfg)
+    assert torch.equal(y.t(), mxfp4_gemm.dequantize(blocks, scales, torch.bfloat16)[0])
+
+
+@pytest.mark.parametrize("decode", ["groups", "ptx"])
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_portable_decodings_round_as_the_dequantized_bf16_path(decode, tokens):
+    """The portable kernel with the block-vector decodings (`Mxfp4Config.decode`), fc1 and fc2 at engine
+    decode sizes, default tiles otherwise."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    cfg1, cfg2 = (
+        dataclasses.replace(mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated), decode=decode)
+        for gated in (True, False)
+    )
+    h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path="portable", config=cfg1)
+    assert_rounds_as(f"portable {decode} fc1 vs float64", h, ideal_fc1(x, b1, s1, bias, bounds))
+    y = grouped_linear_mxfp4(h, b2, s2, bounds, path="portable", config=cfg2)
+    assert_rounds_as(f"portable {decode} fc2 vs float64", y, exact_products(h, b2, s2, bounds).bfloat16())
 
 
 def test_portable_path_with_pre_hopper_matrix_instructions():
