@@ -6,6 +6,7 @@
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --decodes bytes,groups,ptx --sweep portable/ptx
                                     # the portable kernel's decodings, and DECODE_SWEEP's tiles with PTX
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
+    python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
 Shapes: 32 experts, top-4 random routing of N tokens (N * 4 expert-sorted rows), hidden = intermediate =
@@ -38,6 +39,8 @@ import time
 from collections.abc import Callable
 
 import torch
+import triton
+import triton.language as tl
 
 from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm
 from megatron_gptoss.ops.mxfp4_gemm import Mxfp4Config
@@ -46,6 +49,7 @@ LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
 TOLERANCE = 1e-2
 PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # SXM / HBM3(e) spec bandwidth, by device name
 DECODE_ROWS_PER_EXPERT = 64
+FLOOR = "load floor (no decoding, values unchecked)"
 # (row tile factor, block_n, block_k, warps, stages, swap) tried by --sweep: block_m =
 # `moe_decode.row_tile(rows, experts, factor)` (factor 2 is `default_config`'s); swap (the weight on the left
 # of tl.dot_scaled) only for the auto path's scaled kernel
@@ -174,6 +178,74 @@ def decode_fc2(h, layers: Layers, i: int, bounds):
     return moe_decode.decode_fc2(h, layers.w2[i], layers.b2[i], bounds)
 
 
+@triton.jit
+def _load_floor_kernel(
+    X, Wb, Ws, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_out,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """The forward kernel's grid, loads and matrix products without the decoding (a timing floor; the values
+    mean nothing): each weight byte converted to x's dtype as an integer and multiplied by x's first K / 2
+    columns, the scale bytes summed into the products."""
+    e = tl.program_id(1)
+    start = tl.load(bounds + e)
+    end = tl.load(bounds + e + 1)
+    if start >= end:
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    wb = Wb + e.to(tl.int64) * stride_wbe
+    ws = Ws + e.to(tl.int64) * stride_wse
+    for r0 in range(start, end, BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < end
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 2 + tl.arange(0, HALF)
+            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            x_ptrs = X + rows[:, None] * stride_x + (k0 + tl.arange(0, HALF))[None, :]
+            x = tl.load(x_ptrs, mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0.0)
+            for half in tl.static_range(2 if GATED else 1):
+                w_rows = (cols + half * N)[:, None]
+                b_ok = col_ok[:, None] & (kb < K // 2)[None, :]
+                s_ok = col_ok[:, None] & (kg < K // 32)[None, :]
+                b = tl.load(
+                    wb + w_rows * stride_wbn + kb[None, :], mask=b_ok, other=0, eviction_policy="evict_first"
+                )
+                sc = tl.load(
+                    ws + w_rows * stride_wsn + kg[None, :], mask=s_ok, other=0, eviction_policy="evict_first"
+                )
+                acc = tl.dot(b.to(x.dtype), tl.trans(x), acc)
+                acc += tl.sum(sc.to(tl.float32), axis=1)[:, None]
+        out_ptrs = Out + rows[None, :] * stride_out + cols[:, None]
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+
+
+def floor_layer():
+    """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles: the time to stream the MXFP4 bytes
+    with the kernels' grid and tiles when decoding costs nothing."""
+
+    def launch(x, blocks, scales, bounds, gated: bool):
+        e, rows_w = blocks.shape[:2]
+        n = rows_w // 2 if gated else rows_w
+        cfg = mxfp4_gemm.default_config(x.shape[0], e, x.device, gated)
+        out = x.new_empty(x.shape[0], n)
+        _load_floor_kernel[(triton.cdiv(n, cfg.block_n), e)](
+            x, blocks, scales, out, bounds, n, x.shape[1], x.stride(0), blocks.stride(0), blocks.stride(1),
+            scales.stride(0), scales.stride(1), out.stride(0), GATED=gated, BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages,
+        )  # fmt: skip
+        return out
+
+    def fc1(x, layers: Layers, i: int, bounds):
+        return launch(x, *layers.fc1[i], bounds, True)
+
+    def fc2(h, layers: Layers, i: int, bounds):
+        return launch(h, *layers.fc2[i], bounds, False)
+
+    return fc1, fc2
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ours, ref = ours.double(), ref.double()
     return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -264,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", nargs="?", const="", default=None,
                         help="also time the SWEEP tiles of each MXFP4 path; with a value, of these comma-"
                         "separated paths or portable/<decode> (DECODE_SWEEP's tiles)")  # fmt: skip
+    parser.add_argument("--floor", action="store_true", help="also time the loads without decoding")
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
     with torch.no_grad():
@@ -314,12 +387,14 @@ def run(args: argparse.Namespace) -> int:
                 if cfg1 is not None and cfg2 is not None:
                     candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}",
                                        *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
+        if args.floor:
+            candidates.append((FLOOR, *floor_layer(), 4.25))
         candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
         for name, fc1, fc2, bits in candidates:
             try:
-                ok &= check(name, fc1, fc2, layers, x, bounds)
+                ok &= name == FLOOR or check(name, fc1, fc2, layers, x, bounds)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile fails alone
                 print(f"  {rows:6d} rows {name}: {type(exc).__name__}: {str(exc)[:300]}  FAILED")
                 ok = False
