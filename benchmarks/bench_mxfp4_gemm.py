@@ -49,7 +49,7 @@ LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
 TOLERANCE = 1e-2
 PEAK_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # SXM / HBM3(e) spec bandwidth, by device name
 DECODE_ROWS_PER_EXPERT = 64
-FLOOR = "load floor (no decoding, values unchecked)"
+FLOOR = "load floor (no decoding, values unchecked):"
 # (row tile factor, block_n, block_k, warps, stages, swap) tried by --sweep: block_m =
 # `moe_decode.row_tile(rows, experts, factor)` (factor 2 is `default_config`'s); swap (the weight on the left
 # of tl.dot_scaled) only for the auto path's scaled kernel
@@ -221,14 +221,16 @@ def _load_floor_kernel(
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
-def floor_layer():
-    """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles: the time to stream the MXFP4 bytes
-    with the kernels' grid and tiles when decoding costs nothing."""
+def floor_layer(block_k: int | None = None):
+    """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
+    the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing."""
 
     def launch(x, blocks, scales, bounds, gated: bool):
         e, rows_w = blocks.shape[:2]
         n = rows_w // 2 if gated else rows_w
         cfg = mxfp4_gemm.default_config(x.shape[0], e, x.device, gated)
+        if block_k is not None and x.is_cuda:
+            cfg = dataclasses.replace(cfg, block_k=block_k)
         out = x.new_empty(x.shape[0], n)
         _load_floor_kernel[(triton.cdiv(n, cfg.block_n), e)](
             x, blocks, scales, out, bounds, n, x.shape[1], x.stride(0), blocks.stride(0), blocks.stride(1),
@@ -388,13 +390,13 @@ def run(args: argparse.Namespace) -> int:
                     candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}",
                                        *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
         if args.floor:
-            candidates.append((FLOOR, *floor_layer(), 4.25))
+            candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
         candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
         for name, fc1, fc2, bits in candidates:
             try:
-                ok &= name == FLOOR or check(name, fc1, fc2, layers, x, bounds)
+                ok &= name.startswith(FLOOR) or check(name, fc1, fc2, layers, x, bounds)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile fails alone
                 print(f"  {rows:6d} rows {name}: {type(exc).__name__}: {str(exc)[:300]}  FAILED")
                 ok = False
@@ -413,6 +415,8 @@ def run(args: argparse.Namespace) -> int:
             ms2 = time_per_layer(one(fc2, h), count, reps, device)
             ms = time_per_layer(both(fc1, fc2), count, reps, device)
             table.append((tokens, rows, name, ms1, ms2, ms, roofline_bytes(layers, bounds, rows, bits)))
+            print(f"  {rows:6d} rows {name}: fc1 {ms1 * 1e3:.0f} us, fc2 {ms2 * 1e3:.0f} us, layer "
+                  f"{ms * 1e3:.0f} us", flush=True)  # fmt: skip
     print(f"\nper layer: {experts} experts, hidden = intermediate = {width}, top-{TOPK}, {dtype}, {count} "
           f"layers cycled; roofline at {source}")  # fmt: skip
     print("| tokens | rows | path | fc1 (us) | fc2 (us) | layer (us) | roofline (us) | layer / roofline |")
