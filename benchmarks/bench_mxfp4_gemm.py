@@ -58,12 +58,12 @@ SWEEP = [
     (2, 128, 128, 4, 3, 1), (2, 64, 256, 4, 3, 0), (2, 64, 64, 4, 4, 0), (2, 64, 128, 8, 3, 0),
     (2, 64, 128, 4, 2, 0), (2, 64, 128, 4, 5, 0), (1, 64, 128, 4, 3, 0), (2, 32, 256, 4, 4, 0),
 ]  # fmt: skip
-# the same fields, tried by --sweep portable/<decode> for the block-vector decodings: K steps of 64 keep the
-# decoded tiles in few registers (fc1, 16 rows, PTX: 73-75 registers a thread at 4 warps against 158 at K 128)
+# the same fields and `Mxfp4Config.sub_k`, tried by --sweep portable/<decode> for the block-vector decodings
+# (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64)
 DECODE_SWEEP = [
-    (2, 64, 64, 4, 4, 0), (2, 64, 64, 4, 3, 0), (2, 32, 64, 4, 4, 0), (2, 128, 64, 8, 4, 0),
-    (2, 64, 128, 4, 3, 0), (2, 64, 128, 8, 3, 0), (2, 128, 128, 8, 3, 0), (1, 64, 64, 4, 4, 0),
-    (2, 64, 256, 8, 3, 0),
+    (2, 64, 64, 4, 4, 0, 0), (2, 64, 128, 4, 4, 0, 64), (2, 64, 256, 4, 3, 0, 64), (2, 64, 256, 4, 3, 0, 128),
+    (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
+    (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64),
 ]  # fmt: skip
 
 
@@ -120,11 +120,13 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str =
     fastest of each printed. A config that does not compile or run is skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
     h = mxfp4_layer(path)[0](x, layers, 0, bounds)
-    for factor, block_n, block_k, warps, stages, swap in SWEEP if decode == "bytes" else DECODE_SWEEP:
+    for factor, block_n, block_k, warps, stages, swap, *sub_k in SWEEP if decode == "bytes" else DECODE_SWEEP:
         if swap and mxfp4_gemm.kernel_for(x, path) != "scaled":
             continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
-        cfg = Mxfp4Config(block_m, block_n, block_k, warps, stages, bool(swap), decode=decode)
+        cfg = Mxfp4Config(
+            block_m, block_n, block_k, warps, stages, bool(swap), decode=decode, sub_k=sum(sub_k)
+        )
         fc1, fc2 = mxfp4_layer(path, cfg, cfg)
         try:
             if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
@@ -153,7 +155,8 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str =
 def describe(cfg: Mxfp4Config) -> str:
     swap = " swap" if cfg.swap else ""
     decode = "" if cfg.decode == "bytes" else f" {cfg.decode}"
-    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k} w{cfg.warps} s{cfg.stages}{swap}{decode}"
+    sub_k = f"/{cfg.sub_k}" if cfg.sub_k else ""
+    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}{sub_k} w{cfg.warps} s{cfg.stages}{swap}{decode}"
 
 
 def library_fc1(x, layers: Layers, i: int, bounds):

@@ -178,6 +178,9 @@ class Mxfp4Config:
     # portable kernel's decoding (`DECODES`, module doc of the kernels): "bytes", "groups" or "ptx" (bf16 rows
     # on CUDA only; elsewhere "groups")
     decode: str = "bytes"
+    # "groups" / "ptx": K values decoded and multiplied at once inside a block_k step (a multiple of 32 that
+    # divides block_k; 0: block_k): the step's loads are issued together, its decoded tile held in pieces
+    sub_k: int = 0
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
@@ -299,6 +302,10 @@ def _forward(
     if cfg.decode not in DECODES:
         raise ValueError(f"Mxfp4Config.decode must be one of {DECODES}, got {cfg.decode!r}")
     decode = DECODES.index(cfg.decode)
+    sub_k = cfg.block_k if cfg.sub_k == 0 or decode == 0 else cfg.sub_k
+    if sub_k % BLOCK or cfg.block_k % sub_k:
+        raise ValueError(f"Mxfp4Config.sub_k must be a multiple of {BLOCK} dividing block_k {cfg.block_k}, "
+                         f"got {cfg.sub_k}")  # fmt: skip
     if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
         decode = DECODES.index("groups")
     has_bias = bias is not None
@@ -311,7 +318,7 @@ def _forward(
         GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", SWAP=cfg.swap, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, num_warps=cfg.warps, num_stages=cfg.stages,
+        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 

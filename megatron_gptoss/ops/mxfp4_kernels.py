@@ -153,49 +153,53 @@ def _decode_groups(
 def _portable_products(
     X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
 ):  # fmt: skip
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T. DECODE: 0
-    `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX."""
-    HALF: tl.constexpr = BLOCK_K // 2
+    `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX. Each BLOCK_K
+    step is decoded and multiplied in SUB_K pieces (BLOCK_K with DECODE 0), from k0 up: the step's loads
+    are issued together (runs of BLOCK_K / 2 bytes per weight row), its decoded values held SUB_K at a
+    time."""
+    HALF: tl.constexpr = SUB_K // 2
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
     jj = tl.arange(0, HALF)
     dtype = X.dtype.element_ty
     for k0 in range(0, K, BLOCK_K):
-        kb = k0 // 2 + jj  # byte column of the weight rows
-        k_ok = kb < K // 2
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            X + rows[:, None] * stride_x + ks[None, :],
-            mask=row_ok[:, None] & (ks < K)[None, :],
-            other=0.0,
-            eviction_policy="evict_last",
-        )
-        x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))  # x[:, k0 + 2 j] and x[:, k0 + 2 j + 1]
-        x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
-        s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
-        if DECODE == 0:
-            w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
-        else:
-            w_even, w_odd = _decode_groups(
-                wb_base, ws_base, cols, col_ok, k0, K, stride_wbn, stride_wsn, dtype, BLOCK_N, BLOCK_K,
-                DECODE == 2,
-            )  # fmt: skip
-        lo = tl.dot(w_even, x_even, lo, input_precision=DOT_PRECISION)
-        lo = tl.dot(w_odd, x_odd, lo, input_precision=DOT_PRECISION)
-        if GATED:
+        for k1 in tl.static_range(0, BLOCK_K, SUB_K):
+            kb = (k0 + k1) // 2 + jj  # byte column of the weight rows
+            k_ok = kb < K // 2
+            ks = k0 + k1 + tl.arange(0, SUB_K)
+            x = tl.load(
+                X + rows[:, None] * stride_x + ks[None, :],
+                mask=row_ok[:, None] & (ks < K)[None, :],
+                other=0.0,
+                eviction_policy="evict_last",
+            )
+            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))  # x[:, k + 2 j], x[:, k + 2 j + 1]
+            x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)
+            w_mask = col_ok[:, None] & k_ok[None, :]
+            b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
+            s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
             if DECODE == 0:
-                w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
+                w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
             else:
                 w_even, w_odd = _decode_groups(
-                    wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0, K, stride_wbn,
-                    stride_wsn, dtype, BLOCK_N, BLOCK_K, DECODE == 2,
+                    wb_base, ws_base, cols, col_ok, k0 + k1, K, stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K,
+                    DECODE == 2,
                 )  # fmt: skip
-            hi = tl.dot(w_even, x_even, hi, input_precision=DOT_PRECISION)
-            hi = tl.dot(w_odd, x_odd, hi, input_precision=DOT_PRECISION)
+            lo = tl.dot(w_even, x_even, lo, input_precision=DOT_PRECISION)
+            lo = tl.dot(w_odd, x_odd, lo, input_precision=DOT_PRECISION)
+            if GATED:
+                if DECODE == 0:
+                    w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
+                else:
+                    w_even, w_odd = _decode_groups(
+                        wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0 + k1, K,
+                        stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K, DECODE == 2,
+                    )  # fmt: skip
+                hi = tl.dot(w_even, x_even, hi, input_precision=DOT_PRECISION)
+                hi = tl.dot(w_odd, x_odd, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
 
 
@@ -263,13 +267,13 @@ def mxfp4_fwd_kernel(
     X, Wb, Ws, Bias, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be,
     stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate * sigmoid(alpha gate)
     with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded products with W[e, c] and
     W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = rounded product (+ bias). SCALED:
-    the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE: which,
+    the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE and SUB_K:
     `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
@@ -296,7 +300,7 @@ def mxfp4_fwd_kernel(
         else:
             lo, hi = _portable_products(
                 X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE,
+                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE, SUB_K,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
         # the rounded values (a no-op in fp32)

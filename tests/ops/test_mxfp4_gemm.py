@@ -115,13 +115,14 @@ def test_grouped_linear_forward_and_input_grad(path, counts):
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
 def test_group_decoding(gated):
-    """The portable kernel with decode="groups" (block vectors, one scale load per block) and "ptx" (which
-    the interpreter runs as "groups"): fp32 within 1e-6 of the reference, partial column and K blocks."""
+    """The portable kernel with decode="groups" (block vectors, one scale load per block), also in K pieces
+    of 32 (`sub_k`), and "ptx" (which the interpreter runs as "groups"): fp32 within 1e-6 of the reference,
+    partial column and K blocks."""
     counts, n, k = [5, 0, 19], 48, 96
     blocks, scales = weights(len(counts), n, k, seed=13)
     x, bounds = rows(counts, k, seed=13)
-    for decode in ("groups", "ptx"):
-        tiles = dataclasses.replace(TILES, decode=decode)
+    for decode, sub_k in (("groups", 0), ("groups", 32), ("ptx", 0)):
+        tiles = dataclasses.replace(TILES, decode=decode, sub_k=sub_k)
         if gated:
             ref = reference_dequantized(x, blocks, scales, bounds, None, (LIMIT, ALPHA))
             ours = fc1_swiglu_mxfp4(x, blocks, scales, None, bounds, LIMIT, ALPHA, "portable", tiles)
@@ -131,6 +132,9 @@ def test_group_decoding(gated):
         assert rel_err(ours, ref) <= 1e-6, decode
     with pytest.raises(ValueError, match="decode must be one of"):
         grouped_linear_mxfp4(x, blocks, scales, bounds, "portable", dataclasses.replace(TILES, decode="lut"))
+    with pytest.raises(ValueError, match="sub_k must be a multiple of 32 dividing block_k 64"):
+        tiles = dataclasses.replace(TILES, decode="groups", sub_k=48)
+        grouped_linear_mxfp4(x, blocks, scales, bounds, "portable", tiles)
 
 
 @interpreted
