@@ -132,9 +132,9 @@ def _decode_groups(
         other=0,
         eviction_policy="evict_first",
     )
-    scale = tl.load(
-        ws_base + cols[:, None] * stride_wsn + g[None, :], mask=mask, other=0, eviction_policy="evict_first"
-    )
+    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps: left to L2's default policy (the
+    # weight bytes, read once, are evicted first)
+    scale = tl.load(ws_base + cols[:, None] * stride_wsn + g[None, :], mask=mask, other=0)
     if PTX:
         scale = tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, 16])
         even, odd = tl.inline_asm_elementwise(
