@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from megatron_gptoss.config import TrainConfig
@@ -163,11 +164,16 @@ class RolloutBuffer:
             self._complete(self.pending[min(self.pending)])
 
     def _background(self, later: list[int], version: int) -> None:
-        """`_ahead` in a thread while the learner computes; `wait` joins it."""
+        """`_ahead` in a thread while the learner computes; `wait` joins it. On a GPU the thread queues its
+        kernels on the learner's stream (the engine's memory is never used by two streams unordered): the
+        host's work overlaps, the device runs both in order."""
+        device = self.host.engine.device
 
         def work() -> None:
             start = time.perf_counter()
             try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # the current device is per thread
                 self._ahead(later, version)
             except BaseException as err:  # re-raised by wait() in the loop's thread
                 self._error = err

@@ -52,7 +52,7 @@ def _run(out: Path) -> list[dict]:
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]
+    return [{k: v for k, v in line.items() if not k.startswith(("time/", "idle/"))} for line in lines]
 
 
 def test_two_runs_with_one_seed_log_the_same_metrics(tmp_path):

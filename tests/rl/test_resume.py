@@ -20,8 +20,9 @@ FAST = [
 
 
 def _learning_metrics(records):
-    """Everything but wall-clock times and evaluations (the stopped run also evaluates at its last step)."""
-    skip = ("time/", "eval/", "reward/eval")
+    """Everything but wall-clock times (time/*, idle/*) and evaluations (the stopped run also evaluates at
+    its last step)."""
+    skip = ("time/", "idle/", "eval/", "reward/eval")
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in records]
 
 
