@@ -20,7 +20,11 @@ it only where the order of the fp32 sums moves a product across a rounding bound
 Paths (`path=`, default from the environment variable MEGATRON_GPTOSS_MXFP4_PATH, else "auto"):
     "reference"  dequantize, then the PyTorch path (`reference_dequantized`)
     "portable"   Triton kernels with plain loads and `tl.dot` (no tensor descriptors, nothing Hopper-only)
-    "auto"       the fastest kernels for the device
+    "scaled"     the `tl.dot_scaled` kernel for 16-bit rows on Hopper and later (elsewhere "portable")
+    "auto"       the fastest kernels for the device: at decode sizes (at most `PORTABLE_MAX_ROWS` rows) the
+                 portable kernel with its "ptx" decoding, above them "scaled" on Hopper and later (measured
+                 on an H100 at gpt-oss-20b widths, benchmarks/RESULTS.md: 64 and 256 tokens 356 / 532 us a
+                 layer against the scaled kernel's 490 / 621; at 4,096 tokens the scaled kernel is the faster)
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU in fp32; elsewhere (16-bit rows on the
 CPU, fp64 rows, a CPU without the interpreter, no Triton) every path is the reference.
 """
@@ -43,7 +47,8 @@ from megatron_gptoss.ops.moe_decode import row_tile
 
 BLOCK = 32  # values per MXFP4 block
 BLOCK_BYTES = BLOCK // 2
-PATHS = ("auto", "portable", "reference")
+PATHS = ("auto", "portable", "scaled", "reference")
+PORTABLE_MAX_ROWS = 1024  # auto: the portable kernel up to this many rows (256 decode slots at top-4)
 PATH_ENV = "MEGATRON_GPTOSS_MXFP4_PATH"
 _FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _CHUNK_BLOCKS = 1 << 18  # blocks decoded at once by `dequantize` (bounds its temporaries)
@@ -205,7 +210,7 @@ def default_config(rows: int, experts: int, device: torch.device, gated: bool) -
         return CPU_CONFIG
     block_m = row_tile(rows, experts, 2)
     warps = 8 if gated and block_m >= 128 else 4
-    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3)
+    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3, decode="ptx")
     return fit_shared_memory(cfg, _shared_memory(device), gated)
 
 
@@ -268,7 +273,9 @@ def kernel_for(x: Tensor, path: str | None = None) -> str:
         return "reference"
     if path == "portable" or x.dtype == torch.float32:
         return "portable"
-    return "portable" if torch.cuda.get_device_capability(x.device) < (9, 0) else "scaled"
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "portable"
+    return "portable" if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS else "scaled"
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:

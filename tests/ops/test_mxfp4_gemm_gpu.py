@@ -125,12 +125,15 @@ def check_paths(tokens: int, paths: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("tokens", [64, 256, 2048])
 def test_both_paths_round_as_the_dequantized_bf16_path(tokens):
-    """Decode sizes (64, 256 engine slots) and a prefill size: the auto path (tl.dot_scaled on Hopper) and
-    the portable path, and the auto path did not fall back."""
-    check_paths(tokens, ("auto", "portable"))
-    x = torch.zeros(1, WIDTH, device="cuda", dtype=torch.bfloat16)
+    """Decode sizes (64, 256 engine slots) and a prefill size: the auto path (the portable kernel with its
+    ptx decoding at decode sizes, tl.dot_scaled above them on Hopper), the portable and the scaled paths,
+    and the scaled kernel did not fall back."""
+    check_paths(tokens, ("auto", "portable", "scaled"))
+    small = torch.zeros(mxfp4_gemm.PORTABLE_MAX_ROWS, WIDTH, device="cuda", dtype=torch.bfloat16)
+    large = torch.zeros(mxfp4_gemm.PORTABLE_MAX_ROWS + 1, WIDTH, device="cuda", dtype=torch.bfloat16)
+    assert mxfp4_gemm.kernel_for(small, "auto") == "portable"
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert mxfp4_gemm.kernel_for(x, "auto") == "scaled"
+        assert mxfp4_gemm.kernel_for(large, "auto") == mxfp4_gemm.kernel_for(large, "scaled") == "scaled"
     assert not mxfp4_gemm.scaled_failures()
 
 
