@@ -129,6 +129,15 @@ class DecodeGraphs:
                 "for float32, so the decode step runs eagerly"
             )
 
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph, and capture the next ones into a new private memory pool: the
+        caching allocator refuses to share a pool whose graphs are all gone while it still holds blocks
+        (its `use_count > 0` assertion at capture_begin), which a tensor made during a capture and kept
+        by the model can cause."""
+        self._buffers.clear()
+        if self.mode == "capture":
+            self._pool = torch.cuda.graph_pool_handle()
+
     def _pool_sizes(self) -> tuple[int, ...]:
         return tuple(pool.num_blocks for pool in self.cache.pools)
 
@@ -149,7 +158,7 @@ class DecodeGraphs:
         if rows > self.max_batch:
             return None
         if self._pool_sizes() != self._sizes:  # a pool grew: its storage moved, the graphs are stale
-            self._buffers.clear()
+            self._drop_graphs()
             self._sizes = self._pool_sizes()
         if self.head is None:
             sampling = None
@@ -221,8 +230,17 @@ class DecodeGraphs:
                     self._forward(b)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                b.hidden, b.drawn = self._forward(b)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool):
+                    b.hidden, b.drawn = self._forward(b)
+            except RuntimeError as err:
+                if "use_count" not in str(err):
+                    raise
+                # the pool outlived its graphs (see _drop_graphs): this and later graphs get a new one
+                self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    b.hidden, b.drawn = self._forward(b)
             b.graph = graph
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)
