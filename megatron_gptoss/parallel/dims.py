@@ -109,10 +109,10 @@ def validate_layout(cfg: ParallelConfig, model: ModelConfig, world_size: int) ->
         cfg.context_parallel_size,
     )
     if world_size % (tp * cp * pp):
-        raise LayoutError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size={tp} x "
-            f"context_parallel_size={cp} x pipeline_model_parallel_size={pp}"
-        )
+        sizes = [f"tensor_model_parallel_size={tp}", f"pipeline_model_parallel_size={pp}"]
+        if cp > 1:
+            sizes.insert(1, f"context_parallel_size={cp}")
+        raise LayoutError(f"world size {world_size} is not divisible by {' x '.join(sizes)}")
     layout = Layout(world_size, tp, pp, ep, vpp, cp)
     if (layout.dp * cp * tp) % ep:
         raise LayoutError(
