@@ -76,8 +76,14 @@ def session(run: RunConfig) -> Iterator[Session]:
             interval_s=run.watchdog_interval_s,
             step_stall_s=run.watchdog_step_stall_s or None,
         ).start()
-    yield Session(device, watchdog)
-    # only on a normal end: a rank that fails is noticed by the others' watchdogs
+    try:
+        yield Session(device, watchdog)
+    except BaseException:
+        # a rank that fails is noticed by the others' watchdogs: its group stays for them to see go; a
+        # process of its own (world 1) ends its group, so a caller that handles the error can run again
+        if dist.get_world_size() == 1:
+            dist.destroy_process_group()
+        raise
     if watchdog is not None:
         watchdog.close()
     dist.destroy_process_group()
