@@ -44,6 +44,9 @@ class RunConfig:
     # Torch intra-op threads (0: on a GPU rank 1 unless OMP_NUM_THREADS is set, see
     # utils.host.set_host_threads; on the CPU torch's default).
     num_threads: int = 0
+    # GiB of device memory this process may allocate (torch.cuda.set_per_process_memory_fraction): a smaller
+    # card's budget on a larger one; an allocation beyond it fails as out of memory. 0: the whole device.
+    device_memory_gib: float = 0.0
     # Python's garbage collector: off during the steps and a full collection every this many steps, between
     # them (a collection inside a step stalls the host that feeds the GPU); 0 leaves it to Python.
     gc_every: int = 10
@@ -90,6 +93,7 @@ class RunConfig:
     def validate(self) -> None:
         check_positive("run", self, "steps")
         check_at_least("run", self, 0, "eval_every", "num_threads", "gc_every", "max_reward_error_steps")
+        check_at_least("run", self, 0.0, "device_memory_gib")
         check_at_least("run", self, 1, "keep_last")
         check_loggers(self.loggers)
         if self.mode not in RUN_MODES:

@@ -246,13 +246,16 @@ def step_vocab_sample(cfg: TrainConfig, batch: RolloutBatch, always: torch.Tenso
 
 def step_times(device: torch.device, t0: float, t1: float, t2: float, t3: float) -> dict[str, float]:
     """The time of each phase (the sync timed to its end on GPUs) and, on GPUs, the largest peak memory of
-    any rank over the step (learner and engine together)."""
+    any rank over the step (learner and engine together): allocated (`perf/peak_gib`) and held by the caching
+    allocator (`perf/reserved_gib`, what the device must have)."""
     out: dict[str, float] = {}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 1024**3], device=device)
+        peak = torch.tensor(
+            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)], device=device
+        ).div_(1024**3)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        out["perf/peak_gib"] = float(peak)
+        out["perf/peak_gib"], out["perf/reserved_gib"] = peak.tolist()
         torch.cuda.reset_peak_memory_stats(device)
     t4 = time.perf_counter()
     out.update({"time/generate_s": t1 - t0, "time/logprobs_s": t2 - t1, "time/update_s": t3 - t2})

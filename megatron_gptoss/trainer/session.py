@@ -50,6 +50,17 @@ def device_of_rank() -> torch.device:
     return torch.device("cpu")
 
 
+def limit_device_memory(device: torch.device, gib: float) -> None:
+    """Cap this process's allocations on `device` at `gib` GiB (0: no cap). Raises ConfigError when the
+    device holds less."""
+    if not gib:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * 2**30 > total:
+        raise ConfigError(f"run.device_memory_gib={gib} exceeds the device's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
 @contextmanager
 def session(run: RunConfig) -> Iterator[Session]:
     """Join or create the default process group for the duration of a run."""
@@ -57,6 +68,7 @@ def session(run: RunConfig) -> Iterator[Session]:
     set_host_threads(device, run.num_threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        limit_device_memory(device, run.device_memory_gib)
     if dist.is_initialized():
         yield Session(device)
         return
@@ -89,10 +101,12 @@ def session(run: RunConfig) -> Iterator[Session]:
     dist.destroy_process_group()
 
 
-def memory_capacity(device: torch.device) -> tuple[float, str]:
-    """(bytes, what they are) that this rank may use: its GPU's memory, or on the CPU the host's memory (the
-    smaller of the physical memory and the cgroup's limit) shared by the ranks of this host
-    (LOCAL_WORLD_SIZE)."""
+def memory_capacity(device: torch.device, limit_gib: float = 0.0) -> tuple[float, str]:
+    """(bytes, what they are) that this rank may use: its GPU's memory (`limit_gib` GiB where that is set,
+    run.device_memory_gib), or on the CPU the host's memory (the smaller of the physical memory and the
+    cgroup's limit) shared by the ranks of this host (LOCAL_WORLD_SIZE)."""
+    if device.type == "cuda" and limit_gib:
+        return limit_gib * 2**30, f"run.device_memory_gib of {device}"
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory), f"the memory of {device}"
     total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -110,7 +124,7 @@ def memory_capacity(device: torch.device) -> tuple[float, str]:
 def check_memory(cfg: TrainConfig, device: torch.device) -> None:
     """ConfigError on every rank, with the estimate, when any rank's lower bound of the run's memory
     (`config.memory.run_memory`) exceeds what it may use (`memory_capacity`); collective."""
-    capacity, where = memory_capacity(device)
+    capacity, where = memory_capacity(device, cfg.run.device_memory_gib)
     problem = None
     try:
         check_fits(cfg, dist.get_world_size(), capacity, f"{where} of rank {dist.get_rank()}")
