@@ -20,21 +20,36 @@ Attention of one local chunk x (queries [x c, (x+1) c)) under the sink contract:
                      kernel (eager, flex, triton, fa4) with the sinks, returning (O_d, LSE_d); LSE_d holds
                      the sink term, so the sink enters each row's normaliser exactly once
     earlier keys     only the chunk's first document can reach back (documents are contiguous): its
-                     rows against keys [max(doc start, x c - W + 1), x c), all before every query, so a
-                     rectangle without causal mask (window: j > i - W); `rect_attention` gives (O_r, LSE_r)
-                     without the sink (LSE_r = -inf for a row that sees none): flex_attention on CUDA
-                     (compiled, scores never materialised), the eager reference elsewhere
+                     rows against keys [max(doc start, x c - W + 1), x c), all before every query, so
+                     rectangles without causal mask (window: j > i - W), without the sink, merged into
+                     (O_r, LSE_r) (LSE_r = -inf for a row that sees none); `ring_attention.rect_attention`
+                     computes one: flex_attention on CUDA (compiled, scores never materialised), the
+                     eager reference elsewhere
     merge            LSE = logaddexp(LSE_d, LSE_r), O = O_d exp(LSE_d - LSE) + O_r exp(LSE_r - LSE); the
-                     backward is autograd's through the merge, so each block gets its LSE gradient
+                     backward is autograd's through the merge, so the diagonal and the earlier keys get
+                     their LSE gradient (the ring passes its share on to each of its rectangles)
 
-Keys and values reach the ranks by an all-gather over cp (backward: reduce-scatter of their
-gradients); a sliding-window layer whose window W - 1 fits in a chunk gathers only each chunk's last
-W - 1 keys and values. (A ring that passes K/V blocks would hold one block at a time; the all-gather
-holds the micro-batch's keys of the layer, a 1/heads-per-group share of its activations.)
+How the earlier keys reach a rank (`kv_exchange`, a constructor argument of `ContextParallelAttention`
+and `apply_context_parallel`):
+
+    "ring" (default)   full-attention layers, and window layers whose W - 1 exceeds a chunk, pass the
+                       ranks' key/value blocks around the cp group point to point (`ring_attention`):
+                       at step s rank r computes on the block of rank r - s while it sends that block on
+                       to r + 1; the backward passes each block's dK/dV around with it and back to its
+                       owner. One remote block is computed on at a time; two are held (it and the next
+                       in flight), 2 x 2c of the N tokens' keys and values; rectangles no query chunk can
+                       see are not computed, and ring steps no rank of the group needs are not taken.
+    "all_gather"       those layers all-gather the micro-batch's keys and values over cp (backward:
+                       reduce-scatter of their gradients) and attend each chunk to its earlier keys in one
+                       rectangle: one collective a layer, but all N tokens' keys and values held at once.
+
+A window layer whose W - 1 fits in a chunk needs only the previous chunk's last W - 1 keys: it gathers
+every chunk's last W - 1 keys and values under either setting.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,9 +58,16 @@ from torch import Tensor, nn
 
 from megatron_gptoss.errors import LayoutError
 from megatron_gptoss.model.attention import CoreAttention
-from megatron_gptoss.ops.sink_attention import _compiled_flex_attention, sink_attention
+from megatron_gptoss.ops.sink_attention import sink_attention
 from megatron_gptoss.parallel.collectives import gather_from_sequence_parallel, gather_to_replicated
 from megatron_gptoss.parallel.dims import ParallelDims
+from megatron_gptoss.parallel.ring_attention import (
+    Rect,
+    Ring,
+    merge_partials,
+    rect_attention,
+    ring_attention,
+)
 from megatron_gptoss.parallel.tensor_parallel import swap_module
 
 
@@ -118,77 +140,6 @@ class ContextParallel:
 
 # ------------------------------------------------------------------------------------------------
 # Attention blocks
-def rect_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Queries q [Lq, Hq, D] at micro-batch positions q_start.. against keys k/v [Lk, Hkv, D] at
-    k_start.., every key before every query (no causal mask), window W: key j seen when j > i - W. No
-    sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key).
-    Differentiable; CUDA runs `flex_rect_attention`, other devices `eager_rect_attention`."""
-    if q.is_cuda:
-        return flex_rect_attention(q, k, v, q_start, k_start, window, scale)
-    return eager_rect_attention(q, k, v, q_start, k_start, window, scale)
-
-
-def flex_rect_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """`rect_attention` through compiled flex_attention (its LSE differentiable), O in q's dtype upcast."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    block_mask = None
-    if window is not None:
-        offset = torch.tensor(q_start - k_start - window, device=q.device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx > q_idx + offset
-
-        block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=q.device)
-    out, lse = _compiled_flex_attention()(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-        return_lse=True,
-    )
-    return out[0].transpose(0, 1).float(), lse[0].float()
-
-
-def eager_rect_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
-) -> tuple[Tensor, Tensor]:
-    """`rect_attention` with the scores materialised (fp32; fp64 for fp64 inputs): the reference."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    qf = q.to(compute).transpose(0, 1)
-    kf = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
-    vf = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = (qf @ kf.transpose(-1, -2)) * scale  # [Hq, Lq, Lk]
-    if window is not None:
-        i = torch.arange(q_start, q_start + q.shape[0], device=q.device)[:, None]
-        j = torch.arange(k_start, k_start + k.shape[0], device=q.device)[None, :]
-        scores = scores.masked_fill(~(j > i - window), float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
-    p = torch.exp(scores - row_max)
-    z = p.sum(dim=-1, keepdim=True)
-    tiny = torch.finfo(compute).tiny
-    out = (p @ vf) / z.clamp_min(tiny)
-    lse = torch.where(z > 0, row_max + torch.log(z.clamp_min(tiny)), torch.full_like(z, float("-inf")))
-    return out.transpose(0, 1), lse.squeeze(-1)
-
-
-def merge_partials(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
-    """Two partial results of the same rows (O [L, H, D], LSE [H, L]) over disjoint key sets -> the
-    result over their union (fp32). lse_a must be finite (the block that holds the sink)."""
-    total = torch.logaddexp(lse_a.float(), lse_b.float())
-    wa = torch.exp(lse_a.float() - total).transpose(0, 1)[..., None]
-    wb = torch.exp(lse_b.float() - total).transpose(0, 1)[..., None]
-    return out_a.float() * wa + out_b.float() * wb, total
-
-
 @dataclass(frozen=True)
 class _ChunkPlan:
     """Host-side geometry of one local chunk: its diagonal cu_seqlens (relative), its first document's
@@ -213,15 +164,48 @@ def plan_chunk(bounds: list[int], x: int, c: int, window: int | None) -> _ChunkP
     return _ChunkPlan(lo, cu, longest, rows, k_lo)
 
 
+KV_EXCHANGES = ("ring", "all_gather")
+
+
+@functools.lru_cache(maxsize=256)
+def plan_ring(bounds: tuple[int, ...], size: int, c: int, window: int | None) -> tuple[tuple[Rect, ...], ...]:
+    """Per cp rank (of `size`), the rectangles of its local chunks' earlier keys in a ring over chunks of
+    c tokens: for chunk x and each earlier chunk y its first document reaches (within the window), rows
+    [0, rows) of x against the reachable keys of y, at the step where y's owner's block is held. Rows a
+    window keeps from every key of y are cut; a rectangle with no row or key is not planned."""
+    per_rank = []
+    for rank in range(size):
+        rects = []
+        for i, x in enumerate((rank, 2 * size - 1 - rank)):
+            plan = plan_chunk(list(bounds), x, c, window)
+            if not plan.rows:
+                continue
+            for y in range(plan.k_lo // c, x):
+                lo, hi = max(plan.k_lo, y * c), (y + 1) * c
+                rows = plan.rows if window is None else min(plan.rows, hi - 1 + window - plan.start)
+                if rows <= 0 or lo >= hi:
+                    continue
+                owner, place = (y, 0) if y < size else (2 * size - 1 - y, c)
+                rects.append(
+                    Rect((rank - owner) % size, i * c, rows, plan.start, place + lo - y * c, hi - lo, lo)
+                )
+        per_rank.append(tuple(rects))
+    return tuple(per_rank)
+
+
 class ContextParallelAttention(CoreAttention):
     """`core_attention` of one cp rank: the same sinks (`softmax_offset`), window and backend as the
     single-device module. q [2c, Hq, D], k/v [2c, Hkv, D] this rank's local tokens (packed layout);
     `cu_seqlens`: the whole micro-batch's document bounds, a host int32 tensor [docs + 1] ending at
-    2c x cp (None: one document). Returns [2c, Hq, D], each row exactly its single-device value."""
+    2c x cp (None: one document). Returns [2c, Hq, D], each row exactly its single-device value.
+    `kv_exchange`: "ring" (default) or "all_gather", how full layers reach earlier keys (module doc).
+    Every rank of the cp group calls it for the same layer with the same `cu_seqlens`."""
 
-    def __init__(self, full: CoreAttention, cp: ContextParallel):
+    def __init__(self, full: CoreAttention, cp: ContextParallel, kv_exchange: str = "ring"):
+        if kv_exchange not in KV_EXCHANGES:
+            raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
         nn.Module.__init__(self)
-        self.window, self.backend, self.cp = full.window, full.backend, cp
+        self.window, self.backend, self.cp, self.kv_exchange = full.window, full.backend, cp, kv_exchange
         self.softmax_offset = full.softmax_offset
 
     def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
@@ -241,11 +225,12 @@ class ContextParallelAttention(CoreAttention):
         if bounds[0] != 0 or bounds[-1] != tokens:
             raise ValueError(f"cu_seqlens must span the micro-batch's {tokens} tokens, got {bounds}")
         span = None if window is None or window - 1 > c else window - 1
-        keys, values = self._exchange(k, v, c, span)
+        ring = span is None and cp.size > 1 and self.kv_exchange == "ring"
+        keys, values = (None, None) if ring else self._exchange(k, v, c, span)
         sinks = self.softmax_offset.float()
         backend = None if self.backend == "auto" else self.backend
         scale = q.shape[-1] ** -0.5
-        outs = []
+        outs, lses = [], []
         for i, x in enumerate(cp.chunks()):
             plan = plan_chunk(bounds, x, c, window)
             rows = slice(i * c, (i + 1) * c)
@@ -255,14 +240,23 @@ class ContextParallelAttention(CoreAttention):
                 qx, kx, vx, sinks, window=window, cu_seqlens=cu, max_seqlen=plan.longest,
                 return_lse=True, backend=backend,
             )  # fmt: skip
-            if plan.rows:
+            if plan.rows and not ring:
                 kr, vr = self._earlier(keys, values, x, c, span, plan.k_lo)
                 head = slice(0, plan.rows)
                 o_r, lse_r = rect_attention(qx[head], kr, vr, plan.start, plan.k_lo, window, scale)
                 merged, _ = merge_partials(out[head], lse[:, head], o_r, lse_r)
                 out = torch.cat([merged.to(out.dtype), out[plan.rows :]])
             outs.append(out)
+            lses.append(lse)
         out = torch.cat(outs)
+        if ring:  # every rank runs the ring, forward and backward, even one with no rectangle of its own
+            assert cp.group is not None
+            per_rank = plan_ring(tuple(bounds), cp.size, c, window)
+            steps = max((r.step for rects in per_rank for r in rects), default=0)
+            layer_ring = Ring(cp.group, cp.rank, cp.size, steps, per_rank[cp.rank], window, scale)
+            o_r, lse_r = ring_attention(q, k, v, layer_ring)
+            merged, _ = merge_partials(out, torch.cat(lses, dim=1), o_r, lse_r)
+            return merged.to(out.dtype)
         if keys is not None and torch.is_grad_enabled():  # every rank runs the gather's backward
             out = out + (keys[:0].sum() + values[:0].sum()).to(out.dtype)
         return out
@@ -294,12 +288,12 @@ class ContextParallelAttention(CoreAttention):
         return keys[x - 1, span - take :], values[x - 1, span - take :]
 
 
-def apply_context_parallel(model: nn.Module, dims: ParallelDims) -> None:
+def apply_context_parallel(model: nn.Module, dims: ParallelDims, kv_exchange: str = "ring") -> None:
     """Swap every `core_attention` of `model` for its context-parallel version (sinks kept: the same
-    parameter, possibly a tp shard). No-op when cp == 1."""
+    parameter, possibly a tp shard; `kv_exchange` as in `ContextParallelAttention`). No-op when cp == 1."""
     if dims.cp == 1:
         return
     cp = ContextParallel.of(dims)
     for name, module in list(model.named_modules()):
         if isinstance(module, CoreAttention) and not isinstance(module, ContextParallelAttention):
-            swap_module(model, name, ContextParallelAttention(module, cp))
+            swap_module(model, name, ContextParallelAttention(module, cp, kv_exchange))

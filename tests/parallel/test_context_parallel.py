@@ -15,7 +15,7 @@ from helpers.sharded import rel_err, tiny_config
 from test_layouts import DOCS, compare, reference_run, run_layout
 
 from megatron_gptoss.config import ConfigError, ParallelConfig, load_config
-from megatron_gptoss.parallel import context_parallel
+from megatron_gptoss.parallel import context_parallel, ring_attention
 from megatron_gptoss.parallel.context_parallel import ContextParallel, plan_chunk
 from megatron_gptoss.parallel.dims import Layout, validate_layout
 
@@ -157,7 +157,7 @@ def test_flex_rectangle_equals_eager_forward_and_backward(window):
     inputs = {n: torch.randn(s, generator=gen).cuda() for n, s in shapes.items()}
     weights = torch.randn(40, 8, 64, generator=gen).cuda(), torch.randn(8, 40, generator=gen).cuda()
     results = []
-    for fn in (context_parallel.eager_rect_attention, context_parallel.flex_rect_attention):
+    for fn in (ring_attention.eager_rect_attention, ring_attention.flex_rect_attention):
         leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
         out, lse = fn(leaves["q"], leaves["k"], leaves["v"], 100, 44, window, 0.125)
         seen = torch.isfinite(lse)
@@ -230,3 +230,102 @@ def test_weight_sync_plan_sends_from_one_cp_replica():
     assert sources["decoder.layers.0.self_attention.linear_qkv.weight"] == (0, 1)
     assert sources["decoder.layers.1.mlp.experts.linear_fc1.weight"] == (0, 1, 2, 3)
     assert sources["decoder.layers.1.pre_mlp_layernorm.weight"] == (0,)
+
+
+def _ring_trace(kv_exchange: str, cases: list[tuple[int | None, list[int]]]) -> list[dict]:
+    """Per (window, document bounds) case, cp4 over 32 packed tokens (chunks of 4): this rank's errors
+    against the eager kernel on all 32 (output, q/k/v gradients, sinks gradient summed over cp), and what
+    the attention sent: the point-to-point receives of the forward and of the backward (their element
+    counts), the all-gathers issued on the cp group and the rectangles of earlier keys computed."""
+    import torch.distributed as dist
+
+    from megatron_gptoss.model.attention import CoreAttention
+    from megatron_gptoss.ops.sink_attention import sink_attention
+
+    group = dist.new_group([0, 1, 2, 3])
+    cp = ContextParallel(4, dist.get_rank(), group)
+    trace: dict = {}
+    gather_names = [
+        n for n in ("all_gather_single", "all_gather_into_tensor", "all_gather") if hasattr(dist, n)
+    ]
+    originals = {name: getattr(dist, name) for name in ["batch_isend_irecv", *gather_names]}
+    rect = (ring_attention.rect_attention, context_parallel.rect_attention)
+
+    def receives(ops):
+        trace["recv"] += [op.tensor.numel() for op in ops if op.op is dist.irecv]
+        return originals["batch_isend_irecv"](ops)
+
+    def spy(name):
+        def gather(out, local, group=None, **kwargs):
+            trace["gathers"] += group is cp.group
+            return originals[name](out, local, group=group, **kwargs)
+
+        return gather
+
+    def counted(fn):
+        def rectangle(*args):
+            trace["rects"] += 1
+            return fn(*args)
+
+        return rectangle
+
+    gen = torch.Generator().manual_seed(11)
+    results = []
+    dist.batch_isend_irecv = receives
+    for name in gather_names:
+        setattr(dist, name, spy(name))
+    ring_attention.rect_attention, context_parallel.rect_attention = counted(rect[0]), counted(rect[1])
+    try:
+        for window, bounds in cases:
+            q, k, v = (torch.randn(32, h, 8, generator=gen) for h in (4, 2, 2))
+            weight = torch.randn(32, 4, 8, generator=gen)
+            cu = torch.tensor(bounds, dtype=torch.int32)
+            core = CoreAttention(4, window, "eager")
+            with torch.no_grad():
+                core.softmax_offset.copy_(torch.randn(4, generator=gen))
+            sinks = core.softmax_offset.detach().clone().requires_grad_()
+            ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+            ref = sink_attention(*ref_in, sinks, window=window, cu_seqlens=cu, max_seqlen=longest)
+            (ref * weight).sum().backward()
+            mine = [cp.split(t, 0).detach().requires_grad_() for t in (q, k, v)]
+            attention = context_parallel.ContextParallelAttention(core, cp, kv_exchange)
+            trace.update(recv=[], gathers=0, rects=0)
+            local = attention(*mine, cu)
+            sent = {"forward": trace["recv"], "gathers": trace["gathers"], "rects": trace["rects"]}
+            trace["recv"] = []
+            full = cp.gather(local, 0)
+            (full * weight).sum().backward()
+            sent["backward"] = trace["recv"]
+            sink_grad = core.softmax_offset.grad.clone()
+            dist.all_reduce(sink_grad, group=group)
+            errors = [rel_err(full, ref), rel_err(sink_grad, sinks.grad)]
+            errors += [rel_err(ours.grad, cp.split(ref.grad, 0)) for ours, ref in zip(mine, ref_in)]
+            results.append({**sent, "error": max(errors)})
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        ring_attention.rect_attention, context_parallel.rect_attention = rect
+    return results
+
+
+def test_full_layers_pass_key_value_blocks_around_a_ring_at_cp4():
+    """A full layer at cp4 receives cp - 1 = 3 blocks of K/V (2 x 8 local tokens x 2 heads x 8, 1/cp of
+    the layer's keys and values) and issues no all-gather on the cp group; its backward receives those 3
+    blocks again and 4 dK/dV blocks (3 along the ring, the last one its own, home). Every rank computes
+    the 7 rectangles its chunks r and 7 - r can see of one document; none when every document lies in one
+    chunk (and then nothing is sent); window 6 reaches 2 chunks back (chunk 1 one, chunk 0 none). The
+    all-gather setting is told apart by the same trace, and every case equals the one-process kernel."""
+    one_doc, in_chunks = [0, 32], list(range(0, 33, 4))
+    cases = [(None, one_doc), (None, in_chunks), (6, one_doc), (None, [0, 3, 9, 21, 32])]
+    block = 2 * 8 * 2 * 8
+    for rank, per_case in enumerate(pool(4).run(_ring_trace, "ring", cases)):
+        full, apart, window, docs = per_case
+        assert full["forward"] == [block] * 3 and full["gathers"] == 0, (rank, full)
+        assert full["backward"] == [block] * 7 and full["rects"] == 7, (rank, full)
+        assert apart["forward"] == apart["backward"] == [] and apart["rects"] == 0, (rank, apart)
+        assert window["rects"] == [2, 3, 4, 4][rank] and window["gathers"] == 0, (rank, window)
+        assert max(c["error"] for c in per_case) <= 1e-5, (rank, per_case)
+    for rank, (gathered,) in enumerate(pool(4).run(_ring_trace, "all_gather", cases[:1])):
+        assert gathered["forward"] == [] and gathered["gathers"] == 2 and gathered["error"] <= 1e-5
+        assert gathered["rects"] == 1 + (rank > 0), (rank, gathered)
