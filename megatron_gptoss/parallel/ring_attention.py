@@ -23,8 +23,8 @@ the window) are never planned, so never computed. Partial results are merged by 
 with this result (LSE_r = -inf and O_r = 0 on a row that sees no earlier key).
 
 Backward (`RingAttention`, an autograd function): the blocks go around the ring again, each with a
-gradient accumulator dK/dV (fp32) that travels with it; every rank recomputes its rectangles of the held
-block and differentiates them with the merge's formulas (w = exp(LSE_b - LSE_r)):
+gradient accumulator dK/dV (fp32; fp64 for fp64 inputs) that travels with it; every rank recomputes its
+rectangles of the held block and differentiates them with the merge's formulas (w = exp(LSE_b - LSE_r)):
     dO_b = w dO_r,   dLSE_b = w (rowsum(dO_r (O_b - O_r)) + dLSE_r)
 adds its dK/dV into the travelling accumulator and passes it on; after step S the accumulator goes
 straight back to the block's owner (S hops back: the next rank when S = cp - 1).
@@ -183,9 +183,10 @@ def _rect(q: Tensor, block: Tensor, r: Rect, ring: Ring) -> tuple[Tensor, Tensor
 
 
 class RingAttention(torch.autograd.Function):
-    """(q [2c, Hq, D], k, v [2c, Hkv, D] this rank's local tokens, ring) -> (O_r [2c, Hq, D] fp32,
-    LSE_r [Hq, 2c] fp32) over every earlier key the ring's rectangles cover, without the sink. Every rank
-    of the group must call it for the same layer (forward and backward exchange with its neighbours)."""
+    """(q [2c, Hq, D], k, v [2c, Hkv, D] this rank's local tokens, ring) -> (O_r [2c, Hq, D], LSE_r
+    [Hq, 2c], fp32; fp64 for fp64 inputs) over every earlier key the ring's rectangles cover, without the
+    sink. Every rank of the group must call it for the same layer (forward and backward exchange with
+    its neighbours)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> tuple[Tensor, Tensor]:

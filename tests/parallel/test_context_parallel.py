@@ -3,7 +3,8 @@ and every gradient of two AdamW steps (distributed optimizer), every parameter a
 log-prob pass, on packed micro-batches whose documents cross the zig-zag chunk boundaries, with sinks
 (perturbed away from 0) and both attention kinds (window 8 and full). cp2 splits a 32-token micro-batch
 into 8-token chunks (the window layers exchange only each chunk's last 7 keys), cp4 into 4-token chunks
-(the window reaches back past the previous chunk: all keys are exchanged). One pool per world size runs
+(the window reaches back past the previous chunk: its layers, like the full ones, pass key/value blocks
+around the ring). One pool per world size runs
 every layout of that size in one call."""
 
 from __future__ import annotations
