@@ -214,8 +214,11 @@ class RolloutConfig:
     # Bitwise on-policy: the learner and the embedded engine run every GEMM, norm, MoE and log-softmax
     # normaliser with batch-invariant kernels (`ops.batch_invariant`), so the engine samples from logits
     # equal to the learner's training forward bit for bit and reports its log-probs (mismatch exactly 0).
-    # Needs the embedded engine and the learner at tensor parallel 1, model.attention_backend='triton' and
-    # rollout.dtype = run.dtype; slower than the library GEMMs (benchmarks/bench_bitwise.py measures it).
+    # Needs the embedded engine at the learner's tensor parallel size (rollout.tensor_parallel_size =
+    # parallel.tensor_model_parallel_size; sequence parallel allowed; partial sums added in rank order),
+    # context parallel 1, model.attention_backend='triton' and rollout.dtype = run.dtype; with LoRA, the
+    # engine sharing the learner's base (equal expert parallel sizes, pipeline parallel 1). Slower than the
+    # library GEMMs (benchmarks/bench_bitwise.py measures it). ops/README.md, "Bitwise on-policy".
     bitwise_on_policy: bool = False
     # How the embedded engine holds the expert weights: "bf16" (in rollout.dtype, as the learner sends them)
     # or "mxfp4" (the released 4-bit format: at every weight sync the bridge quantizes the learner's experts
@@ -429,19 +432,32 @@ class TrainConfig:
             )
 
     def _check_bitwise(self) -> None:
-        """rollout.bitwise_on_policy: both sides must run the same kernels with the same arithmetic."""
+        """rollout.bitwise_on_policy: both sides must run the same kernels with the same arithmetic. The
+        engine's tensor-parallel size must be the learner's (a row-parallel layer's partial sums are split
+        by it); LoRA needs the engine to compute with the learner's base shards and its unmerged adapters
+        (`trainer.engines.shares_base`: merged weights W + scale B A round differently); context parallel
+        merges partial attention rows, which no decode step does, and stays refused."""
+        p, r, lora = self.parallel, self.rollout, self.model.lora.enabled
         needs = {
-            "rollout.engine='embedded' (vLLM runs its own kernels)": self.rollout.engine == "embedded",
-            "rollout.tensor_parallel_size=1": self.rollout.tensor_parallel_size == 1,
-            "parallel.tensor_model_parallel_size=1": self.parallel.tensor_model_parallel_size == 1,
+            "rollout.engine='embedded' (vLLM runs its own kernels)": r.engine == "embedded",
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} equal to "
+            f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} (a row-parallel layer's "
+            "partial sums split alike)": r.tensor_parallel_size == p.tensor_model_parallel_size,
             "parallel.context_parallel_size=1 (split attention merges partial sums in another order)": (
-                self.parallel.context_parallel_size == 1
+                p.context_parallel_size == 1
             ),
             "model.attention_backend='triton' (its decode rows equal its training rows)": (
                 self.model.attention_backend == "triton"
             ),
-            "rollout.dtype equal to run.dtype": self.rollout.dtype == self.run.dtype,
-            "model.lora.rank=0 (the engine runs merged LoRA weights)": not self.model.lora.enabled,
+            "rollout.dtype equal to run.dtype": r.dtype == self.run.dtype,
+            "with model.lora: rollout.expert_parallel_size equal to parallel.expert_model_parallel_size and "
+            "parallel.pipeline_model_parallel_size=1 (the engine then runs the learner's base shards and "
+            "unmerged adapters)": not lora
+            or (
+                r.expert_parallel_size == p.expert_model_parallel_size
+                and p.pipeline_model_parallel_size == 1
+                and p.virtual_pipeline_model_parallel_size == 1
+            ),
         }
         missing = [need for need, met in needs.items() if not met]
         if missing:

@@ -39,7 +39,9 @@ class Router(nn.Module):
     experts (rows holding `no_route` route as usual), the gates being the softmax of the router's logits
     at those experts, so the router still receives gradients. `capture` (a list, or None) collects each
     forward's experts; `flips` (a [2] int64 tensor, or None) accumulates (replayed tokens whose experts
-    differ from the router's own top-k, replayed tokens)."""
+    differ from the router's own top-k, replayed tokens). In the batch-invariant mode each token's k choices
+    come in expert-id order (the experts' outputs are summed in that order, `Experts.forward`), whatever
+    the order of the top-k or of a replayed row."""
 
     def __init__(self, config: ModelConfig, dtype=None, device=None):
         super().__init__()
@@ -76,6 +78,9 @@ class Router(nn.Module):
             if self.flips is not None:
                 differs = (indices.sort(-1).values != own.sort(-1).values).any(-1) & ~free
                 self.flips += torch.stack([differs.sum(), (~free).sum()]).to(self.flips)
+        if batch_invariant.active():  # the combine sums a token's k outputs in expert-id order
+            indices, slots = indices.sort(dim=-1)
+            top = top.gather(-1, slots)
         if self.capture is not None:
             self.capture.append(indices.detach())
         return logits, torch.softmax(top.float(), dim=-1), indices

@@ -22,6 +22,12 @@ Every function takes its process group explicitly. Conventions for the regions t
 Chunks follow `torch.tensor_split`: with n rows over w ranks the first n % w ranks hold one row more.
 `scatter_to_sequence_parallel` and `gather_to_replicated` accept such uneven chunks; the others need a
 dimension divisible by the group size.
+
+While the batch-invariant mode is on (`ops.batch_invariant`, bitwise on-policy RL), the forwards of
+`reduce_from_tensor_parallel` and `reduce_scatter_to_sequence_parallel` sum the partials in one fixed order:
+every rank's partial is all-gathered and the ranks' terms are added in rank order, ((p0 + p1) + p2) + ...
+(a library all-reduce picks its order, ring or tree, by message size). The sum of an element is then the
+same bits in an all-reduce of a decode step and in a reduce-scatter of a training forward.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
+
+from megatron_gptoss.ops import batch_invariant
 
 
 def all_gather_into(out: Tensor, local: Tensor, group: ProcessGroup) -> None:
@@ -58,6 +66,22 @@ def _all_reduce(x: Tensor, group: ProcessGroup) -> Tensor:
     return x
 
 
+def _ordered_sum(x: Tensor, group: ProcessGroup) -> Tensor:
+    """The sum over `group` of every rank's x, its terms added in rank order (the module doc); replicated."""
+    world = dist.get_world_size(group)
+    parts = x.new_empty(world, *x.shape)
+    all_gather_into(parts.view(world, -1), x.contiguous().view(1, -1), group)
+    out = parts[0].clone()
+    for r in range(1, world):
+        out += parts[r]
+    return out
+
+
+def _sum_forward(x: Tensor, group: ProcessGroup) -> Tensor:
+    """The all-reduce of a forward: in rank order while the batch-invariant mode is on."""
+    return _ordered_sum(x, group) if batch_invariant.active() else _all_reduce(x, group)
+
+
 def _own_chunk(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     sizes = chunk_sizes(x.shape[dim], dist.get_world_size(group))
     return x.tensor_split(len(sizes), dim=dim)[dist.get_rank(group)].contiguous()
@@ -82,12 +106,16 @@ def _all_gather(x: Tensor, group: ProcessGroup, dim: int, total: int | None = No
     return out.movedim(0, dim).contiguous()
 
 
-def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int, ordered: bool = False) -> Tensor:
+    """This rank's chunk along `dim` of the sum over `group`; `ordered`: the terms added in rank order."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
     if x.shape[dim] % world:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {world} ranks")
+    if ordered:
+        total = _ordered_sum(x, group)
+        return total.chunk(world, dim)[dist.get_rank(group)].contiguous()
     full = x.movedim(dim, 0).contiguous()
     out = full.new_empty(full.shape[0] // world, *full.shape[1:])
     reduce_scatter_into(out, full, group)
@@ -108,7 +136,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 class ReduceFromTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup) -> Tensor:
-        return _all_reduce(x, group)
+        return _sum_forward(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -152,7 +180,7 @@ class ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, group, dim)
+        return _reduce_scatter(x, group, dim, ordered=batch_invariant.active())
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -22,6 +22,12 @@ embedding (vocab=True), dim 1 of linear_proj weight). Replicated parameters whos
 from this rank's tokens only carry the `partial over tp` tag: the norms and linear_proj's bias under
 sequence parallelism, and the router (see `expert_parallel`). `all_reduce_partial_grads_over_tp` sums
 those gradients after the backward, before the optimizer (Megatron's finalize step does the same).
+
+Batch-invariant mode (`ops.batch_invariant`): the layers' GEMMs are its kernels (each output element a
+function of its own input row and weight row, so a column shard computes the very bits of the unsharded
+product), and the row-parallel sum and reduce-scatter add the ranks' partials in rank order
+(`collectives`): a decode step's all-reduce and a sequence-parallel training forward's reduce-scatter give
+a token the same bits at the same tensor-parallel size.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from megatron_gptoss.model.attention import LayerNormLinear, SelfAttention
 from megatron_gptoss.model.gpt_oss import Decoder, Embedding, TransformerLayer
 from megatron_gptoss.model.lora import active
 from megatron_gptoss.model.norm import RMSNorm, rms_norm
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.parallel.collectives import (
     copy_to_tensor_parallel,
     gather_from_sequence_parallel,
@@ -121,7 +128,7 @@ class ColumnParallelLayerNormLinear(nn.Module):
             h = gather_from_sequence_parallel(h, self.group, SEQUENCE_DIM)
         else:
             h = copy_to_tensor_parallel(h, self.group)
-        y = nn.functional.linear(h, self.weight, self.bias)
+        y = batch_invariant.linear(h, self.weight, self.bias)
         lora = active(self.lora)
         return y if lora is None else y + lora(h)
 
@@ -143,7 +150,7 @@ class RowParallelLinear(nn.Module):
             set_partial_over_tp(self.lora.b)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = nn.functional.linear(x, self.weight)
+        y = batch_invariant.linear(x, self.weight)
         lora = active(self.lora)
         if lora is not None:  # this rank's partial B A x, summed with the base's partial product
             y = y + lora(x)

@@ -13,6 +13,10 @@ Contract of `VocabParallelOutputLayer` (the `OutputLayer` interface):
         (all-reduce MAX), then sum exp, sum exp * z and the target logit (one all-reduce SUM). The
         backward recomputes each chunk and needs no collective besides the all-reduce of the hidden
         gradient. Cross-entropy is -logprob at temperature 1.
+        Batch-invariant mode (`ops.batch_invariant`, bitwise on-policy RL): each chunk's logits shards are
+        all-gathered instead (every rank's [chunk, P/tp], padding dropped) and reduced as on one device
+        (`model.logprobs`: the invariant log-sum-exp of the whole row), so the log-probs are the bits of
+        the single-device head and of the embedded engine, which gathers its logits the same way.
 """
 
 from __future__ import annotations
@@ -29,9 +33,15 @@ from megatron_gptoss.model.logprobs import (
     check_targets,
     fp32_logits,
     half_gemms,
+    normaliser,
     split_logit_grad,
 )
-from megatron_gptoss.parallel.collectives import copy_to_tensor_parallel, gather_from_tensor_parallel
+from megatron_gptoss.ops import batch_invariant
+from megatron_gptoss.parallel.collectives import (
+    all_gather_into,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+)
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.sharding import ShardSpec, local_shard, set_shard
 from megatron_gptoss.parallel.tensor_parallel import swap_module
@@ -43,18 +53,55 @@ def _chunk_logits(h: Tensor, weight: Tensor, inv_temp: float) -> Tensor:
     return fp32_logits(h, weight).mul_(inv_temp)
 
 
+def _gathered_chunk_stats(
+    h: Tensor, weight: Tensor, targets: Tensor, group: ProcessGroup, inv_temp: float, shard: int, vocab: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The batch-invariant mode's chunk: (logprob, entropy, log-sum-exp) [n] fp32 of h [n, H] from the
+    logits of every rank's shard (`shard` rows each, this rank's real ones in `weight`) gathered to
+    [n, vocab], reduced as the single-device head reduces them (`model.logprobs`)."""
+    world = dist.get_world_size(group)
+    local = fp32_logits(h, weight)
+    local = nn.functional.pad(local, (0, shard - local.shape[1]), value=float("-inf"))
+    parts = local.new_empty(world, *local.shape)
+    all_gather_into(parts.view(world, -1), local.reshape(1, -1), group)
+    z = parts.permute(1, 0, 2).reshape(h.shape[0], world * shard)[:, :vocab] * inv_temp
+    lse = normaliser(z)
+    logp = z - lse
+    entropy = torch.exp(logp).mul_(logp).sum(-1).neg_()
+    return logp.gather(1, targets[:, None]).squeeze(1), entropy, lse.squeeze(1)
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """hidden [N, H] (replicated), weight [R, H] (this rank's real rows, global ids start + [0, R)),
     targets [N] -> (logprob [N], entropy [N]) fp32. The hidden gradient returned is this rank's partial
-    sum; the caller all-reduces it (copy_to_tensor_parallel)."""
+    sum; the caller all-reduces it (copy_to_tensor_parallel). `shard`: rows per rank (padding included),
+    `vocab`: the real vocabulary (the batch-invariant mode's gather)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, start: int, group: ProcessGroup, inv_temp: float, chunk: int):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        targets,
+        start: int,
+        group: ProcessGroup,
+        inv_temp: float,
+        chunk: int,
+        shard: int,
+        vocab: int,
+    ):
         n, rows = hidden.shape[0], weight.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse_all = hidden.new_empty(n, dtype=torch.float32)
         for s in range(0, n, chunk):
+            if batch_invariant.active():
+                gathered = _gathered_chunk_stats(
+                    hidden[s : s + chunk], weight, targets[s : s + chunk], group, inv_temp, shard, vocab
+                )
+                for out, value in zip((logprobs, entropy, lse_all), gathered):
+                    out[s : s + chunk] = value
+                continue
             z = _chunk_logits(hidden[s : s + chunk], weight, inv_temp)
             local_t = targets[s : s + chunk] - start
             mine = (local_t >= 0) & (local_t < rows)
@@ -105,7 +152,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 split_logit_grad(dz, h.dtype) if half else dz, h, wf, rows_out, grad_weight
             )
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 class VocabParallelOutputLayer(nn.Module):
@@ -123,7 +170,7 @@ class VocabParallelOutputLayer(nn.Module):
 
     def forward(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] replicated -> this rank's logits [..., P/tp]; padded columns are -inf."""
-        logits = nn.functional.linear(copy_to_tensor_parallel(hidden, self.group), self.weight)
+        logits = batch_invariant.linear(copy_to_tensor_parallel(hidden, self.group), self.weight)
         if self.real_rows < self.weight.shape[0]:
             padded = torch.arange(self.weight.shape[0], device=logits.device) >= self.real_rows
             logits = logits.masked_fill(padded, float("-inf"))
@@ -139,7 +186,15 @@ class VocabParallelOutputLayer(nn.Module):
             raise ValueError(f"hidden has {h.shape[0]} tokens but targets has {t.shape[0]}")
         check_targets(t, self.vocab_size)
         lp, ent = _VocabParallelLogprobs.apply(
-            h, self.weight[: self.real_rows], t, self.vocab_start, self.group, 1.0 / temperature, chunk_size
+            h,
+            self.weight[: self.real_rows],
+            t,
+            self.vocab_start,
+            self.group,
+            1.0 / temperature,
+            chunk_size,
+            self.weight.shape[0],
+            self.vocab_size,
         )
         return lp.view(lead), ent.view(lead)
 

@@ -39,8 +39,10 @@ from megatron_gptoss.engine_api.protocol import SamplingParams, parse_expert_sli
 from megatron_gptoss.errors import CheckpointError
 from megatron_gptoss.hf.names import fc1_rows_from_hf, from_hf, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import GPTOSSModel
+from megatron_gptoss.model.logprobs import fp32_logits
 from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, mxfp4_weights
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.loading import materialize, shard_of_hf
@@ -269,12 +271,17 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         return self.config.num_query_groups // self.dims.tp
 
     def _logits(self, last: torch.Tensor) -> torch.Tensor:
-        """[B, H] -> [B, vocab_size] fp32 on every rank of the tp group: local rows, then all-gathered."""
+        """[B, H] -> [B, vocab_size] fp32 on every rank of the tp group: local rows, then all-gathered (in
+        the batch-invariant mode the local rows are `model.logprobs.fp32_logits`', as the learner's
+        vocab-parallel head computes them)."""
         if self.tp_group is None:
             return super()._logits(last)
         head = self.model.output_layer
         assert head is not None
-        local = last.float() @ head.weight.float().t()
+        if batch_invariant.active():
+            local = fp32_logits(last, head.weight)
+        else:
+            local = last.float() @ head.weight.float().t()
         return gather_logits(local, self.tp_group, self.config.vocab_size)
 
     def _block_any(self, flag: bool) -> bool:

@@ -66,7 +66,11 @@ def test_bitwise_on_policy_run_has_no_mismatch(tmp_path):
 def test_bitwise_on_policy_names_what_it_needs():
     with pytest.raises(ConfigError, match="model.attention_backend='triton'"):
         load_config(ROOT / "configs/demo_cpu.yaml", ["rollout.bitwise_on_policy=true"])
-    with pytest.raises(ConfigError, match="rollout.engine='embedded'.*parallel.tensor_model_parallel_size=1"):
+    with pytest.raises(
+        ConfigError,
+        match="rollout.engine='embedded'.*"
+        "rollout.tensor_parallel_size=1 equal to parallel.tensor_model_parallel_size=2",
+    ):
         load_config(
             ROOT / "configs/demo_cpu.yaml",
             [
