@@ -20,6 +20,7 @@ from megatron_gptoss.config.run import RunConfig
 from megatron_gptoss.errors import ConfigError
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+PLACEMENTS = ("colocated", "separate")
 CORRECTION_MODES = ("none", "token-tis", "token-mis", "seq-tis", "seq-mis", "geo-tis", "geo-mis")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 POLICY_LOSSES = ("ppo", "gspo", "gspo_token")
@@ -236,8 +237,16 @@ class RolloutConfig:
     # With `partial`, the cache of a paused row's prefix: "keep" (as the old weights computed it) or
     # "recompute" (prefilled again with the new weights).
     partial_kv: str = "recompute"
+    # Where the engines run: "colocated" (every rank hosts a learner shard and an engine shard, taking turns)
+    # or "separate" (the ranks of `engine_ranks` host only embedded engines, generating while the other
+    # ranks, which host only the learner, update; `trainer.separate`).
+    placement: str = "colocated"
+    # With placement "separate": the global ranks that host the engines (empty: the last rank).
+    engine_ranks: list[int] = field(default_factory=list)
 
     def validate(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"rollout.placement={self.placement!r} not in {PLACEMENTS}")
         if self.engine not in ("embedded", "vllm"):
             raise ConfigError(f"rollout.engine={self.engine!r} not in ('embedded', 'vllm')")
         if self.temperature <= 0:
@@ -381,6 +390,7 @@ class TrainConfig:
         self.embedded.validate()
         check_rollout_expert_format(self.rollout, self.model)
         self._check_async()
+        self._check_placement()
         if self.model.lora.enabled and self.algorithm.advantage == "gae":
             raise ConfigError(
                 "model.lora.rank > 0 with algorithm.advantage='gae': the critic would share the frozen base "
@@ -415,6 +425,27 @@ class TrainConfig:
         missing = [need for need, met in needs.items() if not met]
         if missing:
             raise ConfigError(f"rollout.partial=true needs {'; '.join(missing)}")
+
+    def _check_placement(self) -> None:
+        """rollout.placement='separate': what the engine ranks can serve (the ranks themselves are checked
+        against the world size when the run starts, `trainer.separate.placement_ranks`)."""
+        r = self.rollout
+        if r.placement != "separate":
+            if r.engine_ranks:
+                raise ConfigError(
+                    f"rollout.engine_ranks={r.engine_ranks} needs rollout.placement='separate' "
+                    f"(got {r.placement!r})"
+                )
+            return
+        needs = {
+            "run.mode='rl' (a supervised run has no engine)": self.run.mode == "rl",
+            "rollout.engine='embedded'": r.engine == "embedded",
+            "rollout.sleep_level=0 (the engine ranks hold no learner to make room for)": r.sleep_level == 0,
+            "agent.enabled=false": not self.agent.enabled,
+        }
+        missing = [need for need, met in needs.items() if not met]
+        if missing:
+            raise ConfigError(f"rollout.placement='separate' needs {'; '.join(missing)}")
 
     def _check_rollout_sizes(self) -> None:
         """Groups of one sample under a group estimator, and responses longer than the model's context."""

@@ -70,10 +70,14 @@ def engine_model_config(cfg: TrainConfig, shared: bool) -> ModelConfig:
 
 
 class EmbeddedHost:
-    """This rank's shard of the embedded engine and the fan-out from the learner's stage models."""
+    """This rank's shard of the embedded engine and the fan-out from the learner's stage models. With no
+    `models` (an engine rank of `rollout.placement: separate`, `trainer.separate`) it hosts the engine
+    alone, over the ranks of the current default group, and the weights arrive from elsewhere."""
 
-    def __init__(self, cfg: TrainConfig, models: Sequence[GPTOSSModel], dims: ParallelDims, device):
-        self.dims, self.models = dims, models
+    decodes_ahead = False  # rows queued by `start` advance only in `finish` (and other engine calls)
+
+    def __init__(self, cfg: TrainConfig, models: Sequence[GPTOSSModel], dims: ParallelDims | None, device):
+        self.dims, self.models, self.device = dims, models, device
         self.engine_dims = edims = ParallelDims.build(
             ParallelConfig(
                 tensor_model_parallel_size=cfg.rollout.tensor_parallel_size,
@@ -85,8 +89,9 @@ class EmbeddedHost:
         options = cfg.embedded
         if cfg.moe.router_replay == "r3":  # the learner replays the experts the engine chose
             options = dataclasses.replace(options, record_routing=True)
-        self.shared = shares_base(cfg)
-        base = frozen_base(models[0])  # the parameters but the adapters, and any MXFP4 experts' buffers
+        self.shared = shares_base(cfg) and bool(models)
+        # the parameters but the adapters, and any MXFP4 experts' buffers
+        base = frozen_base(models[0]) if self.shared else None
         engine_model = engine_model_config(cfg, self.shared)
         self.engine = ParallelEmbeddedEngine(  # LoRA: the shared base and adapters, or the merged weights
             engine_model,
@@ -95,10 +100,10 @@ class EmbeddedHost:
             device,
             cfg.run.seed,
             options,
-            shared=base if self.shared else None,
+            shared=base,
         )
         self.exporter = None
-        if not self.shared:
+        if not self.shared and dims is not None:
             self.exporter = FanoutExporter(
                 models,
                 cfg.model,
@@ -163,9 +168,9 @@ class EmbeddedHost:
 
     def _gather(self, mine: list, wanted: int) -> list:
         """Every replica's results on every rank, in row order, the first `wanted` (collective)."""
-        if self.dims.layout.world == 1:
+        if self.engine_dims.layout.world == 1:
             return mine
-        gathered: list = [None] * self.dims.layout.world
+        gathered: list = [None] * self.engine_dims.layout.world
         dist.all_gather_object(gathered, (self.replica, self.engine_dims.coord("tp"), mine))
         by_replica = {r: gens for r, tp_rank, gens in gathered if tp_rank == 0}
         return [g for r in range(self.engine_dims.dp) for g in by_replica[r]][:wanted]

@@ -56,7 +56,8 @@ from megatron_gptoss.trainer.colocated import Colocated
 from megatron_gptoss.trainer.common import evaluate, rollout_metrics, sampling_params
 from megatron_gptoss.trainer.engines import EmbeddedHost
 from megatron_gptoss.trainer.rollout_buffer import RolloutBuffer, idle_fractions
-from megatron_gptoss.trainer.session import check_memory, session
+from megatron_gptoss.trainer.separate import EngineClient, Placement, run_separate
+from megatron_gptoss.trainer.session import Session, check_memory, session
 
 
 def run(cfg: TrainConfig) -> RunResult:
@@ -71,50 +72,58 @@ def run(cfg: TrainConfig) -> RunResult:
 def _run(cfg: TrainConfig) -> RunResult:
     launcher = start_tools(cfg)  # the python tool's sandbox launcher, before CUDA
     with session(cfg.run) as run_session:
-        device = run_session.device
-        check_memory(cfg, device)  # sizes that cannot fit fail here, before anything is allocated
-        agent = cfg.agent if cfg.agent.enabled else None
-        task, tokenizer = make_task(cfg.env, cfg.data, cfg.reward, agent)
-        if cfg.model.vocab_size < tokenizer.vocab_size:
-            raise ConfigError(
-                f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}"
+        if cfg.rollout.placement == "separate":  # engine ranks serve, learner ranks train among themselves
+            return run_separate(
+                cfg, run_session, lambda placement: _train(cfg, run_session, launcher, placement)
             )
-        for hf_dir in (cfg.run.init_from_hf, cfg.critic.init_from_hf):
-            if hf_dir:
-                check_hf_config(hf_dir, cfg.model)
-        conversations = None
-        if cfg.run.mode == "sft" and cfg.sft.data == "conversations":
-            if cfg.model.vocab_size < VOCAB_SIZE:
-                raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < o200k_harmony's {VOCAB_SIZE}")
-            sft = cfg.sft
-            conversations = ConversationSet(
-                sft.train_files, cfg.run.seed, sft.reasoning_effort, sft.max_tokens
-            )
-        with claim_output_dir(cfg) as claim:
-            setup = Colocated(cfg, device, with_engine=cfg.run.mode == "rl")
-            rollout = AgentRollout(cfg, setup, launcher) if agent and cfg.run.mode == "rl" else setup
-            sampling = sampling_params(cfg, task.stop_token_ids)
-            buffer = None
-            if cfg.run.mode == "rl":  # the task's prompt stream is saved as the buffer knows it
-                host = setup.host if isinstance(setup.host, EmbeddedHost) else None
-                buffer = RolloutBuffer(cfg, rollout, host, task, sampling)
-            with Cadence(cfg, setup, run_session, claim, buffer or task) as cadence:
-                evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
-                last: dict[str, float] = {}
-                always = trained_tokens(conversations) if cfg.sft.sampled_vocab else None
-                for step in cadence.steps(evaluation):
-                    if buffer is not None:
-                        last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
-                    else:
-                        start = time.perf_counter()
-                        batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
-                        sample = None if always is None else step_vocab_sample(cfg, batch, always, step)
-                        last = parallel_learner.supervised_step(
-                            setup.policy, batch, cfg.sft.micro_batches, sample
-                        )
-                        last["time/step_s"] = time.perf_counter() - start
-                    cadence.end_step(step, last)
-                return cadence.finish(last)
+        return _train(cfg, run_session, launcher)
+
+
+def _train(cfg: TrainConfig, run_session: Session, launcher, placement: Placement | None = None) -> RunResult:
+    """The run on this rank's world (every rank, or under `placement` the learner ranks, whose engines are
+    the engine ranks')."""
+    device = run_session.device
+    check_memory(cfg, device)  # sizes that cannot fit fail here, before anything is allocated
+    agent = cfg.agent if cfg.agent.enabled else None
+    task, tokenizer = make_task(cfg.env, cfg.data, cfg.reward, agent)
+    if cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < the tokenizer's {tokenizer.vocab_size}")
+    for hf_dir in (cfg.run.init_from_hf, cfg.critic.init_from_hf):
+        if hf_dir:
+            check_hf_config(hf_dir, cfg.model)
+    conversations = None
+    if cfg.run.mode == "sft" and cfg.sft.data == "conversations":
+        if cfg.model.vocab_size < VOCAB_SIZE:
+            raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} < o200k_harmony's {VOCAB_SIZE}")
+        sft = cfg.sft
+        conversations = ConversationSet(sft.train_files, cfg.run.seed, sft.reasoning_effort, sft.max_tokens)
+    with claim_output_dir(cfg) as claim:
+        setup = Colocated(cfg, device, with_engine=cfg.run.mode == "rl" and placement is None)
+        if placement is not None:
+            setup.host = EngineClient(cfg, setup.models, setup.dims, device, placement)
+        rollout = AgentRollout(cfg, setup, launcher) if agent and cfg.run.mode == "rl" else setup
+        sampling = sampling_params(cfg, task.stop_token_ids)
+        buffer = None
+        if cfg.run.mode == "rl":  # the task's prompt stream is saved as the buffer knows it
+            host = setup.host if isinstance(setup.host, (EmbeddedHost, EngineClient)) else None
+            buffer = RolloutBuffer(cfg, rollout, host, task, sampling)
+        with Cadence(cfg, setup, run_session, claim, buffer or task) as cadence:
+            evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
+            last: dict[str, float] = {}
+            always = trained_tokens(conversations) if cfg.sft.sampled_vocab else None
+            for step in cadence.steps(evaluation):
+                if buffer is not None:
+                    last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
+                else:
+                    start = time.perf_counter()
+                    batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
+                    sample = None if always is None else step_vocab_sample(cfg, batch, always, step)
+                    last = parallel_learner.supervised_step(
+                        setup.policy, batch, cfg.sft.micro_batches, sample
+                    )
+                    last["time/step_s"] = time.perf_counter() - start
+                cadence.end_step(step, last)
+            return cadence.finish(last)
 
 
 def rl_step(

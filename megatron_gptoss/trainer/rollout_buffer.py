@@ -24,6 +24,11 @@ weights change. The work and its order are those of the sequential schedule (els
 learner starts), so the results are too, up to the rounding of kernels that split their work over the
 threads they find free.
 
+Separate placement (`trainer.separate`): the engine ranks step the queued rows of partial batches on their
+own while the learner computes, and take new weights between two engine steps; the world of the rules above
+is the learner ranks' (one learner rank: whole batches ahead are generated on the engine ranks while the
+learner computes).
+
 Checkpoints: the buffer is the task the cadence saves: its prompt stream's position is the one before the
 first batch not yet trained, so a resumed run draws the batches in flight again (generated with the
 resumed weights): no prompt of the data order is skipped or trained twice.
@@ -157,17 +162,18 @@ class RolloutBuffer:
     def _ahead(self, later: list[int], version: int) -> None:
         """The engine's work while the learner trains: submit the batches `later` (generated whole, or
         queued), and step the next partial batch to its end (the rows of later batches advance alongside and
-        pause there, to continue under the next weights)."""
+        pause there, to continue under the next weights). Engine ranks of the separate placement step the
+        queued rows on their own (`host.decodes_ahead`): nothing is stepped from here."""
         for ahead in later:
             self._submit(ahead, version)
-        if self.partial and self.pending:
+        if self.partial and self.pending and not self.host.decodes_ahead:
             self._complete(self.pending[min(self.pending)])
 
     def _background(self, later: list[int], version: int) -> None:
         """`_ahead` in a thread while the learner computes; `wait` joins it. On a GPU the thread queues its
         kernels on the learner's stream (the engine's memory is never used by two streams unordered): the
         host's work overlaps, the device runs both in order."""
-        device = self.host.engine.device
+        device = self.host.device
 
         def work() -> None:
             start = time.perf_counter()
@@ -193,8 +199,11 @@ class RolloutBuffer:
             raise error
 
     def busy_s(self) -> float:
-        """Seconds the engine generated (in `take` and in the background) since the last call."""
+        """Seconds the engine generated (in `take` and in the background) since the last call; under the
+        separate placement the engine ranks' own clock (collective)."""
         busy, self._busy_s = self._busy_s, 0.0
+        if self.host is not None and self.host.decodes_ahead:  # the engine ranks clock their own work
+            return self.host.busy_s()
         return busy
 
     @staticmethod
