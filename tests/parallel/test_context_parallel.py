@@ -330,3 +330,58 @@ def test_full_layers_pass_key_value_blocks_around_a_ring_at_cp4():
     for rank, (gathered,) in enumerate(pool(4).run(_ring_trace, "all_gather", cases[:1])):
         assert gathered["forward"] == [] and gathered["gathers"] == 2 and gathered["error"] <= 1e-5
         assert gathered["rects"] == 1 + (rank > 0), (rank, gathered)
+
+
+def _nccl_ring(rank: int, init_file: str) -> None:
+    """cp2 on two GPUs (NCCL): `ContextParallelAttention` of 256 packed fp32 tokens (documents across
+    the chunk boundaries) on the ring, rectangles through flex_attention, against the eager kernel on one
+    GPU, forward and backward; a full layer, a window wider than a chunk (ring) and one that fits."""
+    import torch.distributed as dist
+
+    from megatron_gptoss.model.attention import CoreAttention
+    from megatron_gptoss.ops.sink_attention import sink_attention
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        cp = ContextParallel(2, rank, dist.new_group([0, 1]))
+        gen = torch.Generator().manual_seed(5)
+        bounds = [0, 50, 130, 200, 256]
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        for window in (None, 80, 16):
+            q, k, v = (torch.randn(256, h, 64, generator=gen).cuda() for h in (8, 2, 2))
+            weight = torch.randn(256, 8, 64, generator=gen).cuda()
+            core = CoreAttention(8, window, "eager").cuda()
+            with torch.no_grad():
+                core.softmax_offset.copy_(torch.randn(8, generator=gen))
+            sinks = core.softmax_offset.detach().clone().requires_grad_()
+            ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = sink_attention(*ref_in, sinks, window=window, cu_seqlens=cu.cuda(), max_seqlen=80)
+            (ref * weight).sum().backward()
+            mine = [cp.split(t, 0).detach().requires_grad_() for t in (q, k, v)]
+            full = cp.gather(context_parallel.ContextParallelAttention(core, cp)(*mine, cu), 0)
+            (full * weight).sum().backward()
+            sink_grad = core.softmax_offset.grad.clone()
+            dist.all_reduce(sink_grad, group=cp.group)
+            errors = {"out": rel_err(full, ref), "dsink": rel_err(sink_grad, sinks.grad)}
+            for name, ours, theirs in zip("qkv", mine, ref_in):
+                errors[f"d{name}"] = rel_err(ours.grad, cp.split(theirs.grad, 0))
+            assert max(errors.values()) <= 1e-5, (window, errors)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_ring_on_nccl_two_gpus_equals_one(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(
+        _nccl_ring, args=(str(tmp_path / "pg"),), nprocs=2, join=False, start_method="spawn"
+    )
+    for _ in range(60):  # a bounded join: a desync fails after 5 minutes instead of hanging
+        if context.join(timeout=5):
+            return
+    for process in context.processes:
+        process.kill()
+    raise TimeoutError("the two NCCL ranks did not finish in 5 minutes")
