@@ -8,6 +8,7 @@ without the mode the same comparison is not bitwise (so each case can fail).
     tp2-lora   world 2: as tp2-sp, LoRA, the engine computing with the learner's base shards
     ep2        world 2: learner and engine at ep 2, each rank its own rows (tokens of both ranks meet in
                the experts; a token's k outputs summed in expert-id order)
+    tp2xep2    world 4: tp 2 with sequence parallel x ep 2, two replicas of the engine
 
 fp32 on the CPU, Triton attention under TRITON_INTERPRET=1, gloo."""
 
@@ -52,7 +53,12 @@ LAYOUTS = {
     "tp2-sp": (CONFIG, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     "tp2-lora": (LORA, {"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     "ep2": (CONFIG, {"expert_model_parallel_size": 2}),
+    "tp2xep2": (
+        CONFIG,
+        {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2, "sequence_parallel": True},
+    ),
 }
+WORLD = {"tp2xep2": 4}  # the others: 2
 
 
 def full_state(config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -118,7 +124,7 @@ def test_lora_engine_logprobs_equal_the_learner_bitwise():
     assert not all(compare_lora(learner, state))
 
 
-# ------------------------------------------------------------------------------------------------- world 2
+# ------------------------------------------------------------------------------------------------- world 2, 4
 def on_ranks(layout: str, bitwise: bool, state: dict[str, torch.Tensor]) -> list[bool]:
     config, parallel = LAYOUTS[layout]
     cfg = ParallelConfig(**parallel)
@@ -152,11 +158,12 @@ def on_ranks(layout: str, bitwise: bool, state: dict[str, torch.Tensor]) -> list
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_engine_logprobs_equal_the_learner_bitwise_at_world_2(layout):
+def test_engine_logprobs_equal_the_learner_bitwise_in_parallel(layout):
     state = full_state(LAYOUTS[layout][0])
-    bitwise = pool(2).run(on_ranks, layout, True, state, timeout=240.0)
+    world = WORLD.get(layout, 2)
+    bitwise = pool(world).run(on_ranks, layout, True, state, timeout=240.0)
     assert all(all(rank) and rank for rank in bitwise), bitwise
-    default = pool(2).run(on_ranks, layout, False, state, timeout=240.0)
+    default = pool(world).run(on_ranks, layout, False, state, timeout=240.0)
     assert not all(all(rank) for rank in default), default
 
 
