@@ -2,7 +2,8 @@
 engine's log-prob of every sampled token equals the learner's packed training forward bit for bit, and
 without the mode the same comparison is not bitwise (so each case can fail).
 
-    lora       world 1: adapters on every target, run unmerged by the engine as by the learner
+    lora       world 1: adapters on every target, run unmerged by the engine as by the learner, over float
+               experts and over a frozen MXFP4 expert base (`model.expert_format: mxfp4`)
     tp2-sp     world 2: learner at tp 2 with sequence parallel, engine at tp 2 (row-parallel sums and
                reduce-scatters in rank order, vocab-parallel log-probs from gathered logits)
     tp2-lora   world 2: as tp2-sp, LoRA, the engine computing with the learner's base shards
@@ -32,8 +33,10 @@ from megatron_gptoss.config import (
 )
 from megatron_gptoss.config.lora import LORA_TARGETS, LoRAConfig
 from megatron_gptoss.hf.convert import iter_hf_tensors
+from megatron_gptoss.hf.mxfp4 import quantize_mxfp4
 from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.model.lora import is_adapter_param
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.parallel.apply import parallelize
 from megatron_gptoss.parallel.dims import ParallelDims
@@ -102,26 +105,32 @@ def same_bits(engine_lp: list[list[float]], learner_lp: list[list[float]]) -> li
 
 
 # ------------------------------------------------------------------------------------------------- world 1
-def compare_lora(learner: GPTOSSModel, state: dict[str, torch.Tensor]) -> list[bool]:
-    """Engine (LoRA model, adapters unmerged, as `trainer.engines` builds it when it shares the learner's
-    base) against the learner, per sampled token."""
-    engine = EmbeddedEngine(LORA, options=OPTIONS)
-    engine.model.load_state_dict(state, strict=False)
-    outs = engine.generate(PROMPTS, PARAMS)
+def compare_lora(learner: GPTOSSModel) -> list[bool]:
+    """Engine (the learner's model class, adapters unmerged, as `trainer.engines` builds it when it shares
+    the learner's base) against the learner, per sampled token."""
+    engine = EmbeddedEngine(learner.config, options=OPTIONS)
+    engine.model.load_state_dict(learner.state_dict())
+    prompts = PROMPTS[:3]
+    outs = engine.generate(prompts, PARAMS)
     assert len({len(o.token_ids) for o in outs}) > 1  # rows finish apart
-    sequences = [p + o.token_ids for p, o in zip(PROMPTS, outs)]
-    ref = learner_logprobs(learner, sequences, [len(p) for p in PROMPTS], 1)
+    sequences = [p + o.token_ids for p, o in zip(prompts, outs)]
+    ref = learner_logprobs(learner, sequences, [len(p) for p in prompts], 1)
     return same_bits([o.logprobs for o in outs], ref)
 
 
-def test_lora_engine_logprobs_equal_the_learner_bitwise():
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_lora_engine_logprobs_equal_the_learner_bitwise(experts):
+    """LoRA over float experts, and over a frozen MXFP4 expert base (both sides dequantize its blocks)."""
     state = full_state(LORA)
     assert any(is_adapter_param(n) and n.endswith(".b") and bool(t.abs().sum()) for n, t in state.items())
-    learner = GPTOSSModel(LORA)
+    learner = GPTOSSModel(dataclasses.replace(LORA, expert_format=experts))
+    with torch.no_grad():
+        for name, weight in mxfp4_weights(learner).items():
+            weight.copy_packed_(*quantize_mxfp4(state.pop(name)))
     learner.load_state_dict(state, strict=False)
     with batch_invariant.enabled():
-        assert all(compare_lora(learner, state))
-    assert not all(compare_lora(learner, state))
+        assert all(compare_lora(learner))
+    assert not all(compare_lora(learner))
 
 
 # ------------------------------------------------------------------------------------------------- world 2, 4
@@ -177,12 +186,15 @@ def test_matched_layouts_load_and_others_are_refused_naming_the_setting():
     assert cfg.rollout.bitwise_on_policy and cfg.parallel.tensor_model_parallel_size == 2
     lora = ["model.lora.rank=2", "parallel.expert_model_parallel_size=2", "rollout.expert_parallel_size=2"]
     assert load_config(DEMO, [*BITWISE, *lora]).model.lora.enabled
+    mxfp4_base = ["model.lora.rank=2", "model.expert_format=mxfp4"]  # both sides dequantize the same blocks
+    assert load_config(DEMO, [*BITWISE, *mxfp4_base]).model.expert_format == "mxfp4"
     refused = {
         "rollout.tensor_parallel_size=1 equal to parallel.tensor_model_parallel_size=2": tp2,
         "rollout.tensor_parallel_size=2 equal to parallel.tensor_model_parallel_size=1": [
             "rollout.tensor_parallel_size=2"
         ],
         "parallel.context_parallel_size=1": ["parallel.context_parallel_size=2"],
+        "rollout.expert_format='mxfp4' holds them quantized": ["rollout.expert_format=mxfp4"],
         "with model.lora: rollout.expert_parallel_size equal to parallel.expert_model_parallel_size": lora[
             :2
         ],
