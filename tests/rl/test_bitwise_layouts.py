@@ -77,6 +77,7 @@ def full_state(config: ModelConfig) -> dict[str, torch.Tensor]:
 def learner_logprobs(model, sequences, prompt_lengths, multiple: int) -> list[list[float]]:
     """The learner's packed training forward of `sequences` (one row, cu_seqlens; a padding sequence
     brings the tokens to a multiple of `multiple`): the log-prob of every token after its prompt."""
+    device = next(model.parameters()).device
     tokens = sum(len(s) for s in sequences)
     pad = -tokens % multiple
     rows = sequences + ([[0] * pad] if pad else [])
@@ -89,9 +90,11 @@ def learner_logprobs(model, sequences, prompt_lengths, multiple: int) -> list[li
         start += len(seq)
     lengths = torch.tensor([len(s) for s in rows])
     cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()])
+    ids, positions, targets, cu = (t.to(device) for t in (ids, positions, targets, cu))
     with torch.no_grad():
         hidden = model.hidden_states(ids, positions, cu_seqlens=cu, max_seqlen=int(lengths.max()))
         lp, _ = model.token_logprobs(hidden[0], targets, PARAMS.temperature)
+    lp = lp.cpu()
     out, start = [], 0
     for seq, prompt in zip(sequences, prompt_lengths):
         out.append(lp[start + prompt - 1 : start + len(seq) - 1].tolist())
@@ -134,26 +137,31 @@ def test_lora_engine_logprobs_equal_the_learner_bitwise(experts):
 
 
 # ------------------------------------------------------------------------------------------------- world 2, 4
-def on_ranks(layout: str, bitwise: bool, state: dict[str, torch.Tensor]) -> list[bool]:
+def on_ranks(
+    layout: str, bitwise: bool, state: dict[str, torch.Tensor], device="cpu", dtype=torch.float32
+) -> list[bool]:
+    """Per sampled token of this rank's engine replica: whether its log-prob is the learner's bit for bit
+    (collective over the world; both sides in `dtype` on `device`)."""
     config, parallel = LAYOUTS[layout]
     cfg = ParallelConfig(**parallel)
     dims = ParallelDims.build(cfg, config)
-    learner = parallelize(GPTOSSModel(config), dims, cfg)
+    learner = parallelize(GPTOSSModel(config, dtype=dtype, device=device), dims, cfg)
     with torch.no_grad():
         for name, p in learner.named_parameters():
-            p.copy_(local_shard(state[name], get_shard(p), dims, config.padded_vocab_size(dims.tp)))
+            full = state[name].to(device=device, dtype=dtype)
+            p.copy_(local_shard(full, get_shard(p), dims, config.padded_vocab_size(dims.tp)))
     learner.eval()
     engine_dims = ParallelDims.build(
         ParallelConfig(tensor_model_parallel_size=dims.tp, expert_model_parallel_size=dims.ep), config
     )
     if config.lora.enabled:  # the learner's base shards themselves, the adapters copied
         base = {n: p for n, p in learner.named_parameters() if not is_adapter_param(n)}
-        engine = ParallelEmbeddedEngine(config, engine_dims, options=OPTIONS, shared=base)
+        engine = ParallelEmbeddedEngine(config, engine_dims, dtype, device, options=OPTIONS, shared=base)
         engine.update_adapters({n: p.detach() for n, p in learner.named_parameters() if is_adapter_param(n)})
     else:
-        full = GPTOSSModel(config)
+        full = GPTOSSModel(config, dtype=dtype)
         full.load_state_dict(state, strict=False)
-        engine = ParallelEmbeddedEngine(config, engine_dims, options=OPTIONS)
+        engine = ParallelEmbeddedEngine(config, engine_dims, dtype, device, options=OPTIONS)
         engine.update_weights(iter_hf_tensors(full, config))
     # engine replicas (ep 2 at tp 1: one per rank) take their own rows, as trainer.engines splits them
     prompts = torch.tensor_split(torch.arange(len(PROMPTS)), engine_dims.dp)[engine_dims.coord("dp")]
