@@ -243,6 +243,12 @@ class RolloutConfig:
     placement: str = "colocated"
     # With placement "separate": the global ranks that host the engines (empty: the last rank).
     engine_ranks: list[int] = field(default_factory=list)
+    # With placement "separate": each engine rank runs its engine in a child process it supervises (a dying
+    # engine does not end the process group; needs rollout.tensor_parallel_size = expert_parallel_size = 1).
+    engine_child: bool = False
+    # How many times in a run an engine rank starts a new child after its engine process died (its rows in
+    # flight are queued again); one more death is an EngineError.
+    engine_restarts: int = 3
 
     def validate(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -264,7 +270,7 @@ class RolloutConfig:
             "tensor_parallel_size",
             "expert_parallel_size",
         )
-        check_at_least("rollout", self, 0, "top_k", "max_staleness")
+        check_at_least("rollout", self, 0, "top_k", "max_staleness", "engine_restarts")
         if self.partial_kv not in ("keep", "recompute"):
             raise ConfigError(f"rollout.partial_kv={self.partial_kv!r} not in ('keep', 'recompute')")
         if self.dtype not in DTYPES:
@@ -431,10 +437,10 @@ class TrainConfig:
         against the world size when the run starts, `trainer.separate.placement_ranks`)."""
         r = self.rollout
         if r.placement != "separate":
-            if r.engine_ranks:
+            if r.engine_ranks or r.engine_child:
                 raise ConfigError(
-                    f"rollout.engine_ranks={r.engine_ranks} needs rollout.placement='separate' "
-                    f"(got {r.placement!r})"
+                    f"rollout.engine_ranks={r.engine_ranks} and rollout.engine_child={r.engine_child} need "
+                    f"rollout.placement='separate' (got {r.placement!r})"
                 )
             return
         needs = {
@@ -443,6 +449,10 @@ class TrainConfig:
             "rollout.sleep_level=0 (the engine ranks hold no learner to make room for)": r.sleep_level == 0,
             "agent.enabled=false": not self.agent.enabled,
         }
+        if r.engine_child:
+            needs[
+                "rollout.tensor_parallel_size=1 and rollout.expert_parallel_size=1 with rollout.engine_child"
+            ] = r.tensor_parallel_size == 1 and r.expert_parallel_size == 1
         missing = [need for need, met in needs.items() if not met]
         if missing:
             raise ConfigError(f"rollout.placement='separate' needs {'; '.join(missing)}")

@@ -125,6 +125,8 @@ class RolloutBuffer:
         yet trained after this one). Batches up to `last_step` are submitted ahead; with `overlap` the
         batches ahead are generated in the background until `wait`."""
         self.wait()
+        if self.host is not None and self.host.decodes_ahead:
+            self.host.busy_s()  # the engine ranks' clock from here (evaluations between steps not counted)
         start = time.perf_counter()
         version = step - 1
         self.weights_are(version)

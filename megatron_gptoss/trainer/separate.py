@@ -14,7 +14,8 @@
                (`bridge.export.WeightExporter`) and broadcasts each to the engine ranks over a group of
                learner rank 0 and the engine ranks; every engine rank keeps the shard its layout holds.
     decoding   rows queued by `start` (partial rollouts) go on decoding on the engine ranks between commands
-               (a thread: one engine step at a time under a lock, where each engine rank is a whole replica):
+               (`trainer.engine_process`: a thread steps them one engine step at a time under a lock, where
+               each engine rank is a whole replica; the engine in the rank's process or in a child process):
                the batch ahead is sampled while the learner computes. A weight sync is received meanwhile and
                loaded between two engine steps; the engine then waits for the new version's number before it
                steps again, so every token records the policy that sampled it.
@@ -35,8 +36,6 @@ equals the colocated one at the learner's world size (the same prompts, seeds, w
 from __future__ import annotations
 
 import itertools
-import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -55,7 +54,8 @@ from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.errors import ConfigError, EngineError, LayoutError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.parallel.dims import ParallelDims, validate_layout
-from megatron_gptoss.trainer.engines import DTYPES, EmbeddedHost, engine_model_config
+from megatron_gptoss.trainer.engine_process import ChildEngine, EngineCore
+from megatron_gptoss.trainer.engines import DTYPES, engine_model_config
 from megatron_gptoss.trainer.session import Session
 
 Pairs = list[tuple[str, torch.Tensor]]
@@ -221,7 +221,8 @@ class EngineClient:
     def sync(self) -> dict[str, float]:
         self.placement.send(("sync",))
         self.placement.send_buckets(self.exporter.buckets(), self.device)
-        return {"sync/bytes": float(self.placement.reply())}
+        received, restarts = self.placement.reply()
+        return {"sync/bytes": float(received), "engine/restarts": float(restarts)}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return self.placement.call("generate", prompts, params)
@@ -251,34 +252,28 @@ class EngineClient:
 
 
 class EngineServer:
-    """An engine rank: answers the learner's commands; rows queued by `start` keep decoding in a thread
-    between commands (where this rank is a whole engine replica). Built inside `world_of(placement.own)`."""
+    """An engine rank: answers the learner's commands with its engine (`trainer.engine_process`: in this
+    process, or in a child process it supervises with `rollout.engine_child`). Built inside
+    `world_of(placement.own)`."""
 
     def __init__(self, cfg: TrainConfig, run_session: Session, placement: Placement):
         self.placement, self.session = placement, run_session
-        self.host = EmbeddedHost(cfg, [], None, run_session.device)
-        edims = self.host.engine_dims
-        self.handles: dict[int, tuple[list, int]] = {}
+        device = run_session.device
+        self.core: EngineCore | ChildEngine = (
+            ChildEngine(cfg, device) if cfg.rollout.engine_child else EngineCore(cfg, device)
+        )
         self.ids = itertools.count()
-        self.lock = threading.Lock()
-        self.work = threading.Event()  # set when the decoding thread may have rows to step
-        self.paused = False  # from a weight sync until its version arrives
-        self.closed = False
-        self.busy = 0.0
-        self.thread = None
-        if edims.tp == 1 and edims.ep == 1:  # no lockstep with other ranks: each rank decodes alone
-            self.thread = threading.Thread(target=self._decode, name="engine-decode", daemon=True)
-            self.thread.start()
 
     def serve(self) -> Any:
         """Answer commands until the learner's stop; the run's result it carries."""
+        core = self.core
         handlers: dict[str, Callable[..., Any]] = {
-            "generate": self._generate,
+            "generate": core.generate,
             "start": self._start,
-            "finish": self._finish,
+            "finish": core.finish,
             "sync": self._sync,
-            "version": self._version,
-            "busy": self._busy,
+            "version": core.version,
+            "busy": core.busy,
         }
         count = 0
         try:
@@ -294,78 +289,22 @@ class EngineServer:
                     value, ok = traceback.format_exc(), False
                 self.placement.answer(ok, value)
         finally:
-            self.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            self.work.set()
-        if self.thread is not None:
-            self.thread.join()
-        self.host.shutdown()
-
-    # ---------------------------------------------------------------------------------------- commands
-    def _timed(self, fn: Callable[[], Any]) -> Any:
-        with self.lock:
-            start = time.perf_counter()
-            try:
-                return fn()
-            finally:
-                self.busy += time.perf_counter() - start
-
-    def _generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return self._timed(lambda: self.host.generate(prompts, params))
+            core.close()
 
     def _start(self, prompts: list[list[int]], params: SamplingParams) -> int:
-        with self.lock:
-            handle = next(self.ids)
-            self.handles[handle] = self.host.start(prompts, params)
-        self.work.set()
+        handle = next(self.ids)
+        self.core.start(handle, prompts, params)
         return handle
 
-    def _finish(self, handle: int) -> list[Generation]:
-        return self._timed(lambda: self.host.finish(self.handles.pop(handle)))
-
-    def _sync(self) -> int:
+    def _sync(self) -> tuple[int, int]:
         """The learner's buckets, received while the rows in flight go on decoding under the old weights,
-        then loaded between two engine steps; the engine pauses until the new version's number arrives."""
+        then loaded between two engine steps; (bytes received, engine restarts so far on all engine ranks)."""
         device = self.session.device
         buckets = list(self.placement.receive_buckets(device))
-        with self.lock:
-            self.host.engine.update_weights(pair for bucket in buckets for pair in bucket)
-            self.paused = True
-        return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
-
-    def _version(self, version: int, recompute: bool) -> None:
-        with self.lock:
-            self.host.weights_changed(version, recompute)
-            self.paused = False
-        self.work.set()
-
-    def _busy(self) -> float:
-        with self.lock:
-            busy, self.busy = self.busy, 0.0
-        return busy
-
-    # ---------------------------------------------------------------------------------------- decoding
-    def _in_flight(self) -> bool:
-        return any(not seq.left for seqs, _ in self.handles.values() for seq in seqs)
-
-    def _decode(self) -> None:
-        """Step the rows in flight, one engine step at a time, while any is left and no sync pauses them."""
-        if self.session.device.type == "cuda":
-            torch.cuda.set_device(self.session.device)  # the current device is per thread
-        while True:
-            self.work.wait()
-            with self.lock:
-                if self.closed:
-                    return
-                if self.paused or not self._in_flight():
-                    self.work.clear()
-                    continue
-                start = time.perf_counter()
-                self.host.engine.advance(1)
-                self.busy += time.perf_counter() - start
+        self.core.load(buckets)
+        restarts = torch.tensor([getattr(self.core, "restarts", 0)], device=device)
+        dist.all_reduce(restarts)  # over the engine ranks
+        return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket), int(restarts)
 
 
 def run_separate(cfg: TrainConfig, run_session: Session, train: Callable[[Placement], Any]) -> Any:
@@ -378,12 +317,22 @@ def run_separate(cfg: TrainConfig, run_session: Session, train: Callable[[Placem
             result = EngineServer(cfg, run_session, placement).serve()
         if result is None:
             raise EngineError(f"the learner ranks {placement.learners} ended with an error")
-        return result
-    try:
-        with world_of(placement.own):
-            result = train(placement)
-    except BaseException:
-        placement.send(("stop", None))
-        raise
-    placement.send(("stop", result))
+    else:
+        try:
+            with world_of(placement.own):
+                result = train(placement)
+        except BaseException:
+            placement.send(("stop", None))
+            raise
+        placement.send(("stop", result))
+    align_group_names(placement.world)
     return result
+
+
+def align_group_names(world: dist.ProcessGroup) -> None:
+    """Groups are named by a per-process count of the groups made; each side made its own, so the counts
+    are set to their largest (collective over `world`), and groups made over the whole world later (another
+    run in the same processes) have the same name on every rank."""
+    counts: list = [None] * world.size()
+    dist.all_gather_object(counts, c10d._world.group_count, group=world)
+    c10d._world.group_count = max(counts)

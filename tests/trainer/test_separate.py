@@ -116,7 +116,11 @@ def test_placement_settings_are_checked():
     assert placement_ranks(engine_ranks, 3) == ([2], [0, 1])
     for overrides, message in [
         (["rollout.placement=apart"], "rollout.placement='apart' not in"),
-        (["rollout.engine_ranks=1"], "needs rollout.placement='separate'"),
+        (["rollout.engine_ranks=1"], "need rollout.placement='separate' (got 'colocated')"),
+        (
+            ["rollout.placement=separate", "rollout.engine_child=true", "rollout.tensor_parallel_size=2"],
+            "rollout.tensor_parallel_size=1 and rollout.expert_parallel_size=1 with rollout.engine_child",
+        ),
         (["rollout.placement=separate", "rollout.sleep_level=1"], "rollout.sleep_level=0"),
         (["rollout.placement=separate", "rollout.engine=vllm"], "rollout.engine='embedded'"),
     ]:
