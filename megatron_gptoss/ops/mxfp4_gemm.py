@@ -18,13 +18,20 @@ x's dtype; bias and SwiGLU in fp32 on those rounded products, one more rounding.
 it only where the order of the fp32 sums moves a product across a rounding boundary of x's dtype.
 
 Paths (`path=`, default from the environment variable MEGATRON_GPTOSS_MXFP4_PATH, else "auto"):
-    "reference"  dequantize, then the PyTorch path (`reference_dequantized`)
-    "portable"   Triton kernels with plain loads and `tl.dot` (no tensor descriptors, nothing Hopper-only)
-    "scaled"     the `tl.dot_scaled` kernel for 16-bit rows on Hopper and later (elsewhere "portable")
-    "auto"       the fastest kernels for the device: at decode sizes (at most `PORTABLE_MAX_ROWS` rows) the
-                 portable kernel with its "ptx" decoding, above them "scaled" on Hopper and later (measured
-                 on an H100 at gpt-oss-20b widths, benchmarks/RESULTS.md: 64 and 256 tokens 356 / 532 us a
-                 layer against the scaled kernel's 490 / 621; at 4,096 tokens the scaled kernel is the faster)
+    "reference"    dequantize, then the PyTorch path (`reference_dequantized`)
+    "portable"     Triton kernels with plain loads and `tl.dot` (no tensor descriptors, nothing Hopper-only)
+    "scaled"       the `tl.dot_scaled` kernel for 16-bit rows on Hopper and later (elsewhere "portable")
+    "dequantized"  bf16 rows on Hopper and later (elsewhere "portable"): the weights decoded to bf16 by one
+                   Triton launch (`dequantize_kernel`, a transient copy of at most `DEQUANTIZE_CHUNK_BYTES`
+                   at a time, experts in chunks), then the library's grouped GEMM `torch._grouped_mm`, the
+                   learner's bf16 path: the same products, bit for bit, as the bf16 experts holding those
+                   values; the input gradient likewise (the weights decoded again, nothing kept)
+    "auto"         the fastest for the device: at decode sizes (at most `PORTABLE_MAX_ROWS` rows) the
+                   portable kernel with its "ptx" decoding, above them "dequantized" for bf16 rows on Hopper
+                   and later ("scaled" for fp16), so the learner's and the prefill's large products run at the
+                   library's speed (measured on an H100 at gpt-oss-20b widths, benchmarks/RESULTS.md: 64 and
+                   256 tokens 356 / 532 us a layer with the portable kernel against the scaled kernel's
+                   490 / 621; at 4,096 tokens the scaled kernel took 4.7 ms a layer, the library 1.7 ms)
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU in fp32; elsewhere (16-bit rows on the
 CPU, fp64 rows, a CPU without the interpreter, no Triton) every path is the reference.
 """
@@ -42,13 +49,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.ops.fused_moe import _cdiv, expert_of_rows
 from megatron_gptoss.ops.moe_decode import row_tile
 
 BLOCK = 32  # values per MXFP4 block
 BLOCK_BYTES = BLOCK // 2
-PATHS = ("auto", "portable", "scaled", "reference")
+PATHS = ("auto", "portable", "scaled", "dequantized", "reference")
 PORTABLE_MAX_ROWS = 1024  # auto: the portable kernel up to this many rows (256 decode slots at top-4)
+DEQUANTIZE_CHUNK_BYTES = 1 << 31  # the dequantized path's transient weights, at most (one expert at least)
+_DEQUANTIZE_GROUPS = 64  # blocks of 32 values per program of `dequantize_kernel`
 PATH_ENV = "MEGATRON_GPTOSS_MXFP4_PATH"
 _FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _CHUNK_BLOCKS = 1 << 18  # blocks decoded at once by `dequantize` (bounds its temporaries)
@@ -262,10 +272,10 @@ def scaled_failures() -> dict[tuple[str, Mxfp4Config, bool], str]:
 
 
 def kernel_for(x: Tensor, path: str | None = None) -> str:
-    """Which implementation a call on x runs: "reference", "portable" or "scaled" (`tl.dot_scaled`, the
-    auto path for bf16 / fp16 rows on Hopper and later; tiles it fails on run the portable kernel,
-    `scaled_failures`). The interpreter (CPU) runs the kernels on fp32 rows
-    only: its `tl.dot` does not model 16-bit floats and its casts to them truncate."""
+    """Which implementation a call on x runs: "reference", "portable", "scaled" (`tl.dot_scaled`; tiles it
+    fails on run the portable kernel, `scaled_failures`) or "dequantized" (the module doc's paths). The
+    interpreter (CPU) runs the kernels on fp32 rows only: its `tl.dot` does not model 16-bit floats and its
+    casts to them truncate."""
     path = _resolve_path(path)
     if path == "reference" or not kernels_can_run(x) or x.dtype not in _X_FORMATS:
         return "reference"
@@ -275,7 +285,68 @@ def kernel_for(x: Tensor, path: str | None = None) -> str:
         return "portable"
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return "portable"
-    return "portable" if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS else "scaled"
+    if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS:
+        return "portable"
+    if path == "scaled" or x.dtype != torch.bfloat16:
+        return "scaled"
+    return "dequantized"
+
+
+def dequantize_kernel(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+    """`dequantize` by one Triton launch (CUDA, or the CPU under TRITON_INTERPRET=1): the same values in
+    `dtype` (bf16, fp16 or fp32), scales up to 240 (2 ** 113; the kernels' range)."""
+    _check_weights(blocks, scales)
+    blocks, scales = blocks.contiguous(), scales.contiguous()
+    out = torch.empty(*scales.shape, BLOCK, dtype=dtype, device=blocks.device)
+    groups = scales.numel()
+    if groups:
+        grid = (_cdiv(groups, _DEQUANTIZE_GROUPS),)
+        _kernels().mxfp4_dequant_kernel[grid](blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS)
+    return out.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
+
+
+def _dequantized_product(
+    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, transposed: bool
+) -> Tensor:
+    """x [M, in] times each expert's W[e]^T ([M, out]), or with `transposed` x [M, out] times W[e] ([M, in]):
+    the weights decoded to x's dtype `DEQUANTIZE_CHUNK_BYTES` at a most at a time (one expert at least;
+    more than one chunk reads the bounds on the host), each chunk's rows by `torch._grouped_mm`."""
+    experts, out, groups = blocks.shape[:3]
+    width = groups * BLOCK if transposed else out
+    per_expert = out * groups * BLOCK * x.element_size()
+    step = max(1, DEQUANTIZE_CHUNK_BYTES // per_expert)
+
+    def product(rows: Tensor, first: int, stop: int, offs: Tensor) -> Tensor:
+        w = dequantize_kernel(blocks[first:stop], scales[first:stop], x.dtype)
+        return torch._grouped_mm(rows, w if transposed else w.transpose(1, 2), offs=offs)
+
+    if step >= experts:
+        return product(x, 0, experts, bounds[1:])
+    host = bounds.tolist()
+    pieces = []
+    for first in range(0, experts, step):
+        stop = min(experts, first + step)
+        rows = x[host[first] : host[stop]]
+        if rows.shape[0]:
+            pieces.append(product(rows, first, stop, bounds[first + 1 : stop + 1] - host[first]))
+    return torch.cat(pieces) if pieces else x.new_empty(0, width)
+
+
+class _DequantizedLinear(torch.autograd.Function):
+    """The dequantized path of `grouped_linear_mxfp4`: nothing saved but the bytes; the backward decodes the
+    weights again."""
+
+    @staticmethod
+    def forward(ctx, x, blocks, scales, bounds):
+        ctx.save_for_backward(blocks, scales, bounds)
+        ctx.dtype = x.dtype
+        return _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, transposed=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        blocks, scales, bounds = ctx.saved_tensors
+        grad = _contiguous_rows(grad.to(ctx.dtype))
+        return _dequantized_product(grad, blocks, scales, bounds, transposed=True), None, None, None
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
@@ -399,6 +470,8 @@ def grouped_linear_mxfp4(
     kernel = kernel_for(x, path)
     if kernel == "reference":
         return reference_dequantized(x, blocks, scales, bounds)
+    if kernel == "dequantized":
+        return _DequantizedLinear.apply(x, blocks, scales, bounds)
     return _GroupedLinear.apply(x, blocks, scales, bounds, kernel, config)
 
 
@@ -422,4 +495,7 @@ def fc1_swiglu_mxfp4(
     with torch.no_grad():
         if kernel == "reference":
             return reference_dequantized(x, blocks, scales, bounds, bias, (float(limit), float(alpha)))
+        if kernel == "dequantized":
+            y = _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, transposed=False)
+            return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
         return _forward_any(x, blocks, scales, bias, bounds, True, limit, alpha, kernel, config)

@@ -25,8 +25,10 @@ Two ways to form the products:
 - scaled (`_scaled_products`): `tl.dot_scaled` with x (bf16 / fp16) and the packed bytes and scales (on
   the right, or with SWAP on the left), Triton's own e2m1 decoding (on Hopper: decoded to bf16, then its
   matrix units).
-The input gradient (`mxfp4_bwd_kernel`) decodes the same byte tiles along the other axis: grad_x's even
-and odd columns are grad_y W_even and grad_y W_odd, joined (interleaved) before the store.
+`mxfp4_dequant_kernel` decodes whole weights to 16-bit or fp32 (the dequantized path of large row counts:
+the library's grouped GEMM then multiplies them). The input gradient (`mxfp4_bwd_kernel`) decodes the same
+byte tiles along the other axis: grad_x's even and odd columns are grad_y W_even and grad_y W_odd, joined
+(interleaved) before the store.
 """
 
 from __future__ import annotations
@@ -364,3 +366,20 @@ def mxfp4_bwd_kernel(
         both = tl.reshape(tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K])  # columns interleaved
         mask = row_ok[:, None] & (ks < K)[None, :]
         tl.store(GX + rows[:, None] * stride_gx + ks[None, :], both, mask=mask)
+
+
+@triton.jit
+def mxfp4_dequant_kernel(blocks_ptr, scales_ptr, out_ptr, groups, BLOCK_G: tl.constexpr):
+    """`groups` blocks of 32 values (bytes [groups, 16], scales [groups], both contiguous) -> out [groups, 32]
+    in out's dtype, exactly: value 2j of a block from the low nibble of byte j, 2j + 1 from the high one,
+    times the block's scale (`_decode`'s arithmetic). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G).
+    """
+    g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+    inside = g < groups
+    byte = tl.load(blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=inside[:, None], other=0)
+    scale = _scale_values(tl.load(scales_ptr + g, mask=inside, other=0))[:, None]
+    even = _fp4_values(byte.to(tl.int32) & 15) * scale
+    odd = _fp4_values(byte.to(tl.int32) >> 4) * scale
+    values = tl.reshape(tl.join(even, odd), (BLOCK_G, 32))  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
+    offsets = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside[:, None])

@@ -63,6 +63,30 @@ def test_dequantize_equals_hf_reference():
         assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
 
 
+@interpreted
+def test_dequantize_kernel_equals_the_reference():
+    """The dequantized path's one-launch decoding: every byte, every scale byte of its range (0 .. 240) and a
+    partial last program, the same bits as `dequantize` in fp32; in bf16 from scale 2 up (the interpreter's
+    casts to bf16 flush the subnormal values of scales 0 and 1 to zero; the GPU test covers them)."""
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (3, 37, 5, 16), generator=g, dtype=torch.uint8)
+    blocks[0, 0, :, :] = torch.arange(80, dtype=torch.uint8).reshape(5, 16)
+    blocks[0, 1, :, :] = torch.arange(80, 160, dtype=torch.uint8).reshape(5, 16)
+    blocks[0, 2, :, :] = torch.arange(160, 240, dtype=torch.uint8).reshape(5, 16)
+    blocks[0, 3, :1, :] = torch.arange(240, 256, dtype=torch.uint8)
+    scales = torch.randint(0, 241, (3, 37, 5), generator=g, dtype=torch.uint8)
+    scales[1, 0, :] = torch.tensor([0, 1, 127, 239, 240], dtype=torch.uint8)
+    ours = mxfp4_gemm.dequantize_kernel(blocks, scales, torch.float32)
+    assert ours.dtype == torch.float32 and ours.shape == (3, 37, 160)
+    assert torch.equal(ours, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
+    scales = scales.clamp(min=2)
+    ours = mxfp4_gemm.dequantize_kernel(blocks, scales, torch.bfloat16)
+    assert ours.dtype == torch.bfloat16
+    assert torch.equal(ours, mxfp4_gemm.dequantize(blocks, scales, torch.bfloat16))
+    experts = mxfp4_gemm.dequantize_kernel(blocks[1:], scales[1:], torch.float32)  # a slice of experts
+    assert torch.equal(experts, mxfp4_gemm.dequantize(blocks[1:], scales[1:], torch.float32))
+
+
 @triton.jit
 def _decode_rows_kernel(B, S, Out, BYTES: tl.constexpr):
     """Row r of B [R, BYTES] bytes with scales S [R, BYTES / 16] -> Out [R, 2 BYTES] fp32, the kernels'

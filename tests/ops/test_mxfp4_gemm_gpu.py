@@ -126,14 +126,17 @@ def check_paths(tokens: int, paths: tuple[str, ...]) -> None:
 @pytest.mark.parametrize("tokens", [64, 256, 2048])
 def test_both_paths_round_as_the_dequantized_bf16_path(tokens):
     """Decode sizes (64, 256 engine slots) and a prefill size: the auto path (the portable kernel with its
-    ptx decoding at decode sizes, tl.dot_scaled above them on Hopper), the portable and the scaled paths,
-    and the scaled kernel did not fall back."""
-    check_paths(tokens, ("auto", "portable", "scaled"))
+    ptx decoding at decode sizes, the dequantized path above them on Hopper), the portable, the scaled and
+    the dequantized paths, and the scaled kernel did not fall back."""
+    check_paths(tokens, ("auto", "portable", "scaled", "dequantized"))
     small = torch.zeros(mxfp4_gemm.PORTABLE_MAX_ROWS, WIDTH, device="cuda", dtype=torch.bfloat16)
     large = torch.zeros(mxfp4_gemm.PORTABLE_MAX_ROWS + 1, WIDTH, device="cuda", dtype=torch.bfloat16)
     assert mxfp4_gemm.kernel_for(small, "auto") == "portable"
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert mxfp4_gemm.kernel_for(large, "auto") == mxfp4_gemm.kernel_for(large, "scaled") == "scaled"
+        assert mxfp4_gemm.kernel_for(large, "auto") == mxfp4_gemm.kernel_for(large, "dequantized")
+        assert mxfp4_gemm.kernel_for(large, "auto") == "dequantized"
+        assert mxfp4_gemm.kernel_for(large, "scaled") == "scaled"
+        assert mxfp4_gemm.kernel_for(large.half(), "auto") == "scaled"
     assert not mxfp4_gemm.scaled_failures()
 
 
@@ -200,3 +203,51 @@ def test_portable_path_with_pre_hopper_matrix_instructions():
 if __name__ == "__main__":  # the child process of the test above
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     check_paths(256, ("portable",))
+
+
+def test_dequantize_kernel_on_every_byte_and_scale():
+    """The one-launch decoding on the GPU: every byte with every scale byte of its range (0 .. 240,
+    subnormal values included), the same bits as `dequantize` in bf16 and fp32."""
+    blocks = torch.arange(256, dtype=torch.uint8).repeat(241, 2).reshape(241, 2, 16, 16).cuda()
+    scales = torch.arange(241, dtype=torch.uint8)[:, None, None].expand(241, 2, 16).contiguous().cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        ours = mxfp4_gemm.dequantize_kernel(blocks, scales, dtype)
+        assert torch.equal(ours, mxfp4_gemm.dequantize(blocks, scales, dtype))
+
+
+@pytest.mark.parametrize("chunk_experts", [0, 5])
+def test_dequantized_path_is_the_bf16_learner_path(monkeypatch, chunk_experts):
+    """The dequantized path (auto above PORTABLE_MAX_ROWS rows) gives the bf16 experts' learner path
+    (`torch._grouped_mm` on the dequantized weights, autograd's input gradient) bit for bit: fc1 + SwiGLU,
+    fc2, and the input gradient through both; also with the experts decoded in chunks of 5 (the bounds read
+    on the host, chunks of rows multiplied apart)."""
+    if chunk_experts:
+        per_expert = 2 * WIDTH * WIDTH * 2
+        monkeypatch.setattr(mxfp4_gemm, "DEQUANTIZE_CHUNK_BYTES", chunk_experts * per_expert)
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(2048)
+    w1 = mxfp4_gemm.dequantize(b1, s1, torch.bfloat16)
+    w2 = mxfp4_gemm.dequantize(b2, s2, torch.bfloat16)
+    assert mxfp4_gemm.kernel_for(x, "auto") == "dequantized"
+    with torch.no_grad():
+        h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
+        h_ref = fused_moe.swiglu_bias(
+            torch._grouped_mm(x, w1.transpose(1, 2), offs=bounds[1:]), bias, bounds, LIMIT, ALPHA
+        )
+    assert torch.equal(h, h_ref)
+    ours_in, ref_in = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = grouped_linear_mxfp4(
+        fused_moe.swiglu_bias(grouped_linear_mxfp4(ours_in, b1, s1, bounds), bias, bounds, LIMIT, ALPHA),
+        b2, s2, bounds,
+    )  # fmt: skip
+    y_ref = torch._grouped_mm(
+        fused_moe.swiglu_bias(
+            torch._grouped_mm(ref_in, w1.transpose(1, 2), offs=bounds[1:]), bias, bounds, LIMIT, ALPHA
+        ),
+        w2.transpose(1, 2),
+        offs=bounds[1:],
+    )
+    assert torch.equal(y, y_ref)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    assert torch.equal(ours_in.grad, ref_in.grad)
