@@ -200,7 +200,8 @@ class Placement:
 class EngineClient:
     """The learner's view of the engine ranks, with `EmbeddedHost`'s interface; every call is collective over
     the learner ranks (all of them call it, in the same order) and answered by the engine ranks. `sync`
-    returns `sync/bytes`, what each engine rank received."""
+    returns `sync/bytes` (what each engine rank received) and `engine/restarts` (engine processes started
+    again so far, over all engine ranks)."""
 
     decodes_ahead = True  # rows queued by `start` advance on the engine ranks without `finish`
 

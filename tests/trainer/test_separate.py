@@ -12,15 +12,19 @@ learner.
 from __future__ import annotations
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from helpers.harness import pool
 from safetensors.torch import load_file
 
 from megatron_gptoss.config import ConfigError, load_config
 from megatron_gptoss.trainer import loop
+from megatron_gptoss.trainer.engine_process import ChildEngine
 from megatron_gptoss.trainer.separate import placement_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,3 +131,82 @@ def test_placement_settings_are_checked():
         with pytest.raises(ConfigError, match="rollout") as err:
             load_config(ROOT / "configs/demo_cpu.yaml", overrides)
         assert message in str(err.value), overrides
+
+
+def _killing_run(rank: int, init_file: str, out: str, method: str, kill_at: int, *overrides: str) -> None:
+    """Rank `rank` of a 2-rank world (rank 1 the engine rank, its engine in a child process): the engine
+    process is killed (SIGKILL) right after it receives its `kill_at`-th call of `method`. Rank 0 writes
+    the prompts of every step's trained rows to `out`/prompts.json."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    send, calls = ChildEngine._send, []
+
+    def killing(self, name, args):
+        if name == method:
+            calls.append(name)
+            if len(calls) == kill_at:  # the child is generating when it dies
+                self.conn.send((name, args))
+                os.kill(self.process.pid, signal.SIGKILL)
+                return self.conn.recv()
+        return send(self, name, args)
+
+    ChildEngine._send = killing  # type: ignore[method-assign]
+    extra = ["rollout.placement=separate", "rollout.engine_child=true", *overrides]
+    prompts = _run_recording(Path(out), *extra)
+    if rank == 0:
+        (Path(out) / "prompts.json").write_text(json.dumps(prompts))
+    dist.destroy_process_group()
+
+
+def _run_recording(out: Path, *overrides: str) -> list[list[list[int]]]:
+    """A run; the prompt of every trained row, step by step."""
+    prompts: list[list[list[int]]] = []
+    build = loop.build_batch
+
+    def recording(prompt_ids, *args):
+        prompts.append([list(p) for p in prompt_ids])
+        return build(prompt_ids, *args)
+
+    loop.build_batch = recording  # type: ignore[assignment]
+    try:
+        loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides]))
+    finally:
+        loop.build_batch = build  # type: ignore[assignment]
+    return prompts
+
+
+def _kill(tmp_path: Path, out: Path, method: str, kill_at: int, *overrides: str) -> list:
+    args = (str(tmp_path / "init"), str(out), method, kill_at, *overrides)
+    mp.start_processes(_killing_run, args, nprocs=2, start_method="spawn")
+    return json.loads((out / "prompts.json").read_text())
+
+
+def test_a_killed_engine_process_is_restarted_and_nothing_is_lost(tmp_path):
+    """The engine process dies while it generates step 2's rows: a new one takes the weights and the call;
+    the run equals the colocated run at world 1 (every row of every step generated and trained once, the
+    same samples)."""
+    sep, col = tmp_path / "separate", tmp_path / "colocated"
+    _kill(tmp_path, sep, "generate", 3, "run.export_hf=true")  # calls: the evaluation, step 1, step 2
+    _run_recording(col, "run.export_hf=true")
+    ours, theirs = _lines(sep), _lines(col)
+    assert [ours[s]["engine/restarts"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    for step, line in theirs.items():
+        kept = {k: v for k, v in line.items() if not k.startswith(SKIP)}
+        assert {k: v for k, v in ours[step].items() if not k.startswith(SKIP)} == kept, step
+    a, b = (load_file(next((d / "hf_final").glob("*.safetensors"))) for d in (sep, col))
+    assert all(a[name].equal(b[name]) for name in b)
+
+
+def test_a_killed_engine_process_requeues_its_partial_rows(tmp_path):
+    """k = 1, partial rollouts: the engine process dies while it steps step 2's rows to their end (the rows
+    of step 3 queued beside them): the new process queues both batches' rows again from their prompts; every
+    step trains the rows of its own prompts once, none lost or twice, at most one version old."""
+    sep, col = tmp_path / "separate", tmp_path / "colocated"
+    k1 = ("rollout.max_staleness=1", "rollout.partial=true")
+    ours = _kill(tmp_path, sep, "finish", 2, *k1)
+    theirs = _run_recording(col, *k1)
+    assert ours == theirs and [len(rows) for rows in ours] == [4, 4, 4]  # 2 prompts x 2 samples a step
+    lines = _lines(sep)
+    assert lines[3]["engine/restarts"] == 1.0
+    assert all(
+        lines[s]["staleness/max"] <= 1.0 and lines[s]["staleness/dropped_rows"] == 0 for s in (1, 2, 3)
+    )
