@@ -148,7 +148,7 @@ class ChildEngine:
         self.cfg, self.device = cfg, device
         self.restarts = 0
         self.queued: dict[int, tuple[list[list[int]], SamplingParams]] = {}  # started, not finished
-        self.weights: list[Pairs] | None = None  # the last weights loaded
+        self.weights: list[Pairs] | None = None  # the last weights loaded (in host memory)
         self.label: int | None = None  # the last version told
         self.loaded_at: int | None = None  # the version told before the last load
         self.version_now: int | None = None  # the version told after it (None: paused)
@@ -227,6 +227,8 @@ class ChildEngine:
 
     def load(self, buckets: list[Pairs]) -> None:
         self._call("load", buckets)
+        if self.device.type != "cpu":  # the copy kept for a new child waits in host memory
+            buckets = [[(name, tensor.cpu()) for name, tensor in bucket] for bucket in buckets]
         self.weights, self.loaded_at, self.version_now = buckets, self.label, None
 
     def version(self, version: int, recompute: bool) -> None:

@@ -11,8 +11,10 @@
                rows (token ids, engine log-probs, per-token policy versions, recorded routing) without a
                learner collective.
     weights    after every update learner rank 0 gathers the full HF tensors bucket by bucket
-               (`bridge.export.WeightExporter`) and broadcasts each to the engine ranks over a group of
-               learner rank 0 and the engine ranks; every engine rank keeps the shard its layout holds.
+               (`bridge.export.WeightExporter`) and sends them over a group of learner rank 0 and the engine
+               ranks: what every engine rank takes in one broadcast a bucket, and (engine expert parallel
+               > 1) each expert slice only to the engine ranks whose expert part holds it; every engine rank
+               keeps the shard its layout holds.
     decoding   rows queued by `start` (partial rollouts) go on decoding on the engine ranks between commands
                (`trainer.engine_process`: a thread steps them one engine step at a time under a lock, where
                each engine rank is a whole replica; the engine in the rank's process or in a child process):
@@ -50,7 +52,7 @@ from megatron_gptoss.bridge.export import WeightExporter
 from megatron_gptoss.bridge.plan import EngineLayout
 from megatron_gptoss.config import ParallelConfig, RolloutConfig, TrainConfig
 from megatron_gptoss.engine_api.buckets import pack, unpack
-from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
+from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, parse_expert_slice
 from megatron_gptoss.errors import ConfigError, EngineError, LayoutError
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.parallel.dims import ParallelDims, validate_layout
@@ -113,11 +115,14 @@ class Placement:
 
     engines: list[int]
     learners: list[int]
+    rank: int  # this rank in the whole world
     is_engine: bool
     world: dist.ProcessGroup  # every rank: commands and rollouts (group ranks are global ranks)
     own: dist.ProcessGroup  # this side's ranks: its default group inside `world_of`
     weights: dist.ProcessGroup | None  # learner rank 0 and the engine ranks (None on other learner ranks)
-    weights_src: int  # learner rank 0's rank in `weights`
+    weights_members: list[int]  # the global ranks of `weights`, in its rank order
+    engine_ep: int  # rollout.expert_parallel_size: engine rank i holds expert part i % engine_ep
+    num_experts: int
 
     @classmethod
     def split(cls, cfg: TrainConfig) -> Placement:
@@ -133,12 +138,20 @@ class Placement:
         return cls(
             engines,
             learners,
+            rank,
             is_engine,
             world,
             engine_group if is_engine else learner_group,
             weights if rank in members else None,
-            members.index(learners[0]),
+            members,
+            cfg.rollout.expert_parallel_size,
+            cfg.model.num_experts,
         )
+
+    @property
+    def weights_src(self) -> int:
+        """Learner rank 0's rank in `weights`."""
+        return self.weights_members.index(self.learners[0])
 
     # ------------------------------------------------------------------ commands over the whole world
     def send(self, command: tuple) -> None:
@@ -170,27 +183,64 @@ class Placement:
 
     # ------------------------------------------------------------------ weight buckets
     def send_buckets(self, buckets: Iterator[Pairs], device: torch.device) -> None:
-        """Learner ranks: every rank iterates the (collective) export; learner rank 0 broadcasts each bucket
-        (packed) to the engine ranks, then an end mark."""
+        """Learner ranks: every rank iterates the (collective) export; learner rank 0 sends each bucket to
+        the engine ranks, then an end mark: the tensors every engine rank needs packed in one broadcast, and
+        an expert slice (`engine_ep` > 1) only to the engine ranks whose expert part holds it (one packed
+        send each)."""
         for pairs in buckets:
-            if self.weights is not None and pairs:
-                buffer, metas = pack([(n, t.to(device)) for n, t in pairs])
-                self._header([metas, buffer.numel()])
+            if self.weights is None or not pairs:
+                continue
+            common: Pairs = []
+            own: dict[int, Pairs] = {}
+            for name, tensor in pairs:
+                holders = self._holders(name)
+                if holders is None:
+                    common.append((name, tensor.to(device)))
+                for i in holders or ():
+                    own.setdefault(i, []).append((name, tensor.to(device)))
+            packed = {i: pack(p) for i, p in own.items()}
+            buffer, metas = pack(common) if common else (None, None)
+            sizes = {i: (m, b.numel()) for i, (b, m) in packed.items()}
+            self._header([metas, 0 if buffer is None else buffer.numel(), sizes])
+            if buffer is not None:
                 dist.broadcast(buffer, group=self.weights, group_src=self.weights_src)
+            for i, (b, _) in packed.items():
+                dist.send(b, group=self.weights, group_dst=self.weights_members.index(self.engines[i]))
         if self.weights is not None:
-            self._header([None, 0])
+            self._header([None, 0, None])
 
     def receive_buckets(self, device: torch.device) -> Iterator[Pairs]:
-        """Engine ranks: learner rank 0's buckets, each in a buffer of this rank's own, until the end mark."""
+        """Engine ranks: learner rank 0's buckets (what this rank's engine needs of each, in buffers of its
+        own), until the end mark."""
+        me = self.engines.index(self.rank)
         while True:
-            header: list = [None, 0]
+            header: list = [None, 0, None]
             self._header(header)
-            metas, size = header
-            if metas is None:
+            metas, size, sizes = header
+            if sizes is None:
                 return
-            buffer = torch.empty(size, dtype=torch.uint8, device=device)
-            dist.broadcast(buffer, group=self.weights, group_src=self.weights_src)
-            yield unpack(buffer, metas)
+            pairs: Pairs = []
+            if metas is not None:
+                buffer = torch.empty(size, dtype=torch.uint8, device=device)
+                dist.broadcast(buffer, group=self.weights, group_src=self.weights_src)
+                pairs += unpack(buffer, metas)
+            if me in sizes:
+                own_metas, own_size = sizes[me]
+                buffer = torch.empty(own_size, dtype=torch.uint8, device=device)
+                dist.recv(buffer, group=self.weights, group_src=self.weights_src)
+                pairs += unpack(buffer, own_metas)
+            yield pairs
+
+    def _holders(self, name: str) -> list[int] | None:
+        """The engine ranks (indices into `engines`) whose expert part holds an expert slice `name`; None for
+        a tensor every engine rank takes."""
+        sliced = parse_expert_slice(name)
+        if sliced is None or self.engine_ep == 1:
+            return None
+        _, start, stop = sliced
+        total, ep = self.num_experts, self.engine_ep
+        parts = {p for p in range(ep) if start < total * (p + 1) // ep and stop > total * p // ep}
+        return [i for i in range(len(self.engines)) if i % ep in parts]
 
     def _header(self, header: list) -> None:
         assert self.weights is not None
@@ -200,8 +250,8 @@ class Placement:
 class EngineClient:
     """The learner's view of the engine ranks, with `EmbeddedHost`'s interface; every call is collective over
     the learner ranks (all of them call it, in the same order) and answered by the engine ranks. `sync`
-    returns `sync/bytes` (what each engine rank received) and `engine/restarts` (engine processes started
-    again so far, over all engine ranks)."""
+    returns `sync/bytes` (what the first engine rank received), `engine/sync_bytes_total` (what all engine
+    ranks received) and `engine/restarts` (engine processes started again so far, over all engine ranks)."""
 
     decodes_ahead = True  # rows queued by `start` advance on the engine ranks without `finish`
 
@@ -214,7 +264,8 @@ class EngineClient:
         placement: Placement,
     ):
         self.placement, self.device = placement, device
-        layout = EngineLayout(1, 1, True, expert_format=engine_model_config(cfg, False).expert_format)
+        engines, ep = len(placement.engines), cfg.rollout.expert_parallel_size
+        layout = EngineLayout(engines, ep, True, expert_format=engine_model_config(cfg, False).expert_format)
         self.exporter = WeightExporter(  # full HF tensors on learner rank 0, bucket by bucket
             models, cfg.model, dims, layout, cfg.rollout.bucket_size_mb << 20, 0, DTYPES[cfg.rollout.dtype]
         )
@@ -222,8 +273,12 @@ class EngineClient:
     def sync(self) -> dict[str, float]:
         self.placement.send(("sync",))
         self.placement.send_buckets(self.exporter.buckets(), self.device)
-        received, restarts = self.placement.reply()
-        return {"sync/bytes": float(received), "engine/restarts": float(restarts)}
+        received, restarts, total = self.placement.reply()
+        return {
+            "sync/bytes": float(received),
+            "engine/restarts": float(restarts),
+            "engine/sync_bytes_total": float(total),
+        }
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         return self.placement.call("generate", prompts, params)
@@ -297,15 +352,17 @@ class EngineServer:
         self.core.start(handle, prompts, params)
         return handle
 
-    def _sync(self) -> tuple[int, int]:
+    def _sync(self) -> tuple[int, int, int]:
         """The learner's buckets, received while the rows in flight go on decoding under the old weights,
-        then loaded between two engine steps; (bytes received, engine restarts so far on all engine ranks)."""
+        then loaded between two engine steps; (bytes this rank received, engine restarts so far and bytes
+        received, over all engine ranks)."""
         device = self.session.device
         buckets = list(self.placement.receive_buckets(device))
         self.core.load(buckets)
-        restarts = torch.tensor([getattr(self.core, "restarts", 0)], device=device)
-        dist.all_reduce(restarts)  # over the engine ranks
-        return sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket), int(restarts)
+        received = sum(t.numel() * t.element_size() for bucket in buckets for _, t in bucket)
+        totals = torch.tensor([getattr(self.core, "restarts", 0), received], device=device)
+        dist.all_reduce(totals)  # over the engine ranks
+        return received, int(totals[0]), int(totals[1])
 
 
 def run_separate(cfg: TrainConfig, run_session: Session, train: Callable[[Placement], Any]) -> Any:

@@ -23,6 +23,7 @@ from helpers.harness import pool
 from safetensors.torch import load_file
 
 from megatron_gptoss.config import ConfigError, load_config
+from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.trainer import loop
 from megatron_gptoss.trainer.engine_process import ChildEngine
 from megatron_gptoss.trainer.separate import placement_ranks
@@ -95,6 +96,21 @@ def test_separate_with_staleness_one(tmp_path):
     # at this size the learner's update is most of a step: the engine ranks wait more than the learner
     idle = {side: sum(lines[s][f"idle/{side}_frac"] for s in lines if s) for side in ("engine", "learner")}
     assert idle["engine"] > idle["learner"]
+
+
+def test_experts_go_to_the_engine_rank_that_holds_them(tmp_path):
+    """World 3: rank 0 the learner, ranks 1 and 2 one engine at expert parallel 2: each engine rank receives
+    every dense tensor and only its half of the experts."""
+    out = tmp_path / "run"
+    extra = ("rollout.placement=separate", "rollout.engine_ranks=1,2", "rollout.expert_parallel_size=2")
+    versions = pool(3).run(_train, str(out), "run.steps=1", *extra)
+    assert versions[1] == versions[2] == [] and len(versions[0]) == 1
+    model = GPTOSSModel(load_config(ROOT / "configs/demo_cpu.yaml").model, device="meta")
+    full = sum(p.numel() * 4 for p in model.parameters())  # float32; the demo's vocabulary has no padding
+    experts = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." in n)
+    line = _lines(out)[1]
+    assert line["sync/bytes"] == full - experts // 2
+    assert line["engine/sync_bytes_total"] == 2 * full - experts
 
 
 @pytest.mark.parametrize(
