@@ -40,7 +40,7 @@ class EngineCore:
     it, in the same order); thread-safe."""
 
     def __init__(self, cfg: TrainConfig, device: torch.device):
-        self.device = device
+        self.device, self.partial = device, cfg.rollout.partial
         self.host = EmbeddedHost(cfg, [], None, device)
         edims = self.host.engine_dims
         self.handles: dict[int, tuple[list, int]] = {}
@@ -67,8 +67,14 @@ class EngineCore:
         return self._timed(lambda: self.host.finish(self.handles.pop(handle)))
 
     def load(self, buckets: list[Pairs]) -> None:
-        """New weights, between two engine steps; the engine pauses until `version`."""
+        """New weights, between two engine steps; the engine pauses until `version`. Without
+        `rollout.partial` the rows in flight are first stepped to their end under the weights they started
+        with (every rank of a lockstep block steps until none has rows left)."""
         with self.lock:
+            if not self.partial:
+                start = time.perf_counter()
+                self.host.engine.advance(2**62)
+                self.busy_time += time.perf_counter() - start
             self.host.engine.update_weights(pair for bucket in buckets for pair in bucket)
             self.paused = True
 

@@ -24,10 +24,10 @@ weights change. The work and its order are those of the sequential schedule (els
 learner starts), so the results are too, up to the rounding of kernels that split their work over the
 threads they find free.
 
-Separate placement (`trainer.separate`): the engine ranks step the queued rows of partial batches on their
-own while the learner computes, and take new weights between two engine steps; the world of the rules above
-is the learner ranks' (one learner rank: whole batches ahead are generated on the engine ranks while the
-learner computes).
+Separate placement (`trainer.separate`): with k >= 1 every batch is queued on the engine ranks, which step
+its rows on their own while the learner computes and take new weights between two engine steps (without
+`partial` a row ends under the weights it started with, before the new ones are loaded); the world of the
+rules above is the learner ranks'.
 
 Checkpoints: the buffer is the task the cadence saves: its prompt stream's position is the one before the
 first batch not yet trained, so a resumed run draws the batches in flight again (generated with the
@@ -239,7 +239,10 @@ class RolloutBuffer:
 
     def _submit(self, step: int, version: int) -> None:
         state = self.task.state_dict()
-        if not self.partial:
+        # engine ranks of the separate placement decode queued rows while the learner computes (without
+        # `partial` they finish them under the weights they started with, `trainer.separate`)
+        queued = self.partial or (self.k > 0 and self.host is not None and self.host.decodes_ahead)
+        if not queued:
             rollouts, metrics = collect_rollouts(self.cfg, self.engine, self.task, self.sampling, step)
             self.pending[step] = Submitted(step, version, state, rollouts=rollouts, metrics=metrics)
             return

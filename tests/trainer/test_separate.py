@@ -26,7 +26,7 @@ from megatron_gptoss.config import ConfigError, load_config
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.trainer import loop
 from megatron_gptoss.trainer.engine_process import ChildEngine
-from megatron_gptoss.trainer.separate import placement_ranks
+from megatron_gptoss.trainer.separate import EngineClient, placement_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["run.steps=3", "run.eval_every=0", "run.progress=false", "run.tensorboard=false", "env.eval_size=1",
@@ -96,6 +96,45 @@ def test_separate_with_staleness_one(tmp_path):
     # at this size the learner's update is most of a step: the engine ranks wait more than the learner
     idle = {side: sum(lines[s][f"idle/{side}_frac"] for s in lines if s) for side in ("engine", "learner")}
     assert idle["engine"] > idle["learner"]
+
+
+def _row_versions(out: str, *overrides: str) -> tuple[list[list[list[int]]], int]:
+    """A run on every rank of the pool; the versions of each trained row's tokens, step by step, and the
+    number of batches queued on the engine ranks (`EngineClient.start`)."""
+    recorded: list[list[list[int]]] = []
+    build, start, starts = loop.build_batch, EngineClient.start, []
+
+    def starting(self, *args):
+        starts.append(1)
+        return start(self, *args)
+
+    def recording(*args):
+        batch = build(*args)
+        recorded.append([v[m > 0].tolist() for v, m in zip(batch.versions, batch.loss_mask)])
+        return batch
+
+    loop.build_batch, EngineClient.start = recording, starting  # type: ignore[assignment,method-assign]
+    try:
+        loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides]))
+    finally:
+        loop.build_batch, EngineClient.start = build, start  # type: ignore[assignment,method-assign]
+    dist.barrier()
+    return recorded, len(starts)
+
+
+def test_whole_rows_ahead_on_two_learner_ranks(tmp_path):
+    """World 3: learner ranks 0 and 1 (data parallel 2), the engine on rank 2; k = 1 without partial rollouts:
+    the engine rank decodes the batch ahead while the learner computes and ends its rows before it takes
+    new weights, so every row is sampled by one policy, one version behind the learner from step 2 on."""
+    out = tmp_path / "run"
+    extra = ("rollout.placement=separate", "rollout.max_staleness=1")
+    ranks = pool(3).run(_row_versions, str(out), *extra)
+    assert ranks[0] == ranks[1] and ranks[2] == ([], 0)
+    assert ranks[0][1] == 3  # every batch queued (the engine decodes it on its own), none generated whole
+    for step, rows in enumerate(ranks[0][0], start=1):
+        assert len(rows) == 4 and all(set(row) == {max(0, step - 2)} for row in rows), (step, rows)
+    lines = _lines(out)
+    assert [lines[s]["staleness/max"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
 
 
 def test_experts_go_to_the_engine_rank_that_holds_them(tmp_path):
