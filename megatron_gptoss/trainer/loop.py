@@ -3,7 +3,9 @@ modes. Every step is collective over the world; every rank holds the whole batch
 
     RL step (`run.mode: rl`)
       prompts    the same on every rank, drawn from a generator seeded by (env.seed, step)
-      generate   the rollout engine (`trainer.engines`); row i sampled from the stream (run.seed, step, i);
+      generate   the rollout engine (`trainer.engines`; with `rollout.placement: separate` on engine ranks of
+                 their own, the other ranks running this loop as their world: `trainer.separate`); row i
+                 sampled from the stream (run.seed, step, i);
                  with `rollout.max_staleness: k` the batches of the next k steps are sampled ahead, and
                  with `rollout.partial` rows in flight continue under each new policy
                  (`trainer.rollout_buffer`)
