@@ -263,7 +263,9 @@ def step_times(device: torch.device, t0: float, t1: float, t2: float, t3: float)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.tensor(
-            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)], device=device
+            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+            dtype=torch.float64,
+            device=device,
         ).div_(1024**3)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out["perf/peak_gib"], out["perf/reserved_gib"] = peak.tolist()
