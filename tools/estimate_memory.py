@@ -3,6 +3,8 @@
     python tools/estimate_memory.py --model gpt_oss_120b --gpus 32 --tp 1 --pp 4 --ep 8
     python tools/estimate_memory.py --model gpt_oss_120b --search --gpus 16,32,64 --gpu-gib 80
     python tools/estimate_memory.py --model gpt_oss_120b --gpus 2 --ep 2 --cp 2 --tokens 131072 --recompute
+    python tools/estimate_memory.py --model gpt_oss_120b --gpus 2 --ep 2 --cp 2 --tokens 131072 \
+        --kv-exchange all_gather
 
 What is counted, for the heaviest pipeline rank (the one with the most bytes):
     weights      this rank's parameters in the parameter dtype (bf16: 2 bytes)
@@ -14,10 +16,26 @@ What is counted, for the heaviest pipeline rank (the one with the most bytes):
                  q, k, out and log-sum-exp, and per routed slot the fc1 output, SwiGLU intermediates, the
                  fc2 input and the fp32 weighted output), times the tokens of the micro-batches a rank
                  holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count); under context
-                 parallelism a rank holds 1/cp of each micro-batch's tokens, and each full-attention
-                 layer also keeps the micro-batch's gathered keys and values (the windowed layers' few
-                 exchanged keys are not counted)
+                 parallelism a rank holds 1/cp of each micro-batch's tokens plus what the key/value
+                 exchange adds (`context_parallel_bytes`, below)
     transient    the bf16 gradient of the largest parameter before it is added to its fp32 main gradient
+Context parallelism (--cp, `context_parallel_bytes`): a micro-batch of N = --tokens tokens is cut into 2cp
+chunks of c = N / 2cp tokens, 2c on each rank; keys and values bf16, Hkv / tp of the Hkv heads of D on a rank.
+Beyond the 2c local tokens' activations:
+    every layer  kept until its backward: the fp32 (O_r, LSE_r) of the local rows over their earlier keys,
+                 which the LSE merge keeps, 2c x 4 (Hq D + Hq) / tp bytes (all 2c rows: one document
+                 spanning the micro-batch)
+    full-attention layers, ring (the default; also a window layer whose W - 1 exceeds c): nothing remote
+                 kept (the backward passes the blocks around again); while one layer's backward runs, two
+                 K/V blocks of 2c tokens (the one computed on and the next in flight, bf16) and two fp32
+                 dK/dV accumulators of a block (the one added to and the one in flight):
+                 2c x 2 Hkv D / tp x (2 x 2 + 2 x 4) bytes, counted once per rank (the forward holds the two
+                 bf16 blocks only)
+    full-attention layers, --kv-exchange all_gather: kept, the micro-batch's gathered keys and values,
+                 N x 2 Hkv D / tp x 2 bytes; held in one layer's backward, their gradient (as much)
+    sliding-window layers (W - 1 <= c): kept, every chunk's last W - 1 keys and values gathered (each
+                 chunk reads its previous chunk's), 2cp x (W - 1) x 2 Hkv D / tp x 2 bytes
+Not counted under cp: the merge's other fp32 temporaries (its weights and the diagonal output's copy).
 Without an optimizer (forward + backward only) the gradients are the parameters' own bf16 `.grad`,
 allocated layer by layer during the backward, and the total is the peak of that walk.
 Not counted: the CUDA context and allocator fragmentation (reserved beyond allocated).
@@ -90,6 +108,36 @@ def activation_bytes_per_token(config: ModelConfig, tp: int = 1, sequence_parall
     return norms / (tp if sequence_parallel else 1) + (attention + experts) / tp
 
 
+KV_EXCHANGES = ("ring", "all_gather")
+
+
+def context_parallel_bytes(
+    config: ModelConfig, layout: Layout, tokens: int, kv_exchange: str = "ring"
+) -> dict[str, float]:
+    """Bytes that context parallelism adds on one rank for one micro-batch of `tokens` tokens (the module
+    doc's formulas): per layer kind, what one layer keeps until its backward ('full' and 'window'; a
+    window layer whose W - 1 exceeds a chunk counts as 'full': it goes around the ring), and 'exchange',
+    what one layer's backward holds at once (counted once per rank). All zero when cp == 1."""
+    if kv_exchange not in KV_EXCHANGES:
+        raise ValueError(f"kv_exchange must be one of {KV_EXCHANGES}, got {kv_exchange!r}")
+    if layout.cp == 1:
+        return {"full": 0.0, "window": 0.0, "exchange": 0.0}
+    if tokens % (2 * layout.cp):
+        raise ValueError(f"--tokens {tokens} must be a multiple of 2 x cp = {2 * layout.cp}")
+    c = tokens // (2 * layout.cp)
+    kv = 2 * config.num_query_groups * config.head_dim / layout.tp  # K and V elements of one token
+    rows = 2 * c * 4 * (config.num_attention_heads * config.head_dim + config.num_attention_heads) / layout.tp
+    if kv_exchange == "ring":
+        full, exchange = rows, 2 * c * kv * (2 * 2 + 2 * 4)  # two bf16 blocks, two fp32 accumulators
+    else:
+        full, exchange = rows + tokens * kv * 2, tokens * kv * 2  # the gathered K/V; their gradient
+    span = config.sliding_window - 1
+    window = full if span > c else rows + 2 * layout.cp * span * kv * 2
+    if span <= c and all(config.window_of(n) is not None for n in range(config.num_layers)):
+        exchange = 0.0  # no layer reaches past the previous chunk's tail
+    return {"full": float(full), "window": float(window), "exchange": float(exchange)}
+
+
 def stage_layers(config: ModelConfig, layout: Layout) -> list[int]:
     """Layers held by each pp rank (its virtual stages together), as `pipeline.split_layers` splits."""
     stages = layout.pp * layout.vpp
@@ -118,17 +166,18 @@ def estimate(
     optimizer: bool = True,
     activation_checkpointing: bool = False,
     param_bytes: int = 2,
+    kv_exchange: str = "ring",
 ) -> dict[str, float]:
     """Bytes per component on the heaviest pp rank; `tokens` per micro-batch per data-parallel rank (a
-    cp group's micro-batch: each of its ranks holds tokens / cp of them).
+    cp group's micro-batch: each of its ranks holds tokens / cp of them, and `context_parallel_bytes`
+    more, its `exchange` counted in the activations).
     Without `optimizer`, gradients are the parameters' own (`.grad`, parameter dtype)."""
     per_layer = layer_params(config, layout.tp, layout.ep)
     vocab = config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
     act_token = activation_bytes_per_token(config, layout.tp, layout.sequence_parallel)
-    if layout.cp > 1:  # this rank's tokens, plus the gathered K and V (bf16) of full-attention layers
-        full = sum(config.window_of(n) is None for n in range(config.num_layers)) / config.num_layers
-        gathered = full * 2 * 2 * config.num_query_groups * config.head_dim / layout.tp
-        act_token = act_token / layout.cp + gathered
+    cp_bytes = context_parallel_bytes(config, layout, tokens, kv_exchange)
+    full = sum(config.window_of(n) is None for n in range(config.num_layers)) / config.num_layers
+    cp_layer = full * cp_bytes["full"] + (1 - full) * cp_bytes["window"]  # kept, mean over the layers
     tokens_here = tokens // layout.cp
     worst: dict[str, float] = {}
     for rank, layers in enumerate(stage_layers(config, layout)):
@@ -136,11 +185,13 @@ def estimate(
         experts = layers * per_layer["experts"]
         params = dense + experts
         shards = (layout.dp * layout.cp, layout.edp) if distributed_optimizer else (1, 1)
-        if activation_checkpointing:
+        if activation_checkpointing:  # layer inputs kept; one layer recomputed at a time
             acts = 2 * config.hidden_size * tokens_here * layers * in_flight(layout, rank, micro_batches)
-            acts += act_token * tokens
+            acts += act_token * tokens_here + cp_bytes["full" if full else "window"]
         else:
-            acts = act_token * tokens * layers * in_flight(layout, rank, micro_batches)
+            kept = act_token * tokens_here + cp_layer
+            acts = kept * layers * in_flight(layout, rank, micro_batches)
+        acts += cp_bytes["exchange"] if layers else 0.0
         largest = max(per_layer["experts"] * 2 // 3, vocab) if layers else vocab
         parts = {
             "weights": params * param_bytes,
@@ -201,6 +252,12 @@ def main() -> None:
         default=4096,
         help="tokens per micro-batch per data-parallel rank (split over the cp ranks)",
     )
+    parser.add_argument(
+        "--kv-exchange",
+        default="ring",
+        choices=KV_EXCHANGES,
+        help="how full-attention layers reach earlier keys under cp > 1",
+    )
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--recompute", action="store_true", help="activation checkpointing per layer")
     parser.add_argument("--search", action="store_true", help="list the layouts that fit")
@@ -240,7 +297,17 @@ def main() -> None:
             raise SystemExit(f"{layout} does not divide {args.model}")
         print(
             _row(
-                layout, estimate(config, layout, args.tokens, args.micro_batches, True, True, args.recompute)
+                layout,
+                estimate(
+                    config,
+                    layout,
+                    args.tokens,
+                    args.micro_batches,
+                    True,
+                    True,
+                    args.recompute,
+                    kv_exchange=args.kv_exchange,
+                ),
             )
         )
         return
@@ -248,7 +315,16 @@ def main() -> None:
     for gpus in (int(g) for g in args.gpus.split(",")):
         fits = []
         for layout in layouts(config, gpus, cp_sizes):
-            parts = estimate(config, layout, args.tokens, args.micro_batches, True, True, args.recompute)
+            parts = estimate(
+                config,
+                layout,
+                args.tokens,
+                args.micro_batches,
+                True,
+                True,
+                args.recompute,
+                kv_exchange=args.kv_exchange,
+            )
             if parts["total"] <= budget:
                 fits.append((parts["total"], layout, parts))
         print(f"-- {gpus} GPUs: {len(fits)} layouts fit in {args.headroom:.0%} of {args.gpu_gib:.0f} GiB")
