@@ -41,22 +41,22 @@ def full_precision_library_gemms():
     matmul.allow_bf16_reduced_precision_reduction = saved
 
 
-def inputs(tokens: int, seed: int = 7):
+def inputs(tokens: int, seed: int = 7, experts: int = EXPERTS):
     """bf16 rows of `tokens` tokens routed to TOPK of EXPERTS experts at random (sorted by expert), MXFP4
     fc1 [E, 2 * WIDTH, WIDTH] and fc2 [E, WIDTH, WIDTH] with every code and scales 2^-6 .. 2^-4 (products of
     std 2.5 to 10: both clamps of the SwiGLU taken), fc1 bias N(0, 1)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    choice = torch.rand(tokens, EXPERTS, generator=g, device="cuda").topk(TOPK, dim=1).indices.flatten()
-    counts = torch.bincount(choice, minlength=EXPERTS)
+    choice = torch.rand(tokens, experts, generator=g, device="cuda").topk(TOPK, dim=1).indices.flatten()
+    counts = torch.bincount(choice, minlength=experts)
     bounds = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).int()
     x = torch.randn(tokens * TOPK, WIDTH, generator=g, device="cuda").bfloat16()
 
     def mxfp4(out: int):
-        blocks = torch.randint(0, 256, (EXPERTS, out, WIDTH // 32, 16), generator=g, device="cuda")
-        scales = torch.randint(121, 124, (EXPERTS, out, WIDTH // 32), generator=g, device="cuda")
+        blocks = torch.randint(0, 256, (experts, out, WIDTH // 32, 16), generator=g, device="cuda")
+        scales = torch.randint(121, 124, (experts, out, WIDTH // 32), generator=g, device="cuda")
         return blocks.to(torch.uint8), scales.to(torch.uint8)
 
-    b1 = torch.randn(EXPERTS, 2 * WIDTH, generator=g, device="cuda").bfloat16()
+    b1 = torch.randn(experts, 2 * WIDTH, generator=g, device="cuda").bfloat16()
     return x, mxfp4(2 * WIDTH), b1, mxfp4(WIDTH), bounds
 
 
@@ -251,3 +251,28 @@ def test_dequantized_path_is_the_bf16_learner_path(monkeypatch, chunk_experts):
     y.backward(g)
     y_ref.backward(g)
     assert torch.equal(ours_in.grad, ref_in.grad)
+
+
+@pytest.mark.parametrize("tokens", [16, 64, 2048])
+def test_gpt_oss_120b_expert_count(tokens):
+    """gpt-oss-120b's 128 experts (top-4, width 2880): decode sizes (few rows per expert, many experts
+    without rows) and a learner size, where the dequantized path decodes fc1 in two chunks (4.2 GB in bf16):
+    each path's fc1 + SwiGLU, fc2 and fc2's input gradient round as the dequantize-then-bf16 path."""
+    experts = 128
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens, experts=experts)
+    per_expert = 2 * WIDTH * WIDTH * 2
+    assert experts * per_expert > mxfp4_gemm.DEQUANTIZE_CHUNK_BYTES  # the chunked decoding runs
+    h_lib = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path="reference")
+    seeded = torch.Generator(device="cuda").manual_seed(3)
+    g = torch.randn(x.shape, device="cuda", generator=seeded).bfloat16()
+    rows_lib = h_lib.clone().requires_grad_()
+    y_lib = grouped_linear_mxfp4(rows_lib, b2, s2, bounds, "reference")
+    y_lib.backward(g)
+    for path in ("auto", "portable", "dequantized"):
+        h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path=path)
+        assert_rounds_as(f"{path} fc1, 128 experts, {tokens} tokens", h, h_lib, differ_max=0.02)
+        rows = h_lib.clone().requires_grad_()
+        y = grouped_linear_mxfp4(rows, b2, s2, bounds, path=path)
+        assert_rounds_as(f"{path} fc2, 128 experts", y, y_lib.detach(), differ_max=0.02)
+        y.backward(g)
+        assert_rounds_as(f"{path} grad_x, 128 experts", rows.grad, rows_lib.grad, differ_max=0.02)
