@@ -87,15 +87,16 @@ def checkpoint(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("mismatch") / "hf")
 
 
-def run_trainer(hf: Path, out: Path, ep: int) -> list[dict]:
-    """The trainer's metrics lines of a run of CONFIG at expert parallel `ep` on `ep` GPUs."""
+def run_trainer(hf: Path | None, out: Path, ep: int, overrides: tuple[str, ...] = ()) -> list[dict]:
+    """The trainer's metrics lines of a run of CONFIG at expert parallel `ep` on `ep` GPUs (`hf` None: the
+    random initialisation of run.seed; `overrides`: key=value settings on top)."""
     config = out.parent / f"{out.name}.yaml"
-    config.write_text(CONFIG.format(ep=ep, steps=STEPS, hf=hf, out=out))
+    config.write_text(CONFIG.format(ep=ep, steps=STEPS, hf='""' if hf is None else hf, out=out))
     if ep == 1:
-        cmd = [sys.executable, "-m", "megatron_gptoss.train", "--config", str(config)]
+        cmd = [sys.executable, "-m", "megatron_gptoss.train", "--config", str(config), *overrides]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ep), "--master_port",
-               "29731", "-m", "megatron_gptoss.train", "--config", str(config)]  # fmt: skip
+               "29731", "-m", "megatron_gptoss.train", "--config", str(config), *overrides]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
@@ -121,3 +122,16 @@ def test_trainer_mismatch_world1_gpu(checkpoint, tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_trainer_mismatch_ep2_gpu(checkpoint, tmp_path):
     check(run_trainer(checkpoint, tmp_path / "ep2", 2), "ep2")
+
+
+CASES = [("mxfp4", 8), ("bf16", 128), ("mxfp4", 128)]
+
+
+@pytest.mark.parametrize(("expert_format", "experts"), CASES, ids=["mxfp4", "e128", "mxfp4-e128"])
+def test_trainer_mismatch_lora_world1_gpu(tmp_path, expert_format, experts):
+    """LoRA (rank 4 on attention and every expert, the recipes' adapters) over a random base at gpt-oss-20b
+    width: MXFP4 experts (the engine's MXFP4 kernels against the learner's dequantized path), gpt-oss-120b's
+    expert count (128, top-4) with bf16 experts, and both together; the world-1 bounds."""
+    overrides = (f"model.expert_format={expert_format}", f"model.num_experts={experts}", "model.lora.rank=4",
+                 "model.lora.alpha=8.0")  # fmt: skip
+    check(run_trainer(None, tmp_path / f"{expert_format}{experts}", 1, overrides), "world1")
