@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -19,8 +18,8 @@ import pytest
 import torch
 from helpers.harness import pool
 from helpers.hf_checkpoints import write_mxfp4_checkpoint
+from helpers.scripts import load_script, read_tensors
 from helpers.sharded import build_dims, tiny_config
-from safetensors.torch import load_file
 
 from megatron_gptoss.checkpoint.dist_boxes import Box
 from megatron_gptoss.checkpoint.dist_convert import dist_to_hf, hf_to_dist
@@ -31,7 +30,6 @@ from megatron_gptoss.config import ConfigError, OptimConfig, ParallelConfig
 from megatron_gptoss.errors import CheckpointError, CorruptCheckpointError
 from megatron_gptoss.hf import iter_hf_tensors, load_hf, save_hf
 
-REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 240.0
 TP2_PP2_EP2 = ParallelConfig(
     tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2
@@ -45,21 +43,6 @@ def tiny_model(seed: int):
     return tiny_model(seed=seed)
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
-
-
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """A tiny bf16 HF directory (several shards), its sharded checkpoint for tp2 x pp2 x ep2 on 8 ranks
@@ -69,15 +52,15 @@ def converted(tmp_path_factory):
     save_hf(tiny_model(seed=3), root / "hf", max_shard_bytes=60_000)
     hf_args = [str(root / "hf"), str(root / "dist"), "--world", "8", "--tp", "2", "--pp", "2", "--ep", "2"]
     hf_args += ["--chunk-mb", "0", "--make-vocab-size-divisible-by", "32", "--no-progress"]
-    to_dist = _tool("convert_hf_to_dist").main(hf_args)
+    to_dist = load_script("convert_hf_to_dist").main(hf_args)
     back = ["--shard-gb", str(40_000 / 2**30), "--block-mb", "0", "--verify", "--no-progress"]
-    to_hf = _tool("convert_dist_to_hf").main([str(root / "dist"), str(root / "back"), *back])
+    to_hf = load_script("convert_dist_to_hf").main([str(root / "dist"), str(root / "back"), *back])
     assert to_dist["bytes_written"] > 0 and to_hf["bytes_written"] > 0
     return root
 
 
 def test_bf16_round_trip_is_bitwise_and_loads_in_transformers(converted):
-    source, back = _tensors(converted / "hf"), _tensors(converted / "back")
+    source, back = read_tensors(converted / "hf"), read_tensors(converted / "back")
     assert sorted(source) == sorted(back)
     for name, tensor in source.items():
         assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], tensor), name
@@ -104,7 +87,7 @@ def test_mxfp4_round_trip_equals_the_dequantized_weights(tmp_path):
     dist_to_hf(tmp_path / "dist", tmp_path / "back", progress=False)
     model = load_hf(source, dtype=torch.bfloat16, **OURS)
     expected = dict(iter_hf_tensors(model, model.config))
-    back = _tensors(tmp_path / "back")
+    back = read_tensors(tmp_path / "back")
     assert sorted(back) == sorted(expected)
     for name, tensor in expected.items():
         assert torch.equal(back[name], tensor), name

@@ -9,35 +9,16 @@ CPU its MXFP4 loader dequantizes, the path it takes without the `kernels` packag
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from helpers.hf_checkpoints import write_released_checkpoint
-from safetensors.torch import load_file
+from helpers.scripts import load_script, read_tensors
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.hf.io import save_hf_tensors
 from megatron_gptoss.hf.mxfp4 import QUANTIZATION_CONFIG, pack_expert_weight, unpack_expert_weight
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        out.update(load_file(file))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +29,18 @@ def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("mxfp4_export")
     write_released_checkpoint(gpt_oss_tiny(), root / "released", seed=5)
     args = [str(root / "released"), str(root / "dist"), "--world", "4", "--tp", "2", "--ep", "2"]
-    _tool("convert_hf_to_dist").main([*args, "--make-vocab-size-divisible-by", "32", "--no-progress"])
+    load_script("convert_hf_to_dist").main([*args, "--make-vocab-size-divisible-by", "32", "--no-progress"])
     small = ["--shard-gb", str(20_000 / 2**30), "--block-mb", "0", "--no-progress"]
-    back = _tool("convert_dist_to_hf").main(
+    back = load_script("convert_dist_to_hf").main(
         [str(root / "dist"), str(root / "mxfp4"), *small, "--experts", "mxfp4"]
     )
-    _tool("convert_dist_to_hf").main([str(root / "dist"), str(root / "bf16"), "--no-progress"])
+    load_script("convert_dist_to_hf").main([str(root / "dist"), str(root / "bf16"), "--no-progress"])
     assert len(list((root / "mxfp4").glob("*.safetensors"))) > 2 and back["bytes_written"] > 0
     return root
 
 
 def test_mxfp4_export_gives_the_released_bytes_back(exported):
-    source, back = _tensors(exported / "released"), _tensors(exported / "mxfp4")
+    source, back = read_tensors(exported / "released"), read_tensors(exported / "mxfp4")
     assert sorted(back) == sorted(source)
     packed = [name for name in source if name.endswith(("_blocks", "_scales"))]
     assert len(packed) == 2 * 2 * gpt_oss_tiny().num_layers
@@ -75,7 +56,7 @@ def test_mxfp4_export_gives_the_released_bytes_back(exported):
 
 
 def test_default_export_writes_the_dequantized_experts_in_bf16(exported):
-    source, dense = _tensors(exported / "released"), _tensors(exported / "bf16")
+    source, dense = read_tensors(exported / "released"), read_tensors(exported / "bf16")
     name = "model.layers.1.mlp.experts.gate_up_proj"
     expected = unpack_expert_weight(source[name + "_blocks"], source[name + "_scales"], torch.bfloat16)
     assert name + "_blocks" not in dense and torch.equal(dense[name], expected)
@@ -90,7 +71,7 @@ def test_transformers_loads_the_export_as_it_loads_the_release(exported):
     for name in ("released", "mxfp4"):
         model = GptOssForCausalLM.from_pretrained(exported / name, dtype=torch.float32)
         theirs[name] = dict(model.named_parameters())
-    source = _tensors(exported / "released")
+    source = read_tensors(exported / "released")
     for name, tensor in theirs["mxfp4"].items():
         assert torch.equal(tensor, theirs["released"][name]), name
     experts = "model.layers.0.mlp.experts.down_proj"
@@ -108,7 +89,7 @@ def test_save_hf_tensors_quantizes_merged_experts(tmp_path):
     pairs.append(("model.layers.0.mlp.experts.gate_up_proj_bias", bias))
     config = gpt_oss_tiny()
     save_hf_tensors(iter(pairs), config, tmp_path / "out", experts="mxfp4")
-    written = _tensors(tmp_path / "out")
+    written = read_tensors(tmp_path / "out")
     blocks, scales = pack_expert_weight(gate_up)
     assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj_blocks"], blocks)
     assert torch.equal(written["model.layers.0.mlp.experts.gate_up_proj_scales"], scales)

@@ -5,12 +5,12 @@ tool verifies by default, HF readers name a missing or unexpected tensor."""
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.scripts import load_script
 from safetensors.torch import load_file, save_file
 
 from megatron_gptoss.checkpoint import manager as manager_module
@@ -22,7 +22,6 @@ from megatron_gptoss.errors import CheckpointError, CheckpointSaveError, Corrupt
 from megatron_gptoss.hf import load_hf, save_hf
 from megatron_gptoss.model import build_model
 
-REPO = Path(__file__).resolve().parents[2]
 OURS = {"make_vocab_size_divisible_by": 32}  # what config.json does not carry
 
 
@@ -136,12 +135,6 @@ def test_an_unwritable_directory_says_permission_denied(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------
 # Export and HF readers
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +154,7 @@ def test_export_verifies_checksums_unless_told_not_to(hf_dir, tmp_path):
     at = data.index(ones, item.offset, item.offset + item.length)
     data[at + 1] ^= 0x40  # a flipped bit inside a stored tensor: still decodes, to a wrong value
     (dist / item.relative_path).write_bytes(bytes(data))
-    export = _tool("convert_dist_to_hf").main
+    export = load_script("convert_dist_to_hf").main
     with pytest.raises(CorruptCheckpointError, match="__0_0.distcp: checksum mismatch"):
         export([str(dist), str(tmp_path / "out"), "--no-progress"])
     assert not (tmp_path / "out").exists()

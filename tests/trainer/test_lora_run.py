@@ -10,7 +10,6 @@ one that never stopped. The adapters-only checkpoints export merged and as PEFT 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.harness import pool
+from helpers.scripts import load_script
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_gptoss.checkpoint.lora import load_policy
@@ -132,14 +132,6 @@ def test_resume_continues_bit_for_bit(runs):
                 assert stopped[step][key] == value, (step, key)
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     ours, ref = ours.detach().double(), ref.detach().double()
     return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -152,7 +144,9 @@ def test_merged_export_loads_in_transformers_with_our_logits(runs, world_of_one,
 
     base, _ = runs
     checkpoint = base / "whole" / "checkpoints"
-    report = _tool("convert_dist_to_hf").main([str(checkpoint), str(tmp_path / "hf"), "--dtype", "float32"])
+    report = load_script("convert_dist_to_hf").main(
+        [str(checkpoint), str(tmp_path / "hf"), "--dtype", "float32"]
+    )
     assert report["lora"] == "merge"
     step = max(checkpoint.glob("step_*"))
     ours, _ = load_policy(step)
@@ -177,7 +171,7 @@ def test_peft_export_loads_into_transformers_with_our_logits(runs, world_of_one,
 
     base, _ = runs
     checkpoint = base / "whole" / "checkpoints"
-    report = _tool("convert_dist_to_hf").main(
+    report = load_script("convert_dist_to_hf").main(
         [str(checkpoint), str(tmp_path / "adapter"), "--dtype", "float32", "--lora", "peft"]
     )
     assert report["lora"] == "peft"
