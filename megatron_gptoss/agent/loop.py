@@ -76,7 +76,9 @@ class Trajectory:
     """One agentic rollout. `token_ids` is the response (everything after the prompt, model and tool tokens
     in order); `sources[i]` is MODEL or TOOL (so it is also the response's loss mask); `logprobs[i]` the
     engine's log-prob of a model token, 0.0 for a tool token. `routing` (engines recording it): per turn, the
-    experts [tokens the turn computed first, layers, k] of its tokens, in sequence order."""
+    experts [tokens the turn computed first, layers, k] of its tokens, in sequence order. `versions` (a
+    `SessionRun`'s, empty otherwise): the policy version that sampled each model token; a tool token carries
+    the version of the turn whose call it answers."""
 
     prompt_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
@@ -88,6 +90,7 @@ class Trajectory:
     tool_errors: int = 0
     tool_timeouts: int = 0
     routing: list[torch.Tensor] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
     @property
     def response_mask(self) -> list[int]:
@@ -97,8 +100,13 @@ class Trajectory:
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
 
-    def append(self, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> None:
-        """Model tokens with their log-probs, or tool tokens (logprobs None)."""
+    def append(
+        self, token_ids: Sequence[int], logprobs: Sequence[float] | None, version: int | None = None
+    ) -> None:
+        """Model tokens with their log-probs, or tool tokens (logprobs None); `version` recorded for each
+        where given."""
+        if version is not None:
+            self.versions += [version] * len(token_ids)
         self.token_ids += token_ids
         self.sources += [MODEL if logprobs is not None else TOOL] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
@@ -134,6 +142,7 @@ class Trajectory:
             tool_errors=self.tool_errors,
             tool_timeouts=self.tool_timeouts,
             routing=torch.cat(self.routing) if self.routing else None,
+            versions=list(self.versions) if self.versions else None,
         )
 
 
@@ -205,16 +214,27 @@ class AgentLoop:
         self.use_sessions = isinstance(engine, SessionEngine) if use_sessions is None else use_sessions
 
     def rollout(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
+        trajs = self._trajectories(prompts)
+        if self.use_sessions:
+            self._rollout_sessions(trajs)
+        else:
+            self._rollout_regenerate(trajs)
+        return trajs
+
+    def begin(self, prompts: Sequence[Sequence[int]], version: int | None = None) -> SessionRun:
+        """The prompts' trajectories as a `SessionRun` (sessions engine), nothing stepped yet; `version`: the
+        engine's policy version now."""
+        if not self.use_sessions:
+            raise ValueError("a SessionRun needs an engine with sessions (use_sessions)")
+        return SessionRun(self, self._trajectories(prompts), version)
+
+    def _trajectories(self, prompts: Sequence[Sequence[int]]) -> list[Trajectory]:
         trajs = [Trajectory(list(p)) for p in prompts]
         for i, t in enumerate(trajs):
             if len(t) >= self.agent.max_total_tokens:
                 raise ValueError(
                     f"prompt {i} has {len(t)} tokens, agent.max_total_tokens={self.agent.max_total_tokens}"
                 )
-        if self.use_sessions:
-            self._rollout_sessions(trajs)
-        else:
-            self._rollout_regenerate(trajs)
         return trajs
 
     def _budget(self, traj: Trajectory) -> int:
@@ -230,10 +250,12 @@ class AgentLoop:
         logprobs: list[float],
         finish_reason: str,
         routing: torch.Tensor | None,
+        version: int | None = None,
     ) -> tuple[concurrent.futures.Future, ToolCall] | None:
-        """Record a turn (`routing`: the experts of the tokens it computed first, or None); its tool call
-        and the call's future when the trajectory goes on, else None (it ended)."""
-        traj.append(token_ids, logprobs)
+        """Record a turn (`routing`: the experts of the tokens it computed first, or None; `version`: the
+        policy that sampled it, recorded where given); its tool call and the call's future when the
+        trajectory goes on, else None (it ended)."""
+        traj.append(token_ids, logprobs, version)
         traj.turns += 1
         traj.add_routing(routing)
         last = token_ids[-1] if token_ids else None
@@ -267,41 +289,11 @@ class AgentLoop:
         if len(traj) + len(tokens) >= self.agent.max_total_tokens:
             traj.finish_reason = "max_total_tokens"
             return None
-        traj.append(tokens, None)
+        traj.append(tokens, None, traj.versions[-1] if traj.versions else None)
         return tokens
 
     def _rollout_sessions(self, trajs: list[Trajectory]) -> None:
-        engine = self.engine
-        assert isinstance(engine, SessionEngine)
-        sids: dict[int, int] = {}
-        try:
-            for i, t in enumerate(trajs):
-                params = replace(self.params, max_new_tokens=self._budget(t))
-                sids[engine.open_session(t.prompt_ids, params, self._seed(i))] = i
-            generating = set(sids)
-            waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}
-            while generating or waiting:
-                # every live trajectory waiting on a tool: wait for the first answer
-                for future in self.executor.done(list(waiting), wait=not generating):
-                    sid, call = waiting.pop(future)
-                    traj = trajs[sids[sid]]
-                    tokens = self._answer(traj, future, call)
-                    if tokens is not None:
-                        engine.extend_session(sid, tokens, self._budget(traj))
-                        generating.add(sid)
-                if not generating:
-                    continue
-                for turn in engine.step_sessions():
-                    generating.discard(turn.session_id)
-                    traj = trajs[sids[turn.session_id]]
-                    pending = self._end_turn(
-                        traj, turn.token_ids, turn.logprobs, turn.finish_reason, turn.routing
-                    )
-                    if pending is not None:
-                        waiting[pending[0]] = (turn.session_id, pending[1])
-        finally:
-            for sid in sids:
-                engine.close_session(sid)
+        SessionRun(self, trajs).finish()
 
     def _rollout_regenerate(self, trajs: list[Trajectory]) -> None:
         engine = self.engine
@@ -334,3 +326,105 @@ class AgentLoop:
                     if pending is not None:
                         waiting[pending[0]] = (i, pending[1])
             rounds += 1
+
+
+class SessionRun:
+    """One request's trajectories over a session engine, run in parts (partial rollouts):
+
+        advance   open the sessions (first call) and step them until each has ended or waits on a tool
+                  call; answers are not taken (which turn a policy samples does not depend on tool timing)
+        weights_changed(version, recompute)
+                  the engine holds new weights: later turns record `version`; a trajectory waiting on a
+                  tool keeps its session (the prefix's cache as the old weights computed it) or, with
+                  `recompute`, has it closed, to be opened again over the whole trajectory when the answer
+                  comes (the same seed: position p still samples from counter p of it)
+        finish    every trajectory to its end (the tools' answers, then the turns after them); the sessions
+                  closed; the trajectories
+
+    Every model token records the run's `version` when it was sampled (None: no versions). Sessions open
+    at the first `advance` or `finish`: runs over one engine must be stepped one at a time (a turn of
+    another run's session is an EngineError), so no turn spans a change of weights."""
+
+    def __init__(self, loop: AgentLoop, trajs: list[Trajectory], version: int | None = None):
+        assert isinstance(loop.engine, SessionEngine)
+        self.loop, self.engine, self.trajs, self.version = loop, loop.engine, trajs, version
+        self.session: dict[int, int] = {}  # trajectory -> its open session
+        self.generating: set[int] = set()  # sessions sampling a turn
+        self.waiting: dict[concurrent.futures.Future, tuple[int, ToolCall]] = {}  # -> (trajectory, call)
+        self.reopen: set[int] = set()  # trajectories whose session was closed to be computed again
+        self.opened = False
+
+    def _open(self) -> None:
+        if self.opened:
+            return
+        self.opened = True
+        for i, t in enumerate(self.trajs):
+            params = replace(self.loop.params, max_new_tokens=self.loop._budget(t))
+            self.session[i] = self.engine.open_session(t.prompt_ids, params, self.loop._seed(i))
+        self.generating = set(self.session.values())
+
+    def _resume(self, i: int, tokens: list[int]) -> None:
+        """Trajectory i goes on after the tool tokens `tokens` (appended to it already)."""
+        traj, budget = self.trajs[i], self.loop._budget(self.trajs[i])
+        if i in self.reopen:
+            self.reopen.discard(i)
+            params = replace(self.loop.params, max_new_tokens=budget)
+            self.session[i] = self.engine.open_session(
+                traj.prompt_ids + traj.token_ids, params, self.loop._seed(i)
+            )
+        else:
+            self.engine.extend_session(self.session[i], tokens, budget)
+        self.generating.add(self.session[i])
+
+    def _step(self) -> None:
+        owner = {sid: i for i, sid in self.session.items()}
+        for turn in self.engine.step_sessions():
+            if turn.session_id not in owner:
+                raise EngineError(f"session {turn.session_id} belongs to another run stepping on this engine")
+            self.generating.discard(turn.session_id)
+            i = owner[turn.session_id]
+            pending = self.loop._end_turn(
+                self.trajs[i], turn.token_ids, turn.logprobs, turn.finish_reason, turn.routing, self.version
+            )
+            if pending is not None:
+                self.waiting[pending[0]] = (i, pending[1])
+
+    def advance(self) -> None:
+        try:
+            self._open()
+            while self.generating:
+                self._step()
+        except BaseException:
+            self.close()
+            raise
+
+    def weights_changed(self, version: int, recompute: bool) -> None:
+        if self.generating:
+            raise EngineError("new weights while a turn is sampled: advance the run first")
+        self.version = version
+        if recompute:
+            for i, _ in self.waiting.values():
+                self.engine.close_session(self.session.pop(i))
+                self.reopen.add(i)
+
+    def finish(self) -> list[Trajectory]:
+        try:
+            self._open()
+            while self.generating or self.waiting:
+                # every live trajectory waiting on a tool: wait for the first answer
+                for future in self.loop.executor.done(list(self.waiting), wait=not self.generating):
+                    i, call = self.waiting.pop(future)
+                    tokens = self.loop._answer(self.trajs[i], future, call)
+                    if tokens is not None:
+                        self._resume(i, tokens)
+                if self.generating:
+                    self._step()
+        finally:
+            self.close()
+        return self.trajs
+
+    def close(self) -> None:
+        """Close every open session (their unreturned turns dropped)."""
+        for sid in self.session.values():
+            self.engine.close_session(sid)
+        self.session, self.generating = {}, set()

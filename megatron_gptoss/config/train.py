@@ -423,11 +423,16 @@ class TrainConfig:
             "rollout.engine='embedded'": r.engine == "embedded",
             "embedded.schedule='continuous'": self.embedded.schedule == "continuous",
             "rollout.sleep_level=0 (a sleeping engine drops the rows in flight)": r.sleep_level == 0,
-            "agent.enabled=false": not self.agent.enabled,
             "moe.router_replay other than 'r3' (a recomputed prefix would be recorded twice)": (
                 self.moe.router_replay != "r3"
             ),
         }
+        if self.agent.enabled:  # trajectories paused at tool calls keep their engine sessions
+            needs["agent.sessions=true with agent.enabled"] = self.agent.sessions
+            needs[
+                "rollout.tensor_parallel_size=1 and rollout.expert_parallel_size=1 with agent.enabled (one "
+                "engine rank per replica runs its trajectories)"
+            ] = r.tensor_parallel_size == 1 and r.expert_parallel_size == 1
         missing = [need for need, met in needs.items() if not met]
         if missing:
             raise ConfigError(f"rollout.partial=true needs {'; '.join(missing)}")

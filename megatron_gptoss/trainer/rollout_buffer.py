@@ -29,6 +29,11 @@ its rows on their own while the learner computes and take new weights between tw
 `partial` a row ends under the weights it started with, before the new ones are loaded); the world of the
 rules above is the learner ranks'.
 
+Agentic rollouts (`agent.enabled`, partial): the engine's `start` / `advance` / `finish` run trajectories in
+parts (`trainer.agentic.AgentRollout`); ahead of the learner every batch submitted samples its trajectories
+up to their tool calls, which run while the learner updates; the trajectories go on under the new weights
+at `take`, each token recording its version.
+
 Checkpoints: the buffer is the task the cadence saves: its prompt stream's position is the one before the
 first batch not yet trained, so a resumed run draws the batches in flight again (generated with the
 resumed weights): no prompt of the data order is skipped or trained twice.
@@ -87,13 +92,16 @@ class RolloutBuffer:
     """The batches submitted and not yet trained. `engine`: anything with the hosts' collective
     `generate(prompts, params)` (the colocated setup, agentic rollouts); `host`: the embedded engine's host
     (`trainer.engines.EmbeddedHost`: `weights_changed`, and `start` / `finish` for partial rollouts), None
-    for vLLM. Collective: every rank calls the same methods in the same order."""
+    for vLLM; with agentic partial rollouts the engine's own `start` / `advance` / `finish` /
+    `weights_changed` serve them. Collective: every rank calls the same methods in the same order."""
 
     def __init__(self, cfg: TrainConfig, engine, host, task, sampling: SamplingParams):
         self.cfg, self.engine, self.host, self.task, self.sampling = cfg, engine, host, task, sampling
         if cfg.rollout.partial and host is None:
             raise ValueError("partial rollouts need the embedded engine's host")
         self.k, self.partial = cfg.rollout.max_staleness, cfg.rollout.partial
+        self.agentic = cfg.agent.enabled and self.partial
+        self.rows = engine if self.agentic else host  # what queues rows and is told of new weights
         self.pending: dict[int, Submitted] = {}
         self.version: int | None = None  # the engine's policy version as this buffer knows it
         self.overlap = self.overlaps(cfg, host)
@@ -157,18 +165,22 @@ class RolloutBuffer:
     def _complete(self, batch: Submitted) -> None:
         """A partial batch's rows stepped to their end and scored."""
         if batch.rollouts is None:
-            generations = self.host.finish(batch.handle)
+            generations = self.rows.finish(batch.handle)
             batch.rollouts = score_round(self.cfg, self.task, batch.rows, generations)
             batch.metrics = batch_metrics(self.cfg, batch.rollouts)
 
     def _ahead(self, later: list[int], version: int) -> None:
         """The engine's work while the learner trains: submit the batches `later` (generated whole, or
         queued), and step the next partial batch to its end (the rows of later batches advance alongside and
-        pause there, to continue under the next weights). Engine ranks of the separate placement step the
-        queued rows on their own (`host.decodes_ahead`): nothing is stepped from here."""
+        pause there, to continue under the next weights); agentic: every pending batch's trajectories
+        up to their tool calls. Engine ranks of the separate placement step the queued rows on their own
+        (`host.decodes_ahead`): nothing is stepped from here."""
         for ahead in later:
             self._submit(ahead, version)
-        if self.partial and self.pending and not self.host.decodes_ahead:
+        if self.agentic:
+            for batch in sorted(self.pending):
+                self.rows.advance(self.pending[batch].handle)
+        elif self.partial and self.pending and not self.host.decodes_ahead:
             self._complete(self.pending[min(self.pending)])
 
     def _background(self, later: list[int], version: int) -> None:
@@ -234,7 +246,7 @@ class RolloutBuffer:
             return
         if self.host is not None:
             recompute = self.partial and self.cfg.rollout.partial_kv == "recompute"
-            self.host.weights_changed(version, recompute and self.version is not None)
+            self.rows.weights_changed(version, recompute and self.version is not None)
         self.version = version
 
     def _submit(self, step: int, version: int) -> None:
@@ -247,7 +259,7 @@ class RolloutBuffer:
             self.pending[step] = Submitted(step, version, state, rollouts=rollouts, metrics=metrics)
             return
         rows, params = draw_round(self.cfg, self.task, self.sampling, step, 0)
-        handle = self.host.start([list(p.token_ids) for p in rows], params)
+        handle = self.rows.start([list(p.token_ids) for p in rows], params)
         self.pending[step] = Submitted(step, version, state, rows, params, handle)
 
     def _resubmit(

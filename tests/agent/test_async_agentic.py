@@ -1,0 +1,104 @@
+"""Agentic trajectories under asynchronous rollouts (world 1, colocated, `rollout.max_staleness=1`,
+`rollout.partial=true`), with the real tokenizer and a policy that calls the calculator
+(tests/agent/scripted_policy.py):
+
+- ahead of the learner every trajectory of the next batch samples its first turn and submits its tool call;
+  the call is in flight while the learner updates; after the weight sync the trajectory goes on from the
+  tool's answer under the new weights. Step s >= 2 trains rows whose tokens up to the call record version
+  s - 2 and whose later turns record s - 1 (`staleness/max` 1), tool tokens out of the loss;
+- `partial_kv=recompute`: the turns after the call are computed afresh by the new weights, so their engine
+  log-probs equal the learner's (`mismatch/staleness0/abs_diff_max` <= 1e-5, as a synchronous run's);
+  `keep`: the prefix's cache stays the old weights', so they differ from the learner's by more."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scripted_policy import write_scripted_checkpoint
+from test_trainer_agentic import overrides, problems
+
+from megatron_gptoss.agent.loop import TOOL
+from megatron_gptoss.config import ConfigError, load_config
+from megatron_gptoss.trainer import loop
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 2
+
+
+def _run(base: Path, out: Path, kv: str) -> tuple[list, dict[int, dict]]:
+    """The (sources, versions) of every trained row, step by step, and the metrics."""
+    rows: list[list[tuple[list[int], list[int]]]] = []
+    build = loop.build_batch
+
+    def recording(prompt_ids, responses, logprobs, rewards, sources, routing, versions):
+        rows.append([(list(s), list(v)) for s, v in zip(sources, versions, strict=True)])
+        return build(prompt_ids, responses, logprobs, rewards, sources, routing, versions)
+
+    extra = [
+        "rollout.max_staleness=1",
+        "rollout.partial=true",
+        f"rollout.partial_kv={kv}",
+        f"run.steps={STEPS}",
+        "optim.lr=3e-2",  # an update that moves attention enough for a kept cache to show
+    ]
+    loop.build_batch = recording  # type: ignore[assignment]
+    try:
+        loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*overrides(base, str(out)), *extra]))
+    finally:
+        loop.build_batch = build  # type: ignore[assignment]
+    lines = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    return rows, {line["step"]: line for line in lines}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("async_agentic")
+    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
+    problems(base / "train.jsonl", 8)
+    problems(base / "test.jsonl", 2)
+    return {kv: _run(base, base / kv, kv) for kv in ("recompute", "keep")}
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_a_tool_call_in_flight_continues_under_new_weights(runs, kv):
+    rows, lines = runs[kv]
+    assert len(rows) == STEPS
+    assert all(set(v) == {0} for _, v in rows[0])  # batch 1: generated whole at version 0
+    for step in range(2, STEPS + 1):
+        across = 0
+        for sources, versions in rows[step - 1]:
+            assert len(sources) == len(versions)
+            first_tool = sources.index(TOOL) if TOOL in sources else len(sources)
+            # the first turn and its call's answer: sampled ahead, one version behind the learner
+            assert set(versions[:first_tool]) == {step - 2}, (step, versions)
+            if first_tool < len(sources):
+                end = next((i for i in range(first_tool, len(sources)) if sources[i] != TOOL), len(sources))
+                assert set(versions[first_tool:end]) == {step - 2}  # tool tokens: the calling turn's
+                after = versions[end:]
+                assert set(after) <= {step - 1}, (step, versions)  # later turns: the new weights
+                across += bool(after)
+        assert across > 0, f"step {step}: no trajectory went on after a tool call across the update"
+        line = lines[step]
+        assert line["staleness/max"] == 1.0 and line["staleness/dropped_rows"] == 0.0
+        assert line["agent/tokens_tool"] > 0 and line["mismatch/staleness0/tokens"] > 0
+    fresh = max(lines[s]["mismatch/staleness0/abs_diff_max"] for s in range(2, STEPS + 1))
+    if kv == "recompute":
+        assert fresh <= 1e-5, fresh
+    else:
+        recomputed = runs["recompute"][1][STEPS]["mismatch/staleness0/abs_diff_max"]
+        assert fresh > max(1e-4, 100 * recomputed), (fresh, recomputed)
+
+
+def test_partial_agentic_needs_sessions_per_replica():
+    for extra, message in [
+        (["agent.sessions=false"], "agent.sessions=true with agent.enabled"),
+        (
+            ["rollout.tensor_parallel_size=2"],
+            "rollout.tensor_parallel_size=1 and rollout.expert_parallel_size=1",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match="rollout.partial=true needs") as err:
+            load_config(None, ["agent.enabled=true", "rollout.partial=true", *extra])
+        assert message in str(err.value)
