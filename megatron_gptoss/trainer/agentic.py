@@ -6,9 +6,10 @@ hosts: every rank returns every row's trajectory.
                   `agent.sessions`:
                   replica r runs the loop on its block of rows with engine sessions (each trajectory keeps
                   its KV cache across turns) and its own tool executor; the trajectories are gathered
-    lockstep      any other engine layout, and vLLM: every rank runs the same loop over all rows, each turn
-                  through the host's collective `generate` (vLLM's prefix caching serves the repeated
-                  prefix); rank 0 runs the tools and broadcasts which calls answered and what they said
+    lockstep      any other engine layout, vLLM, and the engine ranks of the separate placement: every
+                  (learner) rank runs the same loop over all rows, each turn through the host's collective
+                  `generate` (vLLM's prefix caching serves the repeated prefix); rank 0 runs the tools
+                  and broadcasts which calls answered and what they said
                   (`agent.lockstep.LockstepExecutor`), so every rank takes the same decisions
 
 Either way, row i samples from the seed stream `params.seed + i` in its first turn, and the rows' results

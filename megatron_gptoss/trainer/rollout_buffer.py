@@ -27,7 +27,8 @@ threads they find free.
 Separate placement (`trainer.separate`): with k >= 1 every batch is queued on the engine ranks, which step
 its rows on their own while the learner computes and take new weights between two engine steps (without
 `partial` a row ends under the weights it started with, before the new ones are loaded); the world of the
-rules above is the learner ranks'.
+rules above is the learner ranks'. Agentic trajectories there are generated whole (the agent loop on the
+learner ranks, every turn a generation on the engine ranks), the batches ahead before the learner starts.
 
 Agentic rollouts (`agent.enabled`, partial): the engine's `start` / `advance` / `finish` run trajectories in
 parts (`trainer.agentic.AgentRollout`); ahead of the learner every batch submitted samples its trajectories
@@ -252,8 +253,11 @@ class RolloutBuffer:
     def _submit(self, step: int, version: int) -> None:
         state = self.task.state_dict()
         # engine ranks of the separate placement decode queued rows while the learner computes (without
-        # `partial` they finish them under the weights they started with, `trainer.separate`)
-        queued = self.partial or (self.k > 0 and self.host is not None and self.host.decodes_ahead)
+        # `partial` they finish them under the weights they started with, `trainer.separate`); agentic
+        # trajectories there are generated whole, turn by turn through the engine ranks
+        queued = self.partial or (
+            self.k > 0 and self.host is not None and self.host.decodes_ahead and not self.cfg.agent.enabled
+        )
         if not queued:
             rollouts, metrics = collect_rollouts(self.cfg, self.engine, self.task, self.sampling, step)
             self.pending[step] = Submitted(step, version, state, rollouts=rollouts, metrics=metrics)
