@@ -79,8 +79,8 @@ def test_a_trajectory_continues_after_its_call_under_new_weights(kv):
     assert run.waiting and not run.generating  # calls in flight, no turn half sampled
     engine.update_weights(iter_hf_tensors(new, CONFIG))
     run.weights_changed(4, recompute=kv == "recompute")
-    continued = 0
-    for prompt, traj, before in zip(PROMPTS, loop_trajs := run.finish(), first, strict=True):
+    trajs, continued = run.finish(), 0
+    for prompt, traj, before in zip(PROMPTS, trajs, first, strict=True):
         assert len(traj.versions) == len(traj.token_ids) == len(traj.sources)
         assert set(traj.versions[:before]) == {3} and traj.sources[:before] == [MODEL] * before
         if traj.tool_calls == 0:
@@ -105,5 +105,5 @@ def test_a_trajectory_continues_after_its_call_under_new_weights(kv):
             assert max(abs(ref[i] - own[i]) for i in later if traj.sources[i] == MODEL) > 1e-4
         model_later = [i for i in later if traj.sources[i] == MODEL]
         assert max(abs(traj.logprobs[i] - ref[i]) for i in model_later) <= 1e-6, kv
-    assert continued > 0 and len(loop_trajs) == len(PROMPTS)
+    assert continued > 0 and len(trajs) == len(PROMPTS)
     assert not engine._sessions  # every session closed
