@@ -75,28 +75,29 @@ def _check(straight: list, before: list, after: list) -> None:
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
+    """The prompt files and the uninterrupted colocated run's prompts, step by step (the data order: the
+    placement does not change it)."""
     base = tmp_path_factory.mktemp("resume")
     _questions(base / "train.jsonl", ROWS)
     _questions(base / "test.jsonl", 1)
-    return base
+    return base, _train(str(base), str(base / "straight"), 0, *K1)
 
 
 def test_colocated_resume_trains_every_prompt_once(data):
-    straight = _train(str(data), str(data / "straight"), 0, *K1)
-    stopped = data / "stopped"
-    before = _train(str(data), str(stopped), 2, *K1)
+    base, straight = data
+    stopped = base / "stopped"
+    before = _train(str(base), str(stopped), 2, *K1)
     (stopped / "STOP").unlink()
-    after = _train(str(data), str(stopped), 0, *K1, "run.resume=auto")
+    after = _train(str(base), str(stopped), 0, *K1, "run.resume=auto")
     _check(straight, before, after)
 
 
 def test_separate_resume_trains_every_prompt_once(data):
+    base, straight = data
     sep = ("rollout.placement=separate", *K1)
-    workers = pool(2)
-    straight = workers.run(_train, str(data), str(data / "sep_straight"), 0, *sep)
-    stopped = data / "sep_stopped"
-    before = workers.run(_train, str(data), str(stopped), 2, *sep)
+    workers, stopped = pool(2), base / "sep_stopped"
+    before = workers.run(_train, str(base), str(stopped), 2, *sep)
     (stopped / "STOP").unlink()
-    after = workers.run(_train, str(data), str(stopped), 0, *sep, "run.resume=auto")
-    assert straight[1] == before[1] == after[1] == []  # rank 1 hosts only the engine
-    _check(straight[0], before[0], after[0])
+    after = workers.run(_train, str(base), str(stopped), 0, *sep, "run.resume=auto")
+    assert before[1] == after[1] == []  # rank 1 hosts only the engine
+    _check(straight, before[0], after[0])
