@@ -6,6 +6,7 @@
   the call is in flight while the learner updates; after the weight sync the trajectory goes on from the
   tool's answer under the new weights. Step s >= 2 trains rows whose tokens up to the call record version
   s - 2 and whose later turns record s - 1 (`staleness/max` 1), tool tokens out of the loss;
+- world 2 (two engine replicas, each running its block of trajectories) trains the rows of world 1;
 - `partial_kv=recompute`: the turns after the call are computed afresh by the new weights, so their engine
   log-probs equal the learner's (`mismatch/staleness0/abs_diff_max` <= 1e-5, as a synchronous run's; with
   `keep` the old weights' cache makes it 2.8e-3). tests/agent/test_session_run.py checks both modes against
@@ -17,8 +18,9 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.harness import pool
 from scripted_policy import write_scripted_checkpoint
-from test_trainer_agentic import overrides, problems
+from test_trainer_agentic import SAME, overrides, problems
 
 from megatron_gptoss.agent.loop import TOOL
 from megatron_gptoss.config import ConfigError, load_config
@@ -59,11 +61,11 @@ def runs(tmp_path_factory):
     write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
     problems(base / "train.jsonl", 8)
     problems(base / "test.jsonl", 2)
-    return _run(base, base / "recompute", "recompute")
+    return base, _run(base, base / "recompute", "recompute")
 
 
 def test_a_tool_call_in_flight_continues_under_new_weights(runs):
-    rows, lines = runs
+    rows, lines = runs[1]
     assert len(rows) == STEPS
     assert all(set(v) == {0} for _, v in rows[0])  # batch 1: generated whole at version 0
     for step in range(2, STEPS + 1):
@@ -85,6 +87,19 @@ def test_a_tool_call_in_flight_continues_under_new_weights(runs):
         assert line["agent/tokens_tool"] > 0 and line["mismatch/staleness0/tokens"] > 0
     # recomputed: the later turns' engine log-probs are the learner's (a kept cache gives 2.8e-3 here)
     assert max(lines[s]["mismatch/staleness0/abs_diff_max"] for s in range(2, STEPS + 1)) <= 1e-5
+
+
+def test_two_replicas_sample_as_one(runs):
+    """World 2 (learner dp2, an engine replica per rank, each its block of trajectories with its own tools):
+    every rank trains the rows of world 1, token versions and all, with the same metrics."""
+    base, (rows, lines) = runs
+    ranks = pool(2).run(_run, base, base / "w2", "recompute")
+    assert ranks[0][0] == ranks[1][0] == rows
+    theirs = ranks[0][1]
+    for step in range(1, STEPS + 1):
+        for key in (*SAME, "staleness/max", "mismatch/staleness0/abs_diff_max"):
+            assert theirs[step][key] == lines[step][key], (step, key)
+        assert theirs[step]["pg/loss"] == pytest.approx(lines[step]["pg/loss"], rel=1e-4, abs=1e-7)
 
 
 def test_partial_agentic_needs_sessions_per_replica():
