@@ -1,10 +1,12 @@
-"""The whole RL step of gpt-oss-20b or gpt-oss-120b with LoRA on one GPU, at full size: rollout with the
-embedded engine, log-probs, update, weight sync, through the one trainer.
+"""The whole RL step of gpt-oss-20b or gpt-oss-120b with LoRA on one GPU (or --nproc of them), at full size:
+rollout with the embedded engine, log-probs, update, weight sync, through the one trainer.
 
     python benchmarks/bench_rl_step.py                       # gpt-oss-20b, 64 prompts x 8, responses <= 1024
     python benchmarks/bench_rl_step.py --expert-format bf16  # the same step with the experts held in bf16
     python benchmarks/bench_rl_step.py --config configs/gpt_oss_20b_lora_24gb.yaml run.device_memory_gib=22
     python benchmarks/bench_rl_step.py --model gpt_oss_120b --steps 1 rollout.prompts_per_step=64
+    python benchmarks/bench_rl_step.py --model gpt_oss_120b --nproc 2 parallel.expert_model_parallel_size=2 \
+        rollout.expert_parallel_size=2                     # two GPUs, experts split over them
     python benchmarks/bench_rl_step.py --tiny                # toy model and batch (a CPU smoke run)
 
 --model picks the config (`configs/gpt_oss_20b_lora_1gpu.yaml`, `configs/gpt_oss_120b_lora_1gpu.yaml`;
@@ -59,6 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--expert-format", choices=["mxfp4", "bf16"], default="mxfp4")
     parser.add_argument("--weights", choices=["checkpoint", "random"], help="default: checkpoint for 20b")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--nproc", type=int, default=1, help="GPUs (torchrun); overrides give the layout")
     parser.add_argument("--ckpt", type=Path, default=Path("/tmp/bench_rollout_ckpt"))
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_rl_step"))
     args, overrides = parser.parse_known_args(argv)
@@ -79,8 +82,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     data = args.out / "data"
     write_splits(data, train=max(512, cfg.rollout.prompts_per_step * args.steps), test=8)
     run_dir = args.out / "run"
+    launch = [sys.executable]
+    if args.nproc > 1:
+        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc)]
     command = [
-        sys.executable, "-m", "megatron_gptoss.train", "--config", str(path), *init,
+        *launch, "-m", "megatron_gptoss.train", "--config", str(path), *init,
         f"data.train_files=[{data / 'train.jsonl'}]",
         f"data.eval_files=[{data / 'test.jsonl'}]", f"run.steps={args.steps}", "run.eval_every=0",
         "env.eval_size=8", "run.save_every=0", "run.export_hf=false", "run.progress=false",
