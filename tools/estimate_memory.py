@@ -289,42 +289,30 @@ def main() -> None:
         )
     print(" gpus  tp  cp  pp  ep   dp   weights gradients optimizer activations transient   total")
     cp_sizes = tuple(int(c) for c in args.cp.split(","))
+
+    def estimate_of(layout: Layout) -> dict[str, float]:
+        return estimate(
+            config,
+            layout,
+            args.tokens,
+            args.micro_batches,
+            activation_checkpointing=args.recompute,
+            kv_exchange=args.kv_exchange,
+        )
+
     if not args.search:
         layout = Layout(
             int(args.gpus), args.tp, args.pp, args.ep, args.vpp, sequence_parallel=args.tp > 1, cp=cp_sizes[0]
         )
         if not layout.valid(config):
             raise SystemExit(f"{layout} does not divide {args.model}")
-        print(
-            _row(
-                layout,
-                estimate(
-                    config,
-                    layout,
-                    args.tokens,
-                    args.micro_batches,
-                    True,
-                    True,
-                    args.recompute,
-                    kv_exchange=args.kv_exchange,
-                ),
-            )
-        )
+        print(_row(layout, estimate_of(layout)))
         return
     budget = args.gpu_gib * args.headroom * GIB
     for gpus in (int(g) for g in args.gpus.split(",")):
         fits = []
         for layout in layouts(config, gpus, cp_sizes):
-            parts = estimate(
-                config,
-                layout,
-                args.tokens,
-                args.micro_batches,
-                True,
-                True,
-                args.recompute,
-                kv_exchange=args.kv_exchange,
-            )
+            parts = estimate_of(layout)
             if parts["total"] <= budget:
                 fits.append((parts["total"], layout, parts))
         print(f"-- {gpus} GPUs: {len(fits)} layouts fit in {args.headroom:.0%} of {args.gpu_gib:.0f} GiB")

@@ -17,14 +17,13 @@ from concurrent.futures import Future
 
 import pytest
 import torch
-from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
+from helpers.embedded_engine import CONFIG, engine_of, kept_prefix_logprobs, perturbed_learner
 
 from megatron_gptoss.agent.calls import ToolCall, ToolOutcome
 from megatron_gptoss.agent.loop import MODEL, TOOL, AgentLoop, CallFormat
 from megatron_gptoss.config.agent import AgentConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model.kv_cache import KVCache
 
 PROMPTS = [[3, 17, 5, 9, 11], [4, 8, 15, 16, 23, 42, 7], [1, 3, 5], [9, 7, 5, 3]]
 ANSWER = [3, 5, 7]  # odd: never read as a call
@@ -52,19 +51,6 @@ class _Answered:
 def _teacher_forced(model, tokens: list[int]) -> list[float]:
     ids = torch.tensor([tokens])
     return model.token_logprobs(model.hidden_states(ids[:, :-1]), ids[:, 1:])[0][0].tolist()
-
-
-@torch.no_grad()
-def _kept_prefix(old, new, tokens: list[int], switch: int) -> list[float]:
-    """Log-probs of tokens[1:]: positions < switch computed by `old` into a contiguous cache, the rest by
-    `new` over it."""
-    cache = KVCache(CONFIG, 1, len(tokens), torch.float32, "cpu")
-    ids, positions = torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1)[None]
-    first = old.hidden_states(ids[:, :switch], position_ids=positions[:, :switch], cache=cache)
-    rest = new.hidden_states(ids[:, switch:], position_ids=positions[:, switch:], cache=cache)
-    head = torch.cat([old.token_logprobs(first, torch.tensor([tokens[1 : switch + 1]]))[0],
-                      new.token_logprobs(rest, torch.tensor([tokens[switch + 1 :]]))[0]], dim=1)  # fmt: skip
-    return head[0].tolist()
 
 
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
@@ -100,7 +86,7 @@ def test_a_trajectory_continues_after_its_call_under_new_weights(kv):
         if kv == "recompute":
             ref = _teacher_forced(new, tokens)[len(prompt) - 1 :]
         else:  # the cache held every token up to the call's last (sampled, not yet computed)
-            ref = _kept_prefix(old, new, tokens, len(prompt) + before - 1)[len(prompt) - 1 :]
+            ref = kept_prefix_logprobs(old, new, tokens, len(prompt) + before - 1)[len(prompt) - 1 :]
             own = _teacher_forced(new, tokens)[len(prompt) - 1 :]
             assert max(abs(ref[i] - own[i]) for i in later if traj.sources[i] == MODEL) > 1e-4
         model_later = [i for i in later if traj.sources[i] == MODEL]

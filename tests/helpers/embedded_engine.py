@@ -6,6 +6,7 @@ import torch
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import build_model
+from megatron_gptoss.model.kv_cache import KVCache
 from megatron_gptoss.rollout import EmbeddedEngine
 
 CONFIG = gpt_oss_tiny()  # window 8, sliding / full layers
@@ -26,3 +27,16 @@ def engine_of(learner, **options) -> EmbeddedEngine:
     engine = EmbeddedEngine(CONFIG, seed=0, options=EmbeddedEngineConfig(**options))
     engine.update_weights(iter_hf_tensors(learner, CONFIG))
     return engine
+
+
+@torch.no_grad()
+def kept_prefix_logprobs(old, new, tokens: list[int], switch: int) -> list[float]:
+    """Log-probs of tokens[1:] as a row continued over a kept cache: positions < switch computed by `old`
+    into a contiguous cache, the rest by `new` over it (partial rollouts' `keep`)."""
+    cache = KVCache(CONFIG, 1, len(tokens), torch.float32, "cpu")
+    ids, positions = torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1)[None]
+    first = old.hidden_states(ids[:, :switch], position_ids=positions[:, :switch], cache=cache)
+    rest = new.hidden_states(ids[:, switch:], position_ids=positions[:, switch:], cache=cache)
+    head = torch.cat([old.token_logprobs(first, torch.tensor([tokens[1 : switch + 1]]))[0],
+                      new.token_logprobs(rest, torch.tensor([tokens[switch + 1 :]]))[0]], dim=1)  # fmt: skip
+    return head[0].tolist()

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
+from helpers.embedded_engine import CONFIG, engine_of, kept_prefix_logprobs, perturbed_learner
 
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.hf.convert import iter_hf_tensors
-from megatron_gptoss.model.kv_cache import KVCache
 
 PROMPTS = [[3, 17, 5, 9, 11], [4, 8, 15, 16, 23, 42, 7]]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=12, seed=1234)
@@ -47,20 +46,6 @@ def _teacher_forced(model, tokens: list[int]) -> list[float]:
     return model.token_logprobs(hidden, ids[:, 1:])[0][0].tolist()
 
 
-@torch.no_grad()
-def _kept_prefix(old, new, tokens: list[int], switch: int) -> list[float]:
-    """Log-probs of tokens[t] for every t: positions < switch computed by `old` into a contiguous cache,
-    the rest by `new` over that cache."""
-    cache = KVCache(CONFIG, 1, len(tokens), torch.float32, "cpu")
-    ids = torch.tensor([tokens[:-1]])
-    positions = torch.arange(len(tokens) - 1)[None]
-    first = old.hidden_states(ids[:, :switch], position_ids=positions[:, :switch], cache=cache)
-    rest = new.hidden_states(ids[:, switch:], position_ids=positions[:, switch:], cache=cache)
-    head = torch.cat([old.token_logprobs(first, torch.tensor([tokens[1 : switch + 1]]))[0],
-                      new.token_logprobs(rest, torch.tensor([tokens[switch + 1 :]]))[0]], dim=1)  # fmt: skip
-    return head[0].tolist()
-
-
 @pytest.mark.parametrize("kv", ["recompute", "keep"])
 def test_a_row_continues_under_new_weights(kv):
     generations, computed, old, new = _switch(kv)
@@ -75,7 +60,7 @@ def test_a_row_continues_under_new_weights(kv):
         if kv == "recompute":
             ref = _teacher_forced(new, tokens)[len(prompt) - 1 :]
         else:
-            ref = _kept_prefix(old, new, tokens, switch)[len(prompt) - 1 :]
+            ref = kept_prefix_logprobs(old, new, tokens, switch)[len(prompt) - 1 :]
             # the kept prefix is not the new weights' own: the remainder differs from a recomputed one
             own = _teacher_forced(new, tokens)[len(prompt) - 1 :]
             assert max(abs(a - b) for a, b in zip(ref[before:], own[before:])) > 1e-4
