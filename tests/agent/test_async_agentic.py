@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.batches import observed_batches
 from helpers.harness import pool
 from scripted_policy import write_scripted_checkpoint
 from test_trainer_agentic import SAME, overrides, problems
@@ -33,11 +34,10 @@ STEPS = 2
 def _run(base: Path, out: Path, kv: str) -> tuple[list, dict[int, dict]]:
     """The (sources, versions) of every trained row, step by step, and the metrics."""
     rows: list[list[tuple[list[int], list[int]]]] = []
-    build = loop.build_batch
 
-    def recording(prompt_ids, responses, logprobs, rewards, sources, routing, versions):
+    def recording(args, _):
+        _, _, _, _, sources, _, versions = args  # build_batch's (prompt_ids, ..., sources, routing, versions)
         rows.append([(list(s), list(v)) for s, v in zip(sources, versions, strict=True)])
-        return build(prompt_ids, responses, logprobs, rewards, sources, routing, versions)
 
     extra = [
         "rollout.max_staleness=1",
@@ -46,11 +46,8 @@ def _run(base: Path, out: Path, kv: str) -> tuple[list, dict[int, dict]]:
         f"run.steps={STEPS}",
         "optim.lr=3e-2",  # an update that moves attention enough for a kept cache to show
     ]
-    loop.build_batch = recording  # type: ignore[assignment]
-    try:
+    with observed_batches(recording):
         loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*overrides(base, str(out)), *extra]))
-    finally:
-        loop.build_batch = build  # type: ignore[assignment]
     lines = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     return rows, {line["step"]: line for line in lines}
 

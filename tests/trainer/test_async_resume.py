@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from helpers.batches import observed_batches
 from helpers.harness import pool
 
 from megatron_gptoss.config import load_config
@@ -46,20 +47,15 @@ def _train(base: str, out: str, stop_after: int, *extra: str) -> list[list[tuple
     """A run (every rank of the world); the prompt of every trained row, step by step (learner ranks). With
     `stop_after` > 0 the stop file appears while step `stop_after` trains."""
     prompts: list[list[tuple[int, ...]]] = []
-    build = loop.build_batch
 
-    def recording(prompt_ids, *args):
-        prompts.append([tuple(p) for p in prompt_ids])
+    def recording(args, _):
+        prompts.append([tuple(p) for p in args[0]])
         if len(prompts) == stop_after and (not dist.is_initialized() or dist.get_rank() == 0):
             (Path(out) / "STOP").touch()
-        return build(prompt_ids, *args)
 
-    loop.build_batch = recording  # type: ignore[assignment]
-    try:
-        cfg = load_config(ROOT / "configs/demo_cpu.yaml", [*_overrides(Path(base), Path(out)), *extra])
+    cfg = load_config(ROOT / "configs/demo_cpu.yaml", [*_overrides(Path(base), Path(out)), *extra])
+    with observed_batches(recording):
         result = loop.run(cfg)
-    finally:
-        loop.build_batch = build  # type: ignore[assignment]
     if dist.is_initialized():
         dist.barrier()
     assert result.status == ("stopped" if stop_after else "finished"), result.status

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import torch.distributed as dist
+from helpers.batches import observed_batches
 from helpers.harness import pool
 
 from megatron_gptoss.config import load_config
@@ -23,18 +24,8 @@ def train(out: str) -> list[list[int]]:
                  "rollout.n_samples_per_prompt=2", "rollout.max_staleness=1", "rollout.partial=true",
                  f"run.output_dir={out}"]  # fmt: skip
     recorded: list[list[int]] = []  # the versions of every step's trained tokens
-    build = loop.build_batch
-
-    def recording(*args):
-        batch = build(*args)
-        recorded.append(batch.versions[batch.loss_mask > 0].tolist())
-        return batch
-
-    loop.build_batch = recording  # type: ignore[assignment]
-    try:
+    with observed_batches(lambda _, batch: recorded.append(batch.versions[batch.loss_mask > 0].tolist())):
         loop.run(load_config(ROOT / "configs/demo_cpu.yaml", overrides))
-    finally:
-        loop.build_batch = build  # type: ignore[assignment]
     dist.barrier()
     return recorded
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from helpers.batches import observed_batches
 from helpers.harness import pool
 from safetensors.torch import load_file
 
@@ -41,19 +42,9 @@ def _lines(out: Path) -> dict[int, dict]:
 def _train(out: str, *overrides: str) -> list[list[int]]:
     """A run on every rank of the pool; the versions of every step's trained tokens (learner ranks)."""
     recorded: list[list[int]] = []
-    build = loop.build_batch
-
-    def recording(*args):
-        batch = build(*args)
-        recorded.append(batch.versions[batch.loss_mask > 0].tolist())
-        return batch
-
-    loop.build_batch = recording  # type: ignore[assignment]
-    try:
-        cfg = load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides])
+    cfg = load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides])
+    with observed_batches(lambda _, batch: recorded.append(batch.versions[batch.loss_mask > 0].tolist())):
         result = loop.run(cfg)
-    finally:
-        loop.build_batch = build  # type: ignore[assignment]
     dist.barrier()
     assert result.status == "finished" and result.step == cfg.run.steps
     return recorded
@@ -102,22 +93,23 @@ def _row_versions(out: str, *overrides: str) -> tuple[list[list[list[int]]], int
     """A run on every rank of the pool; the versions of each trained row's tokens, step by step, and the
     number of batches queued on the engine ranks (`EngineClient.start`)."""
     recorded: list[list[list[int]]] = []
-    build, start, starts = loop.build_batch, EngineClient.start, []
+    start, starts = EngineClient.start, []
 
     def starting(self, *args):
         starts.append(1)
         return start(self, *args)
 
-    def recording(*args):
-        batch = build(*args)
+    def rows(_, batch):
         recorded.append([v[m > 0].tolist() for v, m in zip(batch.versions, batch.loss_mask)])
-        return batch
 
-    loop.build_batch, EngineClient.start = recording, starting  # type: ignore[assignment,method-assign]
+    EngineClient.start = starting  # type: ignore[method-assign]
     try:
-        loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides]))
+        with observed_batches(rows):
+            loop.run(
+                load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides])
+            )
     finally:
-        loop.build_batch, EngineClient.start = build, start  # type: ignore[assignment,method-assign]
+        EngineClient.start = start  # type: ignore[method-assign]
     dist.barrier()
     return recorded, len(starts)
 
@@ -215,17 +207,8 @@ def _killing_run(rank: int, init_file: str, out: str, method: str, kill_at: int,
 def _run_recording(out: Path, *overrides: str) -> list[list[list[int]]]:
     """A run; the prompt of every trained row, step by step."""
     prompts: list[list[list[int]]] = []
-    build = loop.build_batch
-
-    def recording(prompt_ids, *args):
-        prompts.append([list(p) for p in prompt_ids])
-        return build(prompt_ids, *args)
-
-    loop.build_batch = recording  # type: ignore[assignment]
-    try:
+    with observed_batches(lambda args, _: prompts.append([list(p) for p in args[0]])):
         loop.run(load_config(ROOT / "configs/demo_cpu.yaml", [*FAST, f"run.output_dir={out}", *overrides]))
-    finally:
-        loop.build_batch = build  # type: ignore[assignment]
     return prompts
 
 
