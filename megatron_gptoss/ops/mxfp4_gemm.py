@@ -14,8 +14,10 @@ and `scales` [E, out, in / 32] uint8 (one E8M0 power of two 2 ** (s - 127) per b
 
 Precision, the dequantize-then-bf16 path's (`reference_dequantized`: the weights dequantized to x's dtype,
 the library's grouped GEMM, then `fused_moe`'s bias and SwiGLU): products accumulated in fp32 and rounded to
-x's dtype; bias and SwiGLU in fp32 on those rounded products, one more rounding. The kernels differ from
-it only where the order of the fp32 sums moves a product across a rounding boundary of x's dtype.
+x's dtype; bias and SwiGLU in fp32 on those rounded products, one more rounding. The kernels sum over K
+in the library GEMM's order: on an H100 the portable kernel's products equal the dequantized path's bit for
+bit (the scaled kernel's too, at the sizes measured); elsewhere they may differ where another order of the
+fp32 sums moves a product across a rounding boundary of x's dtype.
 
 Paths (`path=`, default from the environment variable MEGATRON_GPTOSS_MXFP4_PATH, else "auto"):
     "reference"    dequantize, then the PyTorch path (`reference_dequantized`)

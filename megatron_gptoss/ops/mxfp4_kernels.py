@@ -13,10 +13,13 @@ SwiGLU in fp32 on the rounded values, one more rounding (`mxfp4_fwd_kernel`).
 
 Two ways to form the products:
 - portable (`_portable_products`): plain loads and `tl.dot`. The byte tile is decoded in registers to x's
-  dtype twice, once per nibble: the low nibbles are W's even columns of K, the high ones its odd columns, so
-  the product is W_even x_even^T + W_odd x_odd^T, x's tile split into its even and odd columns (no
-  interleaving of the decoded values). The weight tile is the left operand (its rows fill the matrix
-  unit's wide side, the few rows of x the narrow one). The decoding (DECODE): "bytes" (`_decode`: a scale
+  dtype, once per nibble (the low nibbles are W's even columns of K, the high ones its odd columns), and the
+  two halves interleaved back into K's order before the product, so that the fp32 sums run over K in the
+  order of the library's GEMM on the dequantized weights: products split as W_even x_even^T +
+  W_odd x_odd^T instead differed from it in about 2e-5 of the bf16 outputs (an H100, gpt-oss-20b width),
+  enough to raise the engine/learner log-prob mismatch of a 2-layer LoRA run from 2e-4 to 2e-3 through the
+  routers. The weight tile is the left operand (its rows fill the matrix unit's wide side, the few rows of
+  x the narrow one). The decoding (DECODE): "bytes" (`_decode`: a scale
   load and its conversion per byte, fp32 arithmetic per value), "groups" (`_decode_groups`: the bytes in
   16-byte block vectors, one scale load per block, the same arithmetic) or "ptx" (`_decode_groups` through
   `_E2M1_BF16_PTX`: byte-permute table lookups and one bf16x2 fma per two values, ~3 instructions a value;
@@ -153,6 +156,13 @@ def _decode_groups(
 
 
 @triton.jit
+def _interleave(even, odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] -> [BLOCK_N, BLOCK_K], K's order: columns 2 j and 2 j + 1 side by
+    side."""
+    return tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
+
+
+@triton.jit
 def _portable_products(
     X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
     GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -162,7 +172,7 @@ def _portable_products(
     `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX. Each BLOCK_K
     step is decoded and multiplied in SUB_K pieces (BLOCK_K with DECODE 0), from k0 up: the step's loads
     are issued together (runs of BLOCK_K / 2 bytes per weight row), its decoded values held SUB_K at a
-    time."""
+    time, interleaved back into K's order before their `tl.dot`."""
     HALF: tl.constexpr = SUB_K // 2
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
@@ -173,14 +183,12 @@ def _portable_products(
             kb = (k0 + k1) // 2 + jj  # byte column of the weight rows
             k_ok = kb < K // 2
             ks = k0 + k1 + tl.arange(0, SUB_K)
-            x = tl.load(
-                X + rows[:, None] * stride_x + ks[None, :],
-                mask=row_ok[:, None] & (ks < K)[None, :],
+            xt = tl.load(
+                X + rows[None, :] * stride_x + ks[:, None],
+                mask=row_ok[None, :] & (ks < K)[:, None],
                 other=0.0,
                 eviction_policy="evict_last",
-            )
-            x_even, x_odd = tl.split(tl.reshape(x, [BLOCK_M, HALF, 2]))  # x[:, k + 2 j], x[:, k + 2 j + 1]
-            x_even, x_odd = tl.trans(x_even), tl.trans(x_odd)
+            )  # [SUB_K, BLOCK_M]
             w_mask = col_ok[:, None] & k_ok[None, :]
             b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
             s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
@@ -191,8 +199,7 @@ def _portable_products(
                     wb_base, ws_base, cols, col_ok, k0 + k1, K, stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K,
                     DECODE == 2,
                 )  # fmt: skip
-            lo = tl.dot(w_even, x_even, lo, input_precision=DOT_PRECISION)
-            lo = tl.dot(w_odd, x_odd, lo, input_precision=DOT_PRECISION)
+            lo = tl.dot(_interleave(w_even, w_odd, BLOCK_N, SUB_K), xt, lo, input_precision=DOT_PRECISION)
             if GATED:
                 if DECODE == 0:
                     w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
@@ -201,8 +208,8 @@ def _portable_products(
                         wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0 + k1, K,
                         stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K, DECODE == 2,
                     )  # fmt: skip
-                hi = tl.dot(w_even, x_even, hi, input_precision=DOT_PRECISION)
-                hi = tl.dot(w_odd, x_odd, hi, input_precision=DOT_PRECISION)
+                w = _interleave(w_even, w_odd, BLOCK_N, SUB_K)
+                hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
 
 

@@ -12,7 +12,10 @@ Bounds (`BOUNDS`), from this configuration measured on two H200s (benchmarks/RES
 regression"): world 1 gave a mean of 2.9e-4 to 4.6e-4 and a 99th percentile of 6.8e-3 to 7.3e-3 per step,
 bounded at about 3x; expert parallel 2 gave 3.7e-7 to 3.9e-7 and 1.9e-6, bounded at 25x and 50x to leave
 room for other cards. The decode expert kernels that fed unrounded products to their epilogue gave a mean of
-7.3e-3 to 7.7e-3 and a 99th percentile of 2.7e-2 to 3.1e-2 at world 1: the guard fails on them.
+7.3e-3 to 7.7e-3 and a 99th percentile of 2.7e-2 to 3.1e-2 at world 1: the guard fails on them. The LoRA
+cases over MXFP4 experts (one H100): 2.0e-4 to 6.7e-4 (8 experts) and 2.7e-5 to 1.1e-4 (128), 99th
+percentile at most 7.9e-3; the engine's MXFP4 kernel that summed the even and the odd columns of K apart gave
+2.0e-3 to 3.0e-3 and 1.0e-2 to 1.2e-2: the guard fails on it.
 """
 
 from __future__ import annotations
