@@ -9,9 +9,9 @@
     python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
-Shapes: 32 experts, top-4 random routing of N tokens (N * 4 expert-sorted rows), hidden = intermediate =
-2880, bf16 rows, MXFP4 weights with every code and scales 2^-6 .. 2^-4, bf16 biases. One expert layer =
-fc1 + bias + clamped SwiGLU, then fc2 + bias:
+Shapes: 32 experts (`--experts`; gpt-oss-120b has 128), top-4 random routing of N tokens (N * 4 expert-sorted
+rows), hidden = intermediate = 2880, bf16 rows, MXFP4 weights with every code and scales 2^-6 .. 2^-4, bf16
+biases. One expert layer = fc1 + bias + clamped SwiGLU, then fc2 + bias:
     mxfp4 <path>   `fc1_swiglu_mxfp4`, then `grouped_linear_mxfp4` + `fused_moe.expert_bias`
     mxfp4 portable/<decode>  the same with the portable kernel's decoding `Mxfp4Config.decode` (`--decodes`)
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
@@ -342,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time the SWEEP tiles of each MXFP4 path; with a value, of these comma-"
                         "separated paths or portable/<decode> (DECODE_SWEEP's tiles)")  # fmt: skip
     parser.add_argument("--floor", action="store_true", help="also time the loads without decoding")
+    parser.add_argument("--experts", type=int, default=32, help="experts a layer (gpt-oss-120b: 128)")
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
     with torch.no_grad():
@@ -358,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         if device.type != "cuda":
             print("no CUDA device: run with --tiny (TRITON_INTERPRET=1) on the CPU")
             return 2
-        experts, width, count, reps, dtype = 32, 2880, args.layers, args.reps, torch.bfloat16
+        experts, width, count, reps, dtype = args.experts, 2880, args.layers, args.reps, torch.bfloat16
         tokens_list = [int(t) for t in args.tokens.split(",")]
     if device.type == "cuda":
         import triton

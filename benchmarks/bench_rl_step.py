@@ -25,7 +25,9 @@ responses run to the budget: the step is close to its largest. Prints per step t
 (`time/*`), the sampled tokens per second of generation, the peak device memory allocated
 (`perf/peak_gib`) and held by the allocator (`perf/reserved_gib`), the bytes the sync sent (`sync/bytes`) and
 the engine/learner log-prob mismatch (`mismatch/abs_diff_mean`). The first step includes the Triton
-compilations and the capture of the decode graphs: later steps are the warm ones."""
+compilations and the capture of the decode graphs: later steps are the warm ones. No held-out evaluation runs
+(the trainer's evaluations at step 0 and at the last step would each add a generation outside the phases).
+"""
 
 from __future__ import annotations
 
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         name = f"{config.num_layers}x{config.hidden_size}x{config.num_experts}"
         init = [f"run.init_from_hf={write_synthetic_mxfp4(config, ckpt / name)}"]
     data = args.out / "data"
-    write_splits(data, train=max(512, cfg.rollout.prompts_per_step * args.steps), test=8)
+    write_splits(data, train=max(512, cfg.rollout.prompts_per_step * args.steps), test=1)
     run_dir = args.out / "run"
     launch = [sys.executable]
     if args.nproc > 1:
@@ -88,9 +90,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     command = [
         *launch, "-m", "megatron_gptoss.train", "--config", str(path), *init,
         f"data.train_files=[{data / 'train.jsonl'}]",
-        f"data.eval_files=[{data / 'test.jsonl'}]", f"run.steps={args.steps}", "run.eval_every=0",
-        "env.eval_size=8", "run.save_every=0", "run.export_hf=false", "run.progress=false",
-        "run.tensorboard=false", f"run.output_dir={run_dir}", "run.overwrite=true", *overrides,
+        "data.eval_files=[]", f"run.steps={args.steps}", "run.eval_every=0", "run.save_every=0",
+        "run.export_hf=false", "run.progress=false", "run.tensorboard=false", f"run.output_dir={run_dir}",
+        "run.overwrite=true", *overrides,
     ]  # fmt: skip
     subprocess.run(command, check=True)
     rows = cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt
