@@ -194,6 +194,12 @@ class RolloutConfig:
     top_k: int = 0
     # Maximum generated tokens per response.
     max_new_tokens: int = 16
+    # Synthetic response lengths for benchmarks of models that rarely sample a stop token (random weights):
+    # with length_median > 0 each row's budget is drawn from a log-normal (median, length_sigma) clipped to
+    # [1, max_new_tokens], from the row's sampling seed (`engine_api.protocol.row_budget`): the long tail of
+    # a trained model's responses. Embedded engine, plain rows (not agent trajectories).
+    length_median: int = 0
+    length_sigma: float = 1.0
     # Responses sampled per prompt (the GRPO group size).
     n_samples_per_prompt: int = 8
     # Prompts per rollout batch.
@@ -270,7 +276,14 @@ class RolloutConfig:
             "tensor_parallel_size",
             "expert_parallel_size",
         )
-        check_at_least("rollout", self, 0, "top_k", "max_staleness", "engine_restarts")
+        check_at_least("rollout", self, 0, "top_k", "max_staleness", "engine_restarts", "length_median")
+        if self.length_sigma <= 0:
+            raise ConfigError(f"rollout.length_sigma must be > 0, got {self.length_sigma}")
+        if self.length_median and self.engine != "embedded":
+            raise ConfigError(
+                f"rollout.length_median draws a budget per row, which only the embedded engine takes: got "
+                f"rollout.engine={self.engine!r}"
+            )
         if self.partial_kv not in ("keep", "recompute"):
             raise ConfigError(f"rollout.partial_kv={self.partial_kv!r} not in ('keep', 'recompute')")
         if self.dtype not in DTYPES:
@@ -381,6 +394,11 @@ class TrainConfig:
                 )
         if self.rollout.bitwise_on_policy:
             self._check_bitwise()
+        if self.agent.enabled and self.rollout.length_median:
+            raise ConfigError(
+                "rollout.length_median with agent.enabled: synthetic budgets are drawn for plain rows; a "
+                "trajectory's turns share rollout.max_new_tokens (set it to 0)"
+            )
         if self.agent.enabled and self.dapo.overlong_buffer:
             raise ConfigError(
                 "dapo.overlong_buffer with agent.enabled: the overlong penalty is defined for one response "

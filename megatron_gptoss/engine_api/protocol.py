@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,6 +34,12 @@ class SamplingParams:
     # Seed of the sampler: row i of a request samples from its own stream seeded by seed + i, whatever
     # rows share its batch (None: the engine's running generator).
     seed: int | None = None
+    # Synthetic response lengths (0: off), for workloads of models that rarely sample a stop token (random
+    # weights): row i's budget is drawn from a log-normal of this median and `length_sigma`, in [1,
+    # max_new_tokens], from the row's seed (`row_budget`), so that a batch ends in a long tail as a trained
+    # model's does. Engines that cannot give rows their own budgets refuse it.
+    length_median: int = 0
+    length_sigma: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature <= 0:
@@ -42,6 +50,24 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be >= 0 and max_new_tokens >= 1, got {self.top_k}, {self.max_new_tokens}"
             )
+        if self.length_median < 0 or self.length_sigma <= 0:
+            raise ValueError(
+                f"length_median must be >= 0 and length_sigma > 0, got {self.length_median}, "
+                f"{self.length_sigma}"
+            )
+
+
+def row_budget(params: SamplingParams, row: int) -> int:
+    """The token budget of row `row` of a request: `params.max_new_tokens`, or with `params.length_median`
+    round(median * exp(sigma * z)) clipped to [1, max_new_tokens], z a standard normal drawn from a generator
+    seeded by the row's seed (`seed + row`; the row index without a seed): the same for a row whatever the
+    split of its request over engines."""
+    if not params.length_median:
+        return params.max_new_tokens
+    stream = row if params.seed is None else params.seed + row
+    z = random.Random(f"length:{stream}").gauss(0.0, 1.0)
+    budget = round(params.length_median * math.exp(params.length_sigma * z))
+    return max(1, min(params.max_new_tokens, budget))
 
 
 @dataclass

@@ -34,7 +34,7 @@ import torch
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
-from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, SessionTurn
+from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, SessionTurn, row_budget
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import load_hf_tensors
 from megatron_gptoss.model import GPTOSSModel
@@ -144,13 +144,17 @@ class EmbeddedEngine:
     def start(
         self, prompts: list[list[int]], params: SamplingParams, max_new_tokens: list[int] | None = None
     ) -> list[Sequence]:
-        """Queue one row per prompt (row i samples from the stream `params.seed + i`) and return the rows
-        without stepping: they advance in later `advance` / `finish` calls alongside every other row, across
-        weight updates (partial rollouts). Arguments as `generate`'s."""
+        """Queue one row per prompt (row i samples from the stream `params.seed + i`, its budget by
+        `protocol.row_budget`) and return the rows without stepping: they advance in later `advance` /
+        `finish` calls alongside every other row, across weight updates (partial rollouts). Arguments as
+        `generate`'s."""
         self._check_awake("generate")
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        if max_new_tokens is None:
+            budgets = [row_budget(params, row) for row in range(len(prompts))]
+        else:
+            budgets = list(max_new_tokens)
         if len(budgets) != len(prompts) or min(budgets) < 1:
             raise ValueError(
                 f"max_new_tokens needs one budget >= 1 per prompt ({len(prompts)}), got {budgets}"

@@ -19,6 +19,8 @@ def sampling_params(cfg: TrainConfig, stop_token_ids: list[int]) -> SamplingPara
         top_k=cfg.rollout.top_k,
         max_new_tokens=cfg.rollout.max_new_tokens,
         stop_token_ids=list(stop_token_ids),
+        length_median=cfg.rollout.length_median,
+        length_sigma=cfg.rollout.length_sigma,
     )
 
 
@@ -39,7 +41,7 @@ def evaluate(engine, task, sampling: SamplingParams) -> dict[str, float]:
     (`reward/eval_mean`: the mean of the finite rewards; {} without held-out prompts). `engine`: anything
     with the engines' `generate(prompts, params)`."""
     prompts = task.eval_prompts()
-    params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0})
+    params = SamplingParams(**{**sampling.__dict__, "top_k": 1, "top_p": 1.0, "seed": 0, "length_median": 0})
     if not prompts:
         return {}
     generations = engine.generate([list(p.token_ids) for p in prompts], params)
