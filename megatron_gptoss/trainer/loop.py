@@ -114,10 +114,11 @@ def _train(cfg: TrainConfig, run_session: Session, launcher, placement: Placemen
             last: dict[str, float] = {}
             always = trained_tokens(conversations) if cfg.sft.sampled_vocab else None
             for step in cadence.steps(evaluation):
+                start = time.perf_counter()
                 if buffer is not None:
                     last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
+                    last["time/step_s"] = time.perf_counter() - start
                 else:
-                    start = time.perf_counter()
                     batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
                     sample = None if always is None else step_vocab_sample(cfg, batch, always, step)
                     last = parallel_learner.supervised_step(

@@ -1,0 +1,50 @@
+"""benchmarks/bench_async.py: its figures from metrics records (exact, on made-up records), and a toy run of
+the synchronous and the separate asynchronous settings on 2 gloo ranks through the one trainer."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_async  # noqa: E402
+import pytest  # noqa: E402
+
+
+def test_figures_from_records():
+    """Step 1 is left out; tokens per second = loss tokens / step seconds of the rest; the time to a reward
+    counts the steps' seconds up to the first evaluation at or above it."""
+    steps = [
+        {"step": 0, "eval/accuracy": 0.2},
+        {"step": 1, "time/step_s": 50.0, "mismatch/tokens": 1e6, "staleness/max": 0.0,
+         "idle/engine_frac": 0.9},
+        {"step": 2, "time/step_s": 2.0, "mismatch/tokens": 300.0, "staleness/max": 1.0,
+         "idle/engine_frac": 0.5, "idle/learner_frac": 0.1, "staleness/dropped_rows": 2.0,
+         "eval/accuracy": 0.95},
+        {"step": 3, "time/step_s": 4.0, "mismatch/tokens": 900.0, "staleness/max": 0.0,
+         "idle/engine_frac": 0.3, "idle/learner_frac": 0.3},
+    ]  # fmt: skip
+    r = bench_async.throughput(steps)
+    assert r["steps"] == 2 and r["tokens_per_s"] == pytest.approx(1200 / 6)
+    assert r["steps_per_hour"] == pytest.approx(1200) and r["step_s"] == pytest.approx(3)
+    assert r["idle_engine"] == pytest.approx(0.4) and r["idle_learner"] == pytest.approx(0.2)
+    assert r["staleness_max"] == 1 and r["dropped_rows"] == 2
+    points = bench_async.reward_against_time(steps)
+    assert points == [(0.0, 0.2), (52.0, 0.95)]
+    assert bench_async.time_to(points, 0.9) == 52.0 and bench_async.time_to(points, 0.99) is None
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        bench_async.throughput(steps[:2])
+
+
+def test_tiny_sync_against_separate(tmp_path):
+    """Both settings train every step; the separate one at staleness <= 1 with the engine rank idle part of
+    the time; responses end at their synthetic budgets (shorter than rollout.max_new_tokens on average)."""
+    args = ["--tiny", "--steps", "2", "--prompts", "4", "--settings", "sync,separate-k1"]
+    args += ["--out", str(tmp_path)]
+    results = bench_async.main(args)
+    assert list(results) == ["sync", "separate-k1"]
+    for name, r in results.items():
+        assert r["steps"] == 1 and r["tokens_per_s"] > 0, name
+        assert 0 < r["response_len"] < 24, name
+    assert results["sync"]["staleness_max"] == 0
+    assert results["separate-k1"]["staleness_max"] <= 1
+    assert 0 <= results["separate-k1"]["idle_engine"] <= 1
+    assert (tmp_path / "results.json").exists()
