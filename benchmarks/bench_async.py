@@ -23,7 +23,9 @@ Settings (`SETTINGS`, each the same config plus its overrides):
 Per setting, over the steps after the first (compilation and graph capture): trained tokens per second (the
 loss tokens, `mismatch/tokens`, over the steps' wall time `time/step_s`), steps per hour, the idle fractions
 of the engines and the learner (`idle/*`), the largest staleness and the rows dropped for it; and the ratio of
-each throughput to the first setting's. `--lookup`: RL on the lookup task (`configs/demo_lookup.yaml` with
+each throughput to the synchronous one's (else the first setting's). Results accumulate in OUT/results.json,
+so that settings run in separate calls on one machine (`--settings sync`, then `--settings separate-k1`, the
+same --out) print in one table. `--lookup`: RL on the lookup task (`configs/demo_lookup.yaml` with
 its tools, from the cold start's HF export `--init`, held-out evaluation every 2 steps) per setting; the
 steps' cumulative time at the first held-out reward >= 0.9, and a plot of the held-out reward against that
 time for every setting (OUT/lookup_reward_time.png). Each run's metrics: OUT/<setting>/metrics.jsonl.
@@ -176,11 +178,16 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         "run.eval_every=0", "run.progress=false", "rollout.sleep_level=0",
         *(TINY + ["rollout.max_new_tokens=24", "rollout.length_median=6"] if args.tiny else []), *overrides,
     ]  # fmt: skip
-    results = {name: throughput(run(name, CONFIG, common, args.out, args.nproc)) for name in names}
+    saved = args.out / "results.json"
+    results = json.loads(saved.read_text()) if saved.exists() else {}
+    for name in names:
+        results[name] = throughput(run(name, CONFIG, common, args.out, args.nproc))
+        saved.write_text(json.dumps(results, indent=1) + "\n")
+    if "sync" in results:  # the baseline's row first: the ratios are to it
+        results = {"sync": results.pop("sync"), **results}
     model = "toy model" if args.tiny else f"{args.layers} layers at gpt-oss-20b width, LoRA, MXFP4 base"
     print(f"## asynchronous RL: {args.nproc} processes, {args.prompts} prompts a step, {model}")
     print_throughput(results)
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 

@@ -35,16 +35,40 @@ def test_figures_from_records():
 
 
 def test_tiny_sync_against_separate(tmp_path):
-    """Both settings train every step; the separate one at staleness <= 1 with the engine rank idle part of
-    the time; responses end at their synthetic budgets (shorter than rollout.max_new_tokens on average)."""
-    args = ["--tiny", "--steps", "2", "--prompts", "4", "--settings", "sync,separate-k1"]
-    args += ["--out", str(tmp_path)]
-    results = bench_async.main(args)
+    """Both settings, run in two calls into one output directory, train every step and print in one table
+    (the first call's row kept); the separate one at staleness <= 1; responses end at their synthetic budgets
+    (shorter than rollout.max_new_tokens on average)."""
+    args = ["--tiny", "--steps", "2", "--prompts", "4", "--out", str(tmp_path)]
+    first = bench_async.main([*args, "--settings", "separate-k1"])
+    results = bench_async.main([*args, "--settings", "sync"])
     assert list(results) == ["sync", "separate-k1"]
+    assert results["separate-k1"] == first["separate-k1"]
     for name, r in results.items():
         assert r["steps"] == 1 and r["tokens_per_s"] > 0, name
         assert 0 < r["response_len"] < 24, name
     assert results["sync"]["staleness_max"] == 0
     assert results["separate-k1"]["staleness_max"] <= 1
     assert 0 <= results["separate-k1"]["idle_engine"] <= 1
-    assert (tmp_path / "results.json").exists()
+
+
+def test_tiny_lookup_sync_against_separate(tmp_path):
+    """--lookup from a random model of the lookup config (as the cold start's export): both settings evaluate
+    at step 0 and every 2 steps, the curve's times grow, and the plot is written."""
+    import torch
+
+    from megatron_gptoss.config import load_config
+    from megatron_gptoss.hf.io import save_hf
+    from megatron_gptoss.model import build_model
+
+    config = load_config(bench_async.LOOKUP_CONFIG, []).model
+    init = tmp_path / "init"
+    save_hf(build_model(config, dtype=torch.float32, seed=3), init)
+    args = ["--lookup", "--init", str(init), "--steps", "2", "--settings", "sync,separate-k1-whole"]
+    args += ["--out", str(tmp_path / "out"), "env.eval_size=4", "rollout.prompts_per_step=2"]
+    results = bench_async.main(args)
+    assert list(results) == ["sync", "separate-k1-whole"]
+    for name, r in results.items():
+        times = [t for t, _ in r["curve"]]
+        assert len(times) == 2 and times[0] == 0 < times[1], (name, r["curve"])
+        assert 0 <= r["final_reward"] <= 1
+    assert (tmp_path / "out" / "lookup_reward_time.png").stat().st_size > 0
