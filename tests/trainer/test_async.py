@@ -25,6 +25,7 @@ from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.trainer import loop
 from megatron_gptoss.trainer.rollout_buffer import RolloutBuffer
 from megatron_gptoss.trainer.rollouts import collect_rollouts, seed_base
+from tests.helpers.batches import observed_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["run.steps=3", "run.eval_every=0", "run.progress=false", "run.tensorboard=false", "env.eval_size=1",
@@ -85,14 +86,6 @@ def test_no_staleness_is_the_synchronous_loop(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["whole", "recompute"])
 def test_bounded_staleness(tmp_path, monkeypatch, mode):
     seen: list[torch.Tensor] = []  # the versions of every trained batch
-    build = loop.build_batch
-
-    def recording(*args):
-        batch = build(*args)
-        seen.append(batch.versions[batch.loss_mask > 0])
-        return batch
-
-    monkeypatch.setattr(loop, "build_batch", recording)
     background = {"calls": 0}
     threaded = RolloutBuffer._background
 
@@ -102,7 +95,8 @@ def test_bounded_staleness(tmp_path, monkeypatch, mode):
 
     monkeypatch.setattr(RolloutBuffer, "_background", counted)
     partial = [] if mode == "whole" else ["rollout.partial=true", f"rollout.partial_kv={mode}"]
-    lines = _run(tmp_path / mode, "run.export_hf=false", "rollout.max_staleness=1", *partial)
+    with observed_batches(lambda args, batch: seen.append(batch.versions[batch.loss_mask > 0])):
+        lines = _run(tmp_path / mode, "run.export_hf=false", "rollout.max_staleness=1", *partial)
     assert len(seen) == 3
     for step, versions in enumerate(seen, start=1):
         assert versions.numel() > 0
