@@ -34,13 +34,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
 import time
-from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
+from bench_moe_decode import copy_rate, rel_err, time_per_layer
 
 from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm
 from megatron_gptoss.ops.mxfp4_gemm import Mxfp4Config
@@ -251,11 +250,6 @@ def floor_layer(block_k: int | None = None):
     return fc1, fc2
 
 
-def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
-    ours, ref = ours.double(), ref.double()
-    return float((ours - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
 def check(name: str, fc1, fc2, layers: Layers, x, bounds, verbose: bool = True) -> bool:
     (b1, s1), (b2, s2) = layers.fc1[0], layers.fc2[0]
     h_ref = mxfp4_gemm.reference_dequantized(x, b1, s1, bounds, layers.b1[0], (LIMIT, ALPHA))
@@ -268,49 +262,14 @@ def check(name: str, fc1, fc2, layers: Layers, x, bounds, verbose: bool = True) 
     return ok
 
 
-def time_per_layer(fn: Callable[[int], object], layers: int, reps: int, device) -> float:
-    """Median ms per call of fn(layer) over all layers: a CUDA graph of the calls replayed (eager on the
-    CPU)."""
-    for layer in range(layers):  # compile and warm up outside the capture
-        fn(layer)
-    if device.type != "cuda":
-        began = time.perf_counter()
-        for layer in range(layers):
-            fn(layer)
-        return (time.perf_counter() - began) * 1e3 / layers
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for layer in range(layers):
-            fn(layer)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / layers)
-    del graph
-    return statistics.median(times)
-
-
 def peak_bandwidth(device) -> tuple[float | None, str]:
     """(bytes / s, where it comes from): the device name's spec (SXM parts), else the measured copy rate."""
     if device.type != "cuda":
         return None, "no GPU"
     name = torch.cuda.get_device_name(device)
-    src = torch.empty(1 << 29, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    copy = 2 * src.numel() * src.element_size() * 10 / (start.elapsed_time(end) / 1e3)
+    copy = copy_rate(device)
+    assert copy is not None
+    print(f"copy rate: {copy / 1e12:.2f} TB/s (2 x 1 GiB / time of a device-to-device copy)")
     print(f"copy rate: {copy / 1e12:.2f} TB/s (2 x 1 GiB / time of a device-to-device copy)")
     for key, peak in PEAK_BYTES_PER_S.items():
         if key in name and "PCIe" not in name:
