@@ -24,8 +24,10 @@ o200k_harmony tokenizer (`data.max_prompt_tokens: 512`). Random weights rarely s
 responses run to the budget: the step is close to its largest. Prints per step the seconds of each phase
 (`time/*`), the sampled tokens per second of generation, the peak device memory allocated
 (`perf/peak_gib`) and held by the allocator (`perf/reserved_gib`), the bytes the sync sent (`sync/bytes`) and
-the engine/learner log-prob mismatch (`mismatch/abs_diff_mean`). The first step includes the Triton
-compilations and the capture of the decode graphs: later steps are the warm ones. No held-out evaluation runs
+the engine/learner log-prob mismatch (`mismatch/abs_diff_mean`; under `moe.router_replay: r3`, the
+gpt-oss-120b recipe's, also the mismatch the learner's own routing would have had and the fraction of tokens
+it routes differently from the engine: `replay/*`). The first step includes the Triton compilations and the
+capture of the decode graphs: later steps are the warm ones. No held-out evaluation runs
 (the trainer's evaluations at step 0 and at the last step would each add a generation outside the phases).
 """
 
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{rows} rollouts of up to {cfg.rollout.max_new_tokens} tokens, "
           f"{cfg.embedded.max_batch_slots} engine slots, weights {weights}")  # fmt: skip
     header = ["step", *[c.split("/")[1] for c in COLUMNS], "phases_s", "response_len", "gen_tok_per_s",
-              "peak_gib", "reserved_gib", "sync_mib", "mismatch_mean"]  # fmt: skip
+              "peak_gib", "reserved_gib", "sync_mib", "mismatch_mean", "own_routing_mismatch",
+              "routed_differently"]  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for line in steps:
@@ -115,7 +118,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  f"{gen_tps:,.0f}", f"{line.get('perf/peak_gib', float('nan')):.1f}",
                  f"{line.get('perf/reserved_gib', float('nan')):.1f}",
                  f"{line.get('sync/bytes', float('nan')) / 2**20:.1f}",
-                 f"{line.get('mismatch/abs_diff_mean', float('nan')):.2e}"]  # fmt: skip
+                 f"{line.get('mismatch/abs_diff_mean', float('nan')):.2e}",
+                 f"{line.get('replay/mismatch_off_abs_diff_mean', float('nan')):.2e}",
+                 f"{line.get('replay/flip_frac', float('nan')):.4f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
     return steps
 
