@@ -117,14 +117,13 @@ def _train(cfg: TrainConfig, run_session: Session, launcher, placement: Placemen
                 start = time.perf_counter()
                 if buffer is not None:
                     last = rl_step(cfg, setup, rollout, buffer, step, device, cadence.kl_ctrl)
-                    last["time/step_s"] = time.perf_counter() - start
                 else:
                     batch = supervised_batch(cfg, task, conversations, step, setup.dims.dp)
                     sample = None if always is None else step_vocab_sample(cfg, batch, always, step)
                     last = parallel_learner.supervised_step(
                         setup.policy, batch, cfg.sft.micro_batches, sample
                     )
-                    last["time/step_s"] = time.perf_counter() - start
+                last["time/step_s"] = time.perf_counter() - start
                 cadence.end_step(step, last)
             return cadence.finish(last)
 

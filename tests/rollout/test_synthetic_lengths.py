@@ -8,11 +8,11 @@ import math
 import statistics
 
 import pytest
+from helpers.embedded_engine import engine_of, perturbed_learner
 
 from megatron_gptoss.config import ConfigError, TrainConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams, row_budget
 from megatron_gptoss.trainer.common import sampling_params
-from tests.helpers.embedded_engine import engine_of, perturbed_learner
 
 
 def test_budgets_follow_the_log_normal():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.batches import observed_batches
 from safetensors.torch import load_file
 
 from megatron_gptoss.config import ConfigError, load_config
@@ -25,7 +26,6 @@ from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.trainer import loop
 from megatron_gptoss.trainer.rollout_buffer import RolloutBuffer
 from megatron_gptoss.trainer.rollouts import collect_rollouts, seed_base
-from tests.helpers.batches import observed_batches
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["run.steps=3", "run.eval_every=0", "run.progress=false", "run.tensorboard=false", "env.eval_size=1",
