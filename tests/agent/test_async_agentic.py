@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from helpers.batches import observed_batches
 from helpers.harness import pool
-from scripted_policy import write_scripted_checkpoint
-from test_trainer_agentic import SAME, overrides, problems
+from test_trainer_agentic import SAME, overrides, write_inputs
 
 from megatron_gptoss.agent.loop import TOOL
 from megatron_gptoss.config import ConfigError, load_config
@@ -54,10 +53,7 @@ def _run(base: Path, out: Path, kv: str) -> tuple[list, dict[int, dict]]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("async_agentic")
-    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
-    problems(base / "train.jsonl", 8)
-    problems(base / "test.jsonl", 2)
+    base = write_inputs(tmp_path_factory.mktemp("async_agentic"))
     return base, _run(base, base / "recompute", "recompute")
 
 

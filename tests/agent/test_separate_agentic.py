@@ -13,22 +13,16 @@ from __future__ import annotations
 
 import pytest
 from helpers.harness import pool
-from scripted_policy import write_scripted_checkpoint
-from test_trainer_agentic import metrics, problems, train
+from test_trainer_agentic import REGEN, metrics, train, write_inputs
 
 from megatron_gptoss.config import ConfigError, load_config
 
 SKIP = ("time/", "perf/", "engine/", "idle/", "tool/latency_", "tool/peak_running")
-REGEN = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    base = tmp_path_factory.mktemp("separate_agentic")
-    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
-    problems(base / "train.jsonl", 8)
-    problems(base / "test.jsonl", 2)
-    return base
+    return write_inputs(tmp_path_factory.mktemp("separate_agentic"))
 
 
 def test_separate_agentic_equals_colocated(base):

@@ -31,6 +31,18 @@ SAME = ("reward/train_mean", "response/length_mean", "agent/call_rate", "agent/t
         "agent/tokens_model", "agent/tokens_tool", "agent/turns_mean", "tool/calls")  # fmt: skip
 
 
+REGEN = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing
+
+
+def write_inputs(base: Path) -> Path:
+    """`base` holding what `overrides` names: the scripted policy's checkpoint, 8 training and 2 held-out
+    problems."""
+    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
+    problems(base / "train.jsonl", 8)
+    problems(base / "test.jsonl", 2)
+    return base
+
+
 def problems(path: Path, rows: int) -> Path:
     with path.open("w") as f:
         for i in range(rows):
@@ -63,16 +75,12 @@ def metrics(out: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("agentic")
-    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
-    problems(base / "train.jsonl", 8)
-    problems(base / "test.jsonl", 2)
+    base = write_inputs(tmp_path_factory.mktemp("agentic"))
     train(str(base), str(base / "w1"), [])
-    regen = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing
-    train(str(base), str(base / "w1_regen"), regen)
+    train(str(base), str(base / "w1_regen"), REGEN)
     workers = pool(4)
     workers.run(train, str(base), str(base / "w4"), [])
-    tp2_ep4 = ["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4", *regen]
+    tp2_ep4 = ["rollout.tensor_parallel_size=2", "rollout.expert_parallel_size=4", *REGEN]
     workers.run(train, str(base), str(base / "w4_tp2"), tp2_ep4)
     return {name: metrics(base / name) for name in ("w1", "w1_regen", "w4", "w4_tp2")}
 

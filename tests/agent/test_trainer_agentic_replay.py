@@ -13,21 +13,16 @@ from pathlib import Path
 
 import pytest
 from helpers.harness import pool
-from scripted_policy import write_scripted_checkpoint
-from test_trainer_agentic import STEPS, metrics, problems, train
+from test_trainer_agentic import REGEN, STEPS, metrics, train, write_inputs
 
 from megatron_gptoss.config import ConfigError, load_config
 
 R3 = ["moe.router_replay=r3"]
-REGEN = ["agent.sessions=false", "agent.wait_for_tools=true"]  # rounds independent of tool timing
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("agentic_r3")
-    write_scripted_checkpoint(base / "scripted", max_position_embeddings=1024)
-    problems(base / "train.jsonl", 8)
-    problems(base / "test.jsonl", 2)
+    base = write_inputs(tmp_path_factory.mktemp("agentic_r3"))
     train(str(base), str(base / "w1"), R3)
     train(str(base), str(base / "w1_regen"), [*R3, *REGEN])
     workers = pool(2)
