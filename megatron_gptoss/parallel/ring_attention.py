@@ -54,10 +54,17 @@ def rect_attention(
     """Queries q [Lq, Hq, D] at micro-batch positions q_start.. against keys k/v [Lk, Hkv, D] at
     k_start.., every key before every query (no causal mask), window W: key j seen when j > i - W. No
     sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key).
-    Differentiable; CUDA runs `flex_rect_attention`, other devices `eager_rect_attention`."""
-    if q.is_cuda:
+    Differentiable; CUDA runs `flex_rect_attention` from `FLEX_MIN_QUERIES` query rows, smaller
+    rectangles and other devices `eager_rect_attention`."""
+    if q.is_cuda and q.shape[0] >= FLEX_MIN_QUERIES:
         return flex_rect_attention(q, k, v, q_start, k_start, window, scale)
     return eager_rect_attention(q, k, v, q_start, k_start, window, scale)
+
+
+# Below this many query rows inductor lowers flex_attention to its decoding kernel, which found no
+# configuration for a windowed fp32 rectangle (NoValidChoicesError, torch 2.11 on an H200); so few rows
+# cost little with the scores materialised (Hq x rows x keys).
+FLEX_MIN_QUERIES = 128
 
 
 def flex_rect_attention(

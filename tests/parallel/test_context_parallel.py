@@ -149,26 +149,29 @@ def test_zigzag_split_and_chunk_plans():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("window", [None, 8])
-def test_flex_rectangle_equals_eager_forward_and_backward(window):
-    """The CUDA path of the earlier-keys block (flex_attention, its LSE differentiated) against the eager
-    reference, rows that see no key included (window 8 from 20 keys back)."""
+@pytest.mark.parametrize("window", [None, 8, 300])
+def test_cuda_rectangles_equal_eager_forward_and_backward(window):
+    """The CUDA path of the earlier-keys block (flex_attention from FLEX_MIN_QUERIES query rows, its LSE
+    differentiated; fewer rows eager) against the eager reference, rows that see no key included
+    (window 8)."""
     gen = torch.Generator().manual_seed(0)
-    shapes = {"q": (40, 8, 64), "k": (56, 2, 64), "v": (56, 2, 64)}
-    inputs = {n: torch.randn(s, generator=gen).cuda() for n, s in shapes.items()}
-    weights = torch.randn(40, 8, 64, generator=gen).cuda(), torch.randn(8, 40, generator=gen).cuda()
-    results = []
-    for fn in (ring_attention.eager_rect_attention, ring_attention.flex_rect_attention):
-        leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
-        out, lse = fn(leaves["q"], leaves["k"], leaves["v"], 100, 44, window, 0.125)
-        seen = torch.isfinite(lse)
-        ((out * weights[0]).sum() + (lse.masked_fill(~seen, 0) * weights[1]).sum()).backward()
-        results.append((out, lse.masked_fill(~seen, 0), seen, *(leaves[n].grad for n in "qkv")))
-    ref, ours = results
-    assert torch.equal(ref[2], ours[2])
-    for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
-        if name != "seen":
-            assert rel_err(b, a) < 1e-5, name
+    for rows, keys in [(40, 56), (200, 300), (1024, 2048)]:
+        inputs = {n: torch.randn(length, h, 64, generator=gen).cuda()
+                  for n, length, h in (("q", rows, 8), ("k", keys, 2), ("v", keys, 2))}  # fmt: skip
+        weights = [torch.randn(shape, generator=gen).cuda() for shape in ((rows, 8, 64), (8, rows))]
+        q_start = 100 + keys
+        results = []
+        for fn in (ring_attention.eager_rect_attention, ring_attention.rect_attention):
+            leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
+            out, lse = fn(leaves["q"], leaves["k"], leaves["v"], q_start, 100, window, 0.125)
+            seen = torch.isfinite(lse)
+            ((out * weights[0]).sum() + (lse.masked_fill(~seen, 0) * weights[1]).sum()).backward()
+            results.append((out, lse.masked_fill(~seen, 0), seen, *(leaves[n].grad for n in "qkv")))
+        ref, ours = results
+        assert torch.equal(ref[2], ours[2]), (rows, keys)
+        for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
+            if name != "seen":
+                assert rel_err(b, a) < 1e-5, (rows, keys, name, rel_err(b, a))
 
 
 def _attention_errors(backend: str, windows: list[int | None]) -> dict[str, float]:
