@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.triton_cpu import interpreted
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from estimate_memory import Layout, activation_bytes_per_token, context_parallel_bytes, estimate  # noqa: E402
@@ -72,3 +73,61 @@ def test_windows_wider_than_a_chunk_go_around_the_ring_and_cp1_adds_nothing():
         context_parallel_bytes(CONFIG, layout, 4100)
     with pytest.raises(ValueError, match="kv_exchange"):
         context_parallel_bytes(CONFIG, layout, 4096, "gather")
+
+
+def _saved_bytes(layer, config, tokens: int) -> int:
+    """Bytes of the tensors one layer's forward saves for its backward on `tokens` packed tokens (storages
+    counted once, parameters left out; the layer's input counts, as in a model where the previous layer's
+    output is kept for this layer's backward only)."""
+    import torch
+
+    from megatron_gptoss.model.rope import RotaryEmbedding
+
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = RotaryEmbedding(config)(torch.arange(tokens)[None], torch.bfloat16)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    cu_seqlens = torch.tensor([0, tokens], dtype=torch.int32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        layer(x, cos, sin, cu_seqlens=cu_seqlens, max_seqlen=tokens)
+    return sum(saved.values())
+
+
+# (hidden, intermediate, query heads, KV heads, head dim, experts, top-k): GQA and not, k 4 and 2
+WIDTHS = [(64, 48, 8, 2, 16, 8, 4), (48, 80, 4, 4, 32, 4, 2)]
+WIDTH_NAMES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_query_groups", "head_dim",
+               "num_experts", "moe_router_topk")  # fmt: skip
+
+
+@interpreted
+@pytest.mark.parametrize("widths", WIDTHS)
+def test_activation_bytes_are_what_the_cuda_path_saves(monkeypatch, widths):
+    """`activation_bytes_per_token` against the bytes one layer (bf16) saves per token, counted on the CUDA
+    path's kernels (fused RMSNorm, rotary, sink attention, permute / SwiGLU / unpermute of the experts),
+    forced on CPU tensors under the Triton interpreter: the slope between 64 and 128 tokens."""
+    import dataclasses
+
+    import torch
+
+    from megatron_gptoss.model import attention, gpt_oss, norm
+    from megatron_gptoss.ops.rms_norm import fused_rms_norm
+
+    for module in (norm, attention):
+        monkeypatch.setattr(module, "rms_norm", fused_rms_norm)
+    monkeypatch.setattr(attention.SelfAttention, "_fused_rotary", staticmethod(lambda qkv, cos: True))
+    backends = {"attention_backend": "triton", "expert_backend": "grouped_mm"}
+    layers = {"num_layers": 2, "layer_types": ["sliding", "full"], "vocab_size": 128}
+    config = dataclasses.replace(CONFIG, **layers, **backends, **dict(zip(WIDTH_NAMES, widths)))
+    torch.manual_seed(0)
+    layer = gpt_oss.TransformerLayer(config, 1, torch.bfloat16, "cpu")
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    per_token = (_saved_bytes(layer, config, 128) - _saved_bytes(layer, config, 64)) / 64
+    assert per_token == activation_bytes_per_token(config)

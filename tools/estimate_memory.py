@@ -11,10 +11,10 @@ What is counted, for the heaviest pipeline rank (the one with the most bytes):
     gradients    fp32 main gradients of every local parameter (4 bytes; `DistributedOptimizer`)
     optimizer    fp32 master weights and two Adam moments (12 bytes), divided over the dp x cp group (dense
                  parameters) and the edp group (experts) with the distributed optimizer
-    activations  the tensors autograd saves, per token per layer (`activation_bytes_per_token`, counted
-                 from the saved tensors of our layer: fp32 RMSNorm temporaries, the attention kernel's
-                 q, k, out and log-sum-exp, and per routed slot the fc1 output, SwiGLU intermediates, the
-                 fc2 input and the fp32 weighted output), times the tokens of the micro-batches a rank
+    activations  the tensors autograd saves, per token per layer (`activation_bytes_per_token`: the
+                 layer's saved tensors on the CUDA path, its fused kernels: RMSNorm inputs, the attention
+                 kernel's q, k, v, output and log-sum-exp, the routing, and per routed slot the expert
+                 GEMMs' inputs and outputs), times the tokens of the micro-batches a rank
                  holds at once (1F1B: pp - rank; interleaved: Megatron's warm-up count); under context
                  parallelism a rank holds 1/cp of each micro-batch's tokens plus what the key/value
                  exchange adds (`context_parallel_bytes`, below)
@@ -99,13 +99,24 @@ def layer_params(config: ModelConfig, tp: int, ep: int) -> dict[str, int]:
 
 
 def activation_bytes_per_token(config: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Bytes autograd keeps per token per layer (bf16 activations, no recomputation)."""
+    """Bytes autograd keeps per token per layer (bf16 activations, no recomputation) on the CUDA path, where
+    the fused kernels run (tests/test_estimate_memory.py counts the layer's saved tensors against this):
+        norms      each RMSNorm kernel's bf16 input and fp32 1/rms: 2 x (2h + 4)
+        linears    the bf16 inputs of the QKV and router products, 2 x 2h (the output projection's input
+                   is the attention output, counted below)
+        attention  the kernel's q and output (2 Hq D bytes each), k and v (2 Hkv D each) and fp32 LSE
+                   (4 Hq); the rotary kernel's bf16 cos and sin (2 x D)
+        routing    each token's top-k expert ids (int64) and probabilities (fp32): 12 k
+        experts    per routed slot: the permuted input (2h), the fc1 output (gate and up, 2 x 2i), the fc2
+                   input (2i) and output (2h), and the slot's row (int64): k (4h + 6i + 8)"""
     h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.moe_router_topk
     q, kv = config.num_attention_heads, config.num_query_groups
-    norms = 2 * (2 * 4 * h + 2 * h)  # two RMSNorms: x.float() and the normalised fp32 copy, bf16 output
-    attention = 2 * q * d + 2 * (q + kv) * d + 4 * q  # output; the kernel's rotated q, k and fp32 LSE
-    experts = k * (2 * 2 * i + 4 * h + 2 * h + 6 * 2 * i)  # fc1 out, fp32 weighted out, input, SwiGLU
-    return norms / (tp if sequence_parallel else 1) + (attention + experts) / tp
+    norms = 2 * (2 * h + 4)
+    linears = 2 * 2 * h
+    attention = 2 * 2 * q * d + 2 * 2 * kv * d + 4 * q + 2 * d
+    routing = 12 * k
+    experts = k * (4 * h + 6 * i + 8)
+    return norms / (tp if sequence_parallel else 1) + (linears + attention + routing + experts) / tp
 
 
 KV_EXCHANGES = ("ring", "all_gather")
