@@ -101,22 +101,25 @@ def layer_params(config: ModelConfig, tp: int, ep: int) -> dict[str, int]:
 def activation_bytes_per_token(config: ModelConfig, tp: int = 1, sequence_parallel: bool = False) -> float:
     """Bytes autograd keeps per token per layer (bf16 activations, no recomputation) on the CUDA path, where
     the fused kernels run (tests/test_estimate_memory.py counts the layer's saved tensors against this):
-        norms      each RMSNorm kernel's bf16 input and fp32 1/rms: 2 x (2h + 4)
-        linears    the bf16 inputs of the QKV and router products, 2 x 2h (the output projection's input
-                   is the attention output, counted below)
+        norms      each RMSNorm kernel's bf16 input and fp32 1/rms, and the router's bf16 input:
+                   2 x (2h + 4) + 2h, in the residual stream's layout (1/tp of the tokens under sequence
+                   parallelism)
+        qkv input  the normalised input of the QKV product, 2h, whole on every tp rank (gathered under
+                   sequence parallelism); the output projection's input is the attention output, below
         attention  the kernel's q and output (2 Hq D bytes each), k and v (2 Hkv D each) and fp32 LSE
                    (4 Hq); the rotary kernel's bf16 cos and sin (2 x D)
         routing    each token's top-k expert ids (int64) and probabilities (fp32): 12 k
         experts    per routed slot: the permuted input (2h), the fc1 output (gate and up, 2 x 2i), the fc2
-                   input (2i) and output (2h), and the slot's row (int64): k (4h + 6i + 8)"""
+                   input (2i) and output (2h), and the slot's row (int64): k (4h + 6i + 8)
+    The attention, routing and expert terms are divided by tp."""
     h, i, d, k = config.hidden_size, config.intermediate_size, config.head_dim, config.moe_router_topk
     q, kv = config.num_attention_heads, config.num_query_groups
-    norms = 2 * (2 * h + 4)
-    linears = 2 * 2 * h
+    stream = 2 * (2 * h + 4) + 2 * h
+    qkv_input = 2 * h
     attention = 2 * 2 * q * d + 2 * 2 * kv * d + 4 * q + 2 * d
     routing = 12 * k
     experts = k * (4 * h + 6 * i + 8)
-    return norms / (tp if sequence_parallel else 1) + (linears + attention + routing + experts) / tp
+    return stream / (tp if sequence_parallel else 1) + qkv_input + (attention + routing + experts) / tp
 
 
 KV_EXCHANGES = ("ring", "all_gather")
