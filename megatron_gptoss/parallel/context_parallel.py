@@ -23,8 +23,9 @@ Attention of one local chunk x (queries [x c, (x+1) c)) under the sink contract:
                      rows against keys [max(doc start, x c - W + 1), x c), all before every query, so
                      rectangles without causal mask (window: j > i - W), without the sink, merged into
                      (O_r, LSE_r) (LSE_r = -inf for a row that sees none); `ring_attention.rect_attention`
-                     computes one: flex_attention on CUDA (compiled, scores never materialised), the
-                     eager reference elsewhere
+                     computes one: flex_attention on CUDA (compiled, scores never materialised; over the
+                     whole query and key chunks with a block mask of the rectangle, so one kernel serves
+                     every rectangle of a chunk length), the eager reference elsewhere
     merge            LSE = logaddexp(LSE_d, LSE_r), O = O_d exp(LSE_d - LSE) + O_r exp(LSE_r - LSE); the
                      backward is autograd's through the merge, so the diagonal and the earlier keys get
                      their LSE gradient (the ring passes its share on to each of its rectangles)
@@ -138,6 +139,17 @@ class ContextParallel:
         return full.index_select(dim, self.global_order(tokens).to(x.device))
 
 
+def bucket_tokens(tokens: int) -> int:
+    """The micro-batch length a run whose lengths change step to step packs `tokens` into under cp: the
+    smallest 2^k or 3 x 2^(k-1) at or above it (less than 1.5x it, two lengths an octave), so the
+    compiled rectangles of earlier keys, one kernel per chunk length, are compiled a bounded number of
+    times in a run instead of once a step."""
+    if tokens <= 2:
+        return max(tokens, 1)
+    power = 1 << (tokens - 1).bit_length()  # the smallest 2^k >= tokens
+    return power * 3 // 4 if power * 3 // 4 >= tokens else power
+
+
 # ------------------------------------------------------------------------------------------------
 # Attention blocks
 @dataclass(frozen=True)
@@ -241,9 +253,10 @@ class ContextParallelAttention(CoreAttention):
                 return_lse=True, backend=backend,
             )  # fmt: skip
             if plan.rows and not ring:
-                kr, vr = self._earlier(keys, values, x, c, span, plan.k_lo)
+                kr, vr, k_start = self._earlier(keys, values, x, c, span)
                 head = slice(0, plan.rows)
-                o_r, lse_r = rect_attention(qx[head], kr, vr, plan.start, plan.k_lo, window, scale)
+                reach = (plan.k_lo - k_start, x * c - k_start)
+                o_r, lse_r = rect_attention(qx, kr, vr, plan.start, k_start, window, scale, plan.rows, reach)
                 merged, _ = merge_partials(out[head], lse[:, head], o_r, lse_r)
                 out = torch.cat([merged.to(out.dtype), out[plan.rows :]])
             outs.append(out)
@@ -280,12 +293,13 @@ class ContextParallelAttention(CoreAttention):
         return tails(k), tails(v)
 
     @staticmethod
-    def _earlier(keys, values, x: int, c: int, span: int | None, k_lo: int) -> tuple[Tensor, Tensor]:
-        """Keys/values [k_lo, x c) of the micro-batch (all before chunk x)."""
+    def _earlier(keys, values, x: int, c: int, span: int | None) -> tuple[Tensor, Tensor, int]:
+        """Keys/values of the micro-batch that chunk x may reach (all before it: every earlier token, or
+        chunk x - 1's last `span`) and the position of their first row. Whole, not cut to the chunk's
+        reach: the rectangle keeps one shape per chunk (see `rect_attention`)."""
         if span is None:
-            return keys[k_lo : x * c], values[k_lo : x * c]
-        take = x * c - k_lo  # <= span: inside chunk x - 1's tail
-        return keys[x - 1, span - take :], values[x - 1, span - take :]
+            return keys[: x * c], values[: x * c], 0
+        return keys[x - 1], values[x - 1], x * c - span
 
 
 def apply_context_parallel(model: nn.Module, dims: ParallelDims, kv_exchange: str = "ring") -> None:

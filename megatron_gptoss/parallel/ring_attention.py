@@ -49,47 +49,114 @@ from megatron_gptoss.ops.sink_attention import _compiled_flex_attention
 # ------------------------------------------------------------------------------------------------
 # One rectangle: queries against keys that all come before them
 def rect_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    scale: float,
+    rows: int | None = None,
+    keys: tuple[int, int] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Queries q [Lq, Hq, D] at micro-batch positions q_start.. against keys k/v [Lk, Hkv, D] at
-    k_start.., every key before every query (no causal mask), window W: key j seen when j > i - W. No
-    sink. Returns (O [Lq, Hq, D] fp32, LSE [Hq, Lq] fp32, -inf for a row that sees no key).
-    Differentiable; CUDA runs `flex_rect_attention` from `FLEX_MIN_QUERIES` query rows, smaller
-    rectangles and other devices `eager_rect_attention`."""
+    """Query rows [0, rows) of q [Lq, Hq, D] (micro-batch positions q_start..) against keys [keys[0],
+    keys[1]) of k/v [Lk, Hkv, D] (k's row 0 at position k_start), every key before every query (no causal
+    mask), window W: key j seen when j > i - W. No sink. Returns (O [rows, Hq, D] fp32, LSE [Hq, rows]
+    fp32, -inf for a row that sees no key). rows None: all of q; keys None: all of k.
+
+    q, k and v may be longer than the rectangle (a whole chunk), so that the compiled kernel sees one
+    shape for every rectangle of a run. Differentiable; CUDA runs `flex_rect_attention` from
+    `FLEX_MIN_QUERIES` rows of q, shorter q and other devices `eager_rect_attention`."""
+    rows = q.shape[0] if rows is None else rows
+    first, last = (0, k.shape[0]) if keys is None else keys
     if q.is_cuda and q.shape[0] >= FLEX_MIN_QUERIES:
-        return flex_rect_attention(q, k, v, q_start, k_start, window, scale)
-    return eager_rect_attention(q, k, v, q_start, k_start, window, scale)
+        out, lse = flex_rect_attention(q, k, v, q_start, k_start, window, scale, rows, (first, last))
+        return out[:rows], lse[:, :rows]
+    kr, vr = k[first:last], v[first:last]
+    return eager_rect_attention(q[:rows], kr, vr, q_start, k_start + first, window, scale)
 
 
 # Below this many query rows inductor lowers flex_attention to its decoding kernel, which found no
 # configuration for a windowed fp32 rectangle (NoValidChoicesError, torch 2.11 on an H200); so few rows
 # cost little with the scores materialised (Hq x rows x keys).
 FLEX_MIN_QUERIES = 128
+FLEX_BLOCK = 128  # flex_attention's sparse block, queries and keys
+# Compiled rectangle shapes kept before dynamo falls back to uncompiled flex_attention (which would
+# materialise the scores): two a chunk length (whole chunks; a window's tail keys), a bounded set of
+# chunk lengths a run (`context_parallel.bucket_tokens`); dynamo's default keeps 8.
+RECT_SHAPES = 64
+
+
+def rect_block_mask(
+    q_len: int, k_len: int, rows: int, keys: tuple[int, int], offset: int | None, device: torch.device
+):
+    """The BlockMask of a rectangle of q_len x k_len (query i sees key j when i < rows, keys[0] <= j <
+    keys[1] and, offset not None, j > i + offset), built from its block lists without materialising the
+    q_len x k_len mask. Query block b (rows from t = 128 b, if t < rows) reaches key blocks from the one
+    holding key max(keys[0], t + offset + 1) to the one holding keys[1] - 1; a reached block is full (no
+    mask applied) when all its rows are below `rows` and all its keys inside the range and seen by its
+    last row, partial otherwise. The bounds enter the mask as one device tensor, so rectangles of one
+    shape share a compiled kernel."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    first, last = keys
+    n_q, n_k = -(-q_len // FLEX_BLOCK), -(-k_len // FLEX_BLOCK)
+    top = torch.arange(n_q, device=device)[:, None] * FLEX_BLOCK  # each query block's first row
+    key = torch.arange(n_k, device=device)[None, :] * FLEX_BLOCK  # each key block's first key
+    lowest = torch.full_like(top, first) if offset is None else (top + offset + 1).clamp(min=first)
+    reached = (top < rows) & (lowest < last) & (key + FLEX_BLOCK > lowest) & (key < last)
+    lowest_full = lowest if offset is None else (top + FLEX_BLOCK + offset).clamp(min=first)
+    full = (top + FLEX_BLOCK <= rows) & (key >= lowest_full) & (key + FLEX_BLOCK <= last)
+    partial = reached & ~full
+
+    def lists(chosen: Tensor) -> tuple[Tensor, Tensor]:
+        """(count [1, 1, n_q], indices [1, 1, n_q, n_k]) of the chosen key blocks, in order, first."""
+        block = torch.arange(n_k, device=device).expand(n_q, n_k)
+        order = torch.where(chosen, block, block + n_k).argsort(dim=1)
+        return chosen.sum(1).to(torch.int32)[None, None], order.to(torch.int32)[None, None]
+
+    # offset None: -(q_len + 1) keeps every key of the range (j >= 0 > i - q_len - 1)
+    limits = torch.tensor([rows, first, last, -(q_len + 1) if offset is None else offset], device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        inside = (q_idx < limits[0]) & (kv_idx >= limits[1]) & (kv_idx < limits[2])
+        return inside & (kv_idx > q_idx + limits[3])
+
+    return BlockMask.from_kv_blocks(
+        *lists(partial), *lists(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(q_len, k_len)
+    )
 
 
 def flex_rect_attention(
-    q: Tensor, k: Tensor, v: Tensor, q_start: int, k_start: int, window: int | None, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_start: int,
+    k_start: int,
+    window: int | None,
+    scale: float,
+    rows: int,
+    keys: tuple[int, int],
 ) -> tuple[Tensor, Tensor]:
-    """`rect_attention` through compiled flex_attention (its LSE differentiable), O in q's dtype upcast."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    """`rect_attention` through flex_attention (compiled on CUDA, its LSE differentiable; eager
+    elsewhere, forward only) over all of q: O [Lq, Hq, D] in q's dtype upcast and LSE [Hq, Lq], rows at
+    or past `rows` 0 and -inf. The mask is always a block mask, so one compiled kernel serves every
+    rectangle of q's and k's shapes, windowed or not."""
+    from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = None
-    if window is not None:
-        offset = torch.tensor(q_start - k_start - window, device=q.device)
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx > q_idx + offset
-
-        block_mask = create_block_mask(mask_mod, None, None, q.shape[0], k.shape[0], device=q.device)
-    out, lse = _compiled_flex_attention()(
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
-        block_mask=block_mask,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-        return_lse=True,
-    )
+    offset = None if window is None else q_start - k_start - window
+    block_mask = rect_block_mask(q.shape[0], k.shape[0], rows, keys, offset, q.device)
+    attend = _compiled_flex_attention() if q.is_cuda else flex_attention
+    with torch._dynamo.config.patch(recompile_limit=RECT_SHAPES):
+        out, lse = attend(
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+            return_lse=True,
+        )
     return out[0].transpose(0, 1).float(), lse[0].float()
 
 
@@ -146,6 +213,12 @@ class Rect:
     keys: int
     k_start: int
 
+    def chunks(self, c: int) -> tuple[slice, slice]:
+        """The local query chunk and the held block's key chunk (chunks of c rows) the rectangle lies
+        in: it is computed over these whole chunks, so every rectangle of a run has one shape."""
+        base = self.key - self.key % c
+        return slice(self.row, self.row + c), slice(base, base + c)
+
 
 @dataclass(frozen=True)
 class Ring:
@@ -182,10 +255,14 @@ def _wait(requests: list) -> None:
 
 
 def _rect(q: Tensor, block: Tensor, r: Rect, ring: Ring) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The rectangle's (queries, keys, values) views and its (O_b, LSE_b)."""
-    qb = q[r.row : r.row + r.rows]
-    kb, vb = block[0, r.key : r.key + r.keys], block[1, r.key : r.key + r.keys]
-    out, lse = rect_attention(qb, kb, vb, r.q_start, r.k_start, ring.window, ring.scale)
+    """The rectangle's query chunk and key chunk (views of c rows: `Rect.chunks`) and its (O_b, LSE_b)
+    over its rows and keys."""
+    rows, keys = r.chunks(q.shape[0] // 2)
+    qb, kb, vb = q[rows], block[0, keys], block[1, keys]
+    skip = r.key - keys.start  # the rectangle's first key inside its chunk
+    out, lse = rect_attention(
+        qb, kb, vb, r.q_start, r.k_start - skip, ring.window, ring.scale, r.rows, (skip, skip + r.keys)
+    )
     return qb, kb, vb, out, lse
 
 
@@ -237,9 +314,10 @@ class RingAttention(torch.autograd.Function):
                     g_out = d_out[rows] * w.T[..., None]
                     g_lse = w * (((o_b.detach() - out[rows]) * d_out[rows]).sum(-1).T + d_lse[:, rows])
                     gq, gk, gv = torch.autograd.grad((o_b, lse_b), (qb, kb, vb), (g_out, g_lse))
-                    dq[rows] += gq
-                    grads[0, r.key : r.key + r.keys] += gk
-                    grads[1, r.key : r.key + r.keys] += gv
+                    chunk_rows, chunk_keys = r.chunks(q.shape[0] // 2)
+                    dq[chunk_rows] += gq
+                    grads[0, chunk_keys] += gk
+                    grads[1, chunk_keys] += gv
             if ring.steps == 0:
                 break
             # on to the next rank; after the last step, straight back to the block's owner

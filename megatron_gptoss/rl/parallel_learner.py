@@ -32,6 +32,7 @@ from megatron_gptoss.config.moe import MoEReplayConfig
 from megatron_gptoss.model.lora import adapters_disabled
 from megatron_gptoss.model.moe import no_route
 from megatron_gptoss.model.sampled_softmax import VocabSample
+from megatron_gptoss.parallel.context_parallel import bucket_tokens
 from megatron_gptoss.parallel.data_parallel import DistributedOptimizer
 from megatron_gptoss.parallel.dims import ParallelDims
 from megatron_gptoss.parallel.pipeline import PackedBatch, PipelineRunner
@@ -44,7 +45,8 @@ from megatron_gptoss.utils.host import to_device
 class ParallelPolicy:
     """The policy's stage models on this rank (`runner`), their optimizer (None for a frozen reference
     policy) and the layout. `token_budget`: tokens per packed micro-batch (0: the longest row, or the
-    replica's tokens over `ppo.num_micro_batches` when larger; the maximum over the replicas)."""
+    replica's tokens over `ppo.num_micro_batches` when larger; the maximum over the replicas; under
+    context parallelism rounded up by `bucket_tokens`)."""
 
     def __init__(
         self,
@@ -78,6 +80,8 @@ class ParallelPolicy:
             top = torch.tensor([budget], dtype=torch.long, device=self.runner.comm_device())
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=self.dims.group("dp"))
             budget = int(top)
+            if self.dims.cp > 1:  # a bounded set of chunk lengths: `bucket_tokens`
+                budget = bucket_tokens(budget)
         multiple = self.runner.token_multiple()  # cp's 2cp chunks, sequence parallel's tp
         budget = -(-budget // multiple) * multiple
         # only loss tokens need log-probs: the others are marked -1 (GPTOSSModel.token_logprobs)

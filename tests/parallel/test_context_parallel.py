@@ -17,7 +17,7 @@ from test_layouts import DOCS, compare, reference_run, run_layout
 
 from megatron_gptoss.config import ConfigError, ParallelConfig, load_config
 from megatron_gptoss.parallel import context_parallel, ring_attention
-from megatron_gptoss.parallel.context_parallel import ContextParallel, plan_chunk
+from megatron_gptoss.parallel.context_parallel import ContextParallel, bucket_tokens, plan_chunk
 from megatron_gptoss.parallel.dims import Layout, validate_layout
 
 LAYERS = 2
@@ -147,31 +147,125 @@ def test_zigzag_split_and_chunk_plans():
     assert plan_chunk(bounds, 1, 4, None).rows == 1  # token 4 reads keys [0, 4)
 
 
+def test_bucket_tokens_bounds_the_chunk_lengths_of_a_run():
+    """Under cp a step's micro-batch length is rounded up to 2^k or 3 x 2^(k-1): never below it, at most
+    1.5x it, and every length from 1,000 to 200,000 tokens lands on one of 2 an octave."""
+    lengths = range(1_000, 200_001, 7)
+    buckets = {n: bucket_tokens(n) for n in lengths}
+    assert all(n <= b < n * 1.5 for n, b in buckets.items())
+    assert sorted(set(buckets.values())) == [
+        1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152, 65536, 98304,
+        131072, 196608, 262144,
+    ][: len(set(buckets.values()))]  # fmt: skip
+    assert [bucket_tokens(n) for n in (1, 2, 3, 5, 6, 7, 4097)] == [1, 2, 3, 6, 6, 8, 6144]
+
+
+def _rect_cases(gen: torch.Generator, q_len: int, k_len: int, count: int):
+    """`count` random rectangles inside q_len x k_len: (rows, (first, last) keys, q_start, k_start,
+    window), windows None, narrow and wide, some rows seeing no key."""
+    for case in range(count):
+        rows = int(torch.randint(1, q_len + 1, (1,), generator=gen))
+        first = int(torch.randint(0, k_len, (1,), generator=gen))
+        last = int(torch.randint(first + 1, k_len + 1, (1,), generator=gen))
+        window = (None, 8, 300, k_len)[case % 4]
+        k_start = 37
+        q_start = k_start + k_len + int(torch.randint(0, 50, (1,), generator=gen))
+        yield rows, (first, last), q_start, k_start, window
+
+
+def test_rect_block_mask_lists_exactly_the_blocks_a_rectangle_reaches():
+    """The rectangle's block lists (built without its dense mask) hold exactly the 128 x 128 blocks with
+    an allowed (query, key) pair, those it lists full have no masked pair, and its mask_mod is the exact
+    mask: over random rectangles, windows
+    none/8/300/all, on shapes that do and do not divide into blocks."""
+    gen = torch.Generator().manual_seed(3)
+    for q_len, k_len in [(256, 384), (200, 300), (130, 1000)]:
+        i = torch.arange(q_len)[:, None]
+        j = torch.arange(k_len)[None, :]
+        whole_rect = (q_len, (0, k_len), 37 + k_len, 37, None)
+        for rows, (first, last), q_start, k_start, window in [
+            whole_rect,
+            *_rect_cases(gen, q_len, k_len, 24),
+        ]:
+            offset = None if window is None else q_start - k_start - window
+            exact = (i < rows) & (j >= first) & (j < last)
+            if offset is not None:
+                exact &= j > i + offset
+            cpu = torch.device("cpu")
+            mask = ring_attention.rect_block_mask(q_len, k_len, rows, (first, last), offset, cpu)
+            pad = (0, -k_len % 128, 0, -q_len % 128)
+            tiles = torch.nn.functional.pad(exact, pad).view(-(-q_len // 128), 128, -1, 128)
+            whole = torch.nn.functional.pad(exact, pad, value=True).view_as(tiles)  # padding: allowed
+            listed = mask.to_dense()[0, 0].bool()  # partial and full blocks
+            assert torch.equal(listed, tiles.any(3).any(1)), (q_len, k_len, rows, first, last, window)
+            full = torch.zeros_like(listed)
+            for b, (n, idx) in enumerate(zip(mask.full_kv_num_blocks[0, 0], mask.full_kv_indices[0, 0])):
+                full[b, idx[: int(n)].long()] = True
+            assert not (full & ~whole.all(3).all(1)).any(), "a block with a masked pair is listed full"
+            if rows == q_len and window is None:  # the whole rectangle: full but for ragged edge blocks
+                assert full[: q_len // 128, : k_len // 128].all(), (q_len, k_len)
+            applied = mask.mask_mod(0, 0, i.expand(q_len, k_len), j.expand(q_len, k_len))
+            assert torch.equal(applied, exact), (q_len, k_len, rows, first, last, window)
+
+
+def test_flex_rectangles_over_whole_chunks_equal_eager_forward():
+    """`flex_rect_attention` over whole (padded) chunks against the eager reference on the rectangle's
+    own rows and keys, forward (flex_attention has no CPU backward; the GPU test differentiates): O and
+    LSE of the rectangle's rows, O = 0 and LSE = -inf past them and where the window hides every key."""
+    gen = torch.Generator().manual_seed(4)
+    q_len, k_len = 200, 300
+    for rows, (first, last), q_start, k_start, window in _rect_cases(gen, q_len, k_len, 12):
+        q = torch.randn(q_len, 4, 16, generator=gen)
+        k, v = (torch.randn(k_len, 2, 16, generator=gen) for _ in "kv")
+        with torch.no_grad():
+            out, lse = ring_attention.flex_rect_attention(
+                q, k, v, q_start, k_start, window, 0.25, rows, (first, last)
+            )
+        ref_out, ref_lse = ring_attention.eager_rect_attention(
+            q[:rows], k[first:last], v[first:last], q_start, k_start + first, window, 0.25
+        )
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse[:, :rows]), seen) and not torch.isfinite(lse[:, rows:]).any()
+        assert rel_err(out[:rows], ref_out) < 1e-5 and not out[rows:].any()
+        assert rel_err(lse[:, :rows][seen], ref_lse[seen]) < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("window", [None, 8, 300])
-def test_cuda_rectangles_equal_eager_forward_and_backward(window):
-    """The CUDA path of the earlier-keys block (flex_attention from FLEX_MIN_QUERIES query rows, its LSE
-    differentiated; fewer rows eager) against the eager reference, rows that see no key included
-    (window 8)."""
+def test_cuda_rectangles_equal_eager_and_compile_once_per_shape():
+    """The CUDA path of the earlier-keys block (flex_attention over whole chunks from FLEX_MIN_QUERIES
+    rows, its LSE differentiated; shorter chunks eager) against the eager reference on the rectangle's own
+    rows and keys, forward and backward, rows that see no key included; every rectangle after a shape's
+    first runs under dynamo's error_on_recompile: other rows, keys and windows reuse its kernel."""
     gen = torch.Generator().manual_seed(0)
-    for rows, keys in [(40, 56), (200, 300), (1024, 2048)]:
-        inputs = {n: torch.randn(length, h, 64, generator=gen).cuda()
-                  for n, length, h in (("q", rows, 8), ("k", keys, 2), ("v", keys, 2))}  # fmt: skip
-        weights = [torch.randn(shape, generator=gen).cuda() for shape in ((rows, 8, 64), (8, rows))]
-        q_start = 100 + keys
-        results = []
-        for fn in (ring_attention.eager_rect_attention, ring_attention.rect_attention):
-            leaves = {n: t.clone().requires_grad_() for n, t in inputs.items()}
-            out, lse = fn(leaves["q"], leaves["k"], leaves["v"], q_start, 100, window, 0.125)
-            seen = torch.isfinite(lse)
-            ((out * weights[0]).sum() + (lse.masked_fill(~seen, 0) * weights[1]).sum()).backward()
-            results.append((out, lse.masked_fill(~seen, 0), seen, *(leaves[n].grad for n in "qkv")))
-        ref, ours = results
-        assert torch.equal(ref[2], ours[2]), (rows, keys)
-        for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
-            if name != "seen":
-                assert rel_err(b, a) < 1e-5, (rows, keys, name, rel_err(b, a))
+    for q_len, k_len in [(40, 56), (256, 384), (1024, 2048)]:
+        cases = [(q_len, (0, k_len), 100 + k_len, 100, None), *_rect_cases(gen, q_len, k_len, 8)]
+        for n, (rows, (first, last), q_start, k_start, window) in enumerate(cases):
+            inputs = {name: torch.randn(length, h, 64, generator=gen).cuda()
+                      for name, length, h in (("q", q_len, 8), ("k", k_len, 2), ("v", k_len, 2))}  # fmt: skip
+            weights = [torch.randn(shape, generator=gen).cuda() for shape in ((rows, 8, 64), (8, rows))]
+            results = []
+            for ours in (False, True):
+                leaves = {name: t.clone().requires_grad_() for name, t in inputs.items()}
+                q, k, v = leaves["q"], leaves["k"], leaves["v"]
+                with torch._dynamo.config.patch(error_on_recompile=n > 0):
+                    if ours:
+                        out, lse = ring_attention.rect_attention(
+                            q, k, v, q_start, k_start, window, 0.125, rows, (first, last)
+                        )
+                    else:
+                        out, lse = ring_attention.eager_rect_attention(
+                            q[:rows], k[first:last], v[first:last], q_start, k_start + first, window, 0.125
+                        )
+                seen = torch.isfinite(lse)
+                ((out * weights[0]).sum() + (lse.masked_fill(~seen, 0) * weights[1]).sum()).backward()
+                results.append((out, lse.masked_fill(~seen, 0), seen, q.grad, k.grad, v.grad))
+            ref, ours = results
+            where = (q_len, k_len, rows, first, last, window)
+            assert torch.equal(ref[2], ours[2]), where
+            for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
+                if name != "seen":
+                    assert rel_err(b, a) < 1e-5, (where, name, rel_err(b, a))
 
 
 def _attention_errors(backend: str, windows: list[int | None]) -> dict[str, float]:
@@ -336,9 +430,10 @@ def test_full_layers_pass_key_value_blocks_around_a_ring_at_cp4():
 
 
 def _nccl_ring(rank: int, init_file: str) -> None:
-    """cp2 on two GPUs (NCCL): `ContextParallelAttention` of 256 packed fp32 tokens (documents across
-    the chunk boundaries) on the ring, rectangles through flex_attention, against the eager kernel on one
-    GPU, forward and backward; a full layer, a window wider than a chunk (ring) and one that fits."""
+    """cp2 on two GPUs (NCCL): `ContextParallelAttention` of 512 packed fp32 tokens in chunks of 128
+    (documents across the chunk boundaries) on the ring, rectangles through flex_attention, against the
+    eager kernel on one GPU, forward and backward; a full layer, a window wider than a chunk (ring) and
+    one that fits."""
     import torch.distributed as dist
 
     from megatron_gptoss.model.attention import CoreAttention
@@ -349,17 +444,17 @@ def _nccl_ring(rank: int, init_file: str) -> None:
     try:
         cp = ContextParallel(2, rank, dist.new_group([0, 1]))
         gen = torch.Generator().manual_seed(5)
-        bounds = [0, 50, 130, 200, 256]
+        bounds = [0, 100, 260, 400, 512]
         cu = torch.tensor(bounds, dtype=torch.int32)
-        for window in (None, 80, 16):
-            q, k, v = (torch.randn(256, h, 64, generator=gen).cuda() for h in (8, 2, 2))
-            weight = torch.randn(256, 8, 64, generator=gen).cuda()
+        for window in (None, 160, 16):
+            q, k, v = (torch.randn(512, h, 64, generator=gen).cuda() for h in (8, 2, 2))
+            weight = torch.randn(512, 8, 64, generator=gen).cuda()
             core = CoreAttention(8, window, "eager").cuda()
             with torch.no_grad():
                 core.softmax_offset.copy_(torch.randn(8, generator=gen))
             sinks = core.softmax_offset.detach().clone().requires_grad_()
             ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
-            ref = sink_attention(*ref_in, sinks, window=window, cu_seqlens=cu.cuda(), max_seqlen=80)
+            ref = sink_attention(*ref_in, sinks, window=window, cu_seqlens=cu.cuda(), max_seqlen=160)
             (ref * weight).sum().backward()
             mine = [cp.split(t, 0).detach().requires_grad_() for t in (q, k, v)]
             full = cp.gather(context_parallel.ContextParallelAttention(core, cp)(*mine, cu), 0)
