@@ -148,7 +148,7 @@ def test_zigzag_split_and_chunk_plans():
 
 
 def test_bucket_tokens_bounds_the_chunk_lengths_of_a_run():
-    """Under cp a step's micro-batch length is rounded up to 2^k or 3 x 2^(k-1): never below it, at most
+    """Under cp a step's micro-batch length is rounded up to 2^k or 3 x 2^(k-1): never below it, below
     1.5x it, and every length from 1,000 to 200,000 tokens lands on one of 2 an octave."""
     lengths = range(1_000, 200_001, 7)
     buckets = {n: bucket_tokens(n) for n in lengths}
