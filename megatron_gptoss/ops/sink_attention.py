@@ -294,6 +294,16 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def flex_with_lse(attend, q, k, v, **kwargs):
+    """(O, LSE) of `attend` (flex_attention, compiled or not) through `return_aux` (its `return_lse` is
+    deprecated: its once-only warning also changes a global that compiled calls are guarded on, so it
+    would cost a recompilation)."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = attend(q, k, v, return_aux=AuxRequest(lse=True), **kwargs)
+    return out, aux.lse
+
+
 def flex_sink_attention(
     q, k, v, sinks, *, window=None, cu_seqlens=None, max_seqlen=None, softmax_scale=None, return_lse=False
 ):
@@ -318,14 +328,14 @@ def flex_sink_attention(
         return allowed
 
     block_mask = create_block_mask(mask_mod, None, None, tokens, tokens, device=q.device)
-    out, lse = attend(
+    out, lse = flex_with_lse(
+        attend,
         q.transpose(1, 2),
         k.transpose(1, 2),
         v.transpose(1, 2),
         block_mask=block_mask,
         scale=scale,
         enable_gqa=q.shape[2] != k.shape[2],
-        return_lse=True,
     )
     lse = lse.float()
     total = torch.logaddexp(lse, sinks.float().view(1, hq, 1))

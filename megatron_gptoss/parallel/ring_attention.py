@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_gptoss.ops.sink_attention import _compiled_flex_attention
+from megatron_gptoss.ops.sink_attention import _compiled_flex_attention, flex_with_lse
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,14 +148,14 @@ def flex_rect_attention(
     block_mask = rect_block_mask(q.shape[0], k.shape[0], rows, keys, offset, q.device)
     attend = _compiled_flex_attention() if q.is_cuda else flex_attention
     with torch._dynamo.config.patch(recompile_limit=RECT_SHAPES):
-        out, lse = attend(
+        out, lse = flex_with_lse(
+            attend,
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             block_mask=block_mask,
             scale=scale,
             enable_gqa=q.shape[1] != k.shape[1],
-            return_lse=True,
         )
     return out[0].transpose(0, 1).float(), lse[0].float()
 

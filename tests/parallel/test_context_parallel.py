@@ -264,7 +264,11 @@ def test_cuda_rectangles_equal_eager_and_compile_once_per_shape():
             where = (q_len, k_len, rows, first, last, window)
             assert torch.equal(ref[2], ours[2]), where
             for name, a, b in zip(("out", "lse", "seen", "dq", "dk", "dv"), ref, ours):
-                if name != "seen":
+                if name == "seen":
+                    continue
+                if not a.any():  # no row sees a key: nothing flows, exactly
+                    assert not b.any(), (where, name)
+                else:
                     assert rel_err(b, a) < 1e-5, (where, name, rel_err(b, a))
 
 
