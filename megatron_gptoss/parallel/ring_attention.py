@@ -178,9 +178,10 @@ def eager_rect_attention(
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     p = torch.exp(scores - row_max)
     z = p.sum(dim=-1, keepdim=True)
-    tiny = torch.finfo(compute).tiny
-    out = (p @ vf) / z.clamp_min(tiny)
-    lse = torch.where(z > 0, row_max + torch.log(z.clamp_min(tiny)), torch.full_like(z, float("-inf")))
+    seen = z > 0
+    z = torch.where(seen, z, torch.ones_like(z))  # a row that sees no key: O = 0, and no gradient
+    out = (p @ vf) / z
+    lse = torch.where(seen, row_max + torch.log(z), torch.full_like(z, float("-inf")))
     return out.transpose(0, 1), lse.squeeze(-1)
 
 
