@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 
 
 def test_figures_from_records():
-    """Step 1 is left out; tokens per second = loss tokens / step seconds of the rest; the time to a reward
+    """Steps 1 and the last (a drain) are left out; tokens per second = loss tokens / step seconds of the rest;
+    the time to a reward
     counts the steps' seconds up to the first evaluation at or above it."""
     steps = [
         {"step": 0, "eval/accuracy": 0.2},
@@ -21,6 +22,8 @@ def test_figures_from_records():
          "eval/accuracy": 0.95},
         {"step": 3, "time/step_s": 4.0, "mismatch/tokens": 900.0, "staleness/max": 0.0,
          "idle/engine_frac": 0.3, "idle/learner_frac": 0.3},
+        {"step": 4, "time/step_s": 0.5, "mismatch/tokens": 1e6, "staleness/max": 3.0,
+         "idle/engine_frac": 1.0},
     ]  # fmt: skip
     r = bench_async.throughput(steps)
     assert r["steps"] == 2 and r["tokens_per_s"] == pytest.approx(1200 / 6)
@@ -30,15 +33,15 @@ def test_figures_from_records():
     points = bench_async.reward_against_time(steps)
     assert points == [(0.0, 0.2), (52.0, 0.95)]
     assert bench_async.time_to(points, 0.9) == 52.0 and bench_async.time_to(points, 0.99) is None
-    with pytest.raises(ValueError, match="at least 2 steps"):
-        bench_async.throughput(steps[:2])
+    with pytest.raises(ValueError, match="at least 3 steps"):
+        bench_async.throughput(steps[:3])
 
 
 def test_tiny_sync_against_separate(tmp_path):
     """Both settings, run in two calls into one output directory, train every step and print in one table
     (the first call's row kept); the separate one at staleness <= 1; responses end at their synthetic budgets
     (shorter than rollout.max_new_tokens on average)."""
-    args = ["--tiny", "--steps", "2", "--prompts", "4", "--out", str(tmp_path)]
+    args = ["--tiny", "--steps", "3", "--prompts", "4", "--out", str(tmp_path)]
     first = bench_async.main([*args, "--settings", "separate-k1"])
     results = bench_async.main([*args, "--settings", "sync"])
     assert list(results) == ["sync", "separate-k1"]
