@@ -10,9 +10,8 @@ import pytest  # noqa: E402
 
 
 def test_figures_from_records():
-    """Steps 1 and the last (a drain) are left out; tokens per second = loss tokens / step seconds of the rest;
-    the time to a reward
-    counts the steps' seconds up to the first evaluation at or above it."""
+    """Steps 1 and the last (a drain) are left out; tokens per second = loss tokens / step seconds of the
+    rest; the time to a reward counts the steps' seconds up to the first evaluation at or above it."""
     steps = [
         {"step": 0, "eval/accuracy": 0.2},
         {"step": 1, "time/step_s": 50.0, "mismatch/tokens": 1e6, "staleness/max": 0.0,
