@@ -31,7 +31,9 @@ so that settings run in separate calls on one machine (`--settings sync`, then `
 same --out) print in one table. `--lookup`: RL on the lookup task (`configs/demo_lookup.yaml` with
 its tools, from the cold start's HF export `--init`, held-out evaluation every 2 steps) per setting; the
 steps' cumulative time at the first held-out reward >= 0.9, and a plot of the held-out reward against that
-time for every setting (OUT/lookup_reward_time.png). Each run's metrics: OUT/<setting>/metrics.jsonl.
+time for every setting (OUT/lookup_reward_time.png); with `--slow-tool` every lookup call takes 0.5-2 s
+(`envs.lookup.slow_lookup`; the trajectories are agentic either way, and the tool's time is what the
+asynchronous settings can hide). Each run's metrics: OUT/<setting>/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 from megatron_gptoss.envs.word_problems import write_splits
 
@@ -158,6 +162,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser.add_argument("--max-response", type=int, default=2048)
     parser.add_argument("--lookup", action="store_true", help="the lookup task's time to reward 0.9")
     parser.add_argument("--init", type=Path, help="--lookup: the cold start's HF export")
+    parser.add_argument("--slow-tool", action="store_true", help="--lookup: each tool call takes 0.5-2 s "
+                        "(agentic trajectories with a tool as slow as a sandboxed python call)")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="toy model and batch (a CPU smoke run)")
     parser.add_argument("--out", type=Path, default=Path("outputs/bench_async"))
     args, overrides = parser.parse_known_args(argv)
@@ -195,6 +201,19 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     return results
 
 
+def slow_tool_config(out: Path) -> Path:
+    """The lookup config with its tool answering after 0.5-2 s a call (`envs.lookup.slow_lookup`), written
+    to OUT/lookup_slow_tool.yaml."""
+    config = yaml.safe_load(LOOKUP_CONFIG.read_text())
+    tools = config["agent"]["tools"]
+    for tool in tools:
+        if tool["name"] == "lookup":
+            tool["function"] = "megatron_gptoss.envs.lookup:slow_lookup"
+    path = out / "lookup_slow_tool.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
 def lookup(args, names: list[str], overrides: list[str]) -> dict[str, dict]:
     """--lookup: RL of the lookup task from `--init` under each setting (module doc)."""
     if args.init is None:
@@ -207,9 +226,10 @@ def lookup(args, names: list[str], overrides: list[str]) -> dict[str, dict]:
         "agent.enabled=true", f"run.init_from_hf={args.init}", f"run.steps={args.steps}", "run.eval_every=2",
         *overrides,
     ]  # fmt: skip
+    config = slow_tool_config(args.out) if args.slow_tool else LOOKUP_CONFIG
     curves, results = {}, {}
     for name in names:
-        points = reward_against_time(run(name, LOOKUP_CONFIG, common, args.out, args.nproc))
+        points = reward_against_time(run(name, config, common, args.out, args.nproc))
         curves[name] = points
         results[name] = {"time_to_threshold_s": time_to(points, THRESHOLD), "final_reward": points[-1][1],
                          "curve": points}  # fmt: skip

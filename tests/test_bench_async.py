@@ -1,6 +1,7 @@
 """benchmarks/bench_async.py: its figures from metrics records (exact, on made-up records), and a toy run of
 the synchronous and the separate asynchronous settings on 2 gloo ranks through the one trainer."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -54,8 +55,8 @@ def test_tiny_sync_against_separate(tmp_path):
 
 
 def test_tiny_lookup_sync_against_separate(tmp_path):
-    """--lookup from a random model of the lookup config (as the cold start's export): both settings evaluate
-    at step 0 and every 2 steps, the curve's times grow, and the plot is written."""
+    """--lookup from a random model of the lookup config (as the cold start's export), with the slow tool:
+    both settings evaluate at step 0 and every 2 steps, the curve's times grow, and the plot is written."""
     import torch
 
     from megatron_gptoss.config import load_config
@@ -66,8 +67,11 @@ def test_tiny_lookup_sync_against_separate(tmp_path):
     init = tmp_path / "init"
     save_hf(build_model(config, dtype=torch.float32, seed=3), init)
     args = ["--lookup", "--init", str(init), "--steps", "2", "--settings", "sync,separate-k1-whole"]
-    args += ["--out", str(tmp_path / "out"), "env.eval_size=4", "rollout.prompts_per_step=2"]
+    args += ["--out", str(tmp_path / "out"), "--slow-tool", "env.eval_size=4", "rollout.prompts_per_step=2"]
     results = bench_async.main(args)
+    for name in results:  # --slow-tool: the runs offered the lookup tool that waits 0.5-2 s a call
+        tools = json.loads((tmp_path / "out" / name / "config.json").read_text())["agent"]["tools"]
+        assert [t["function"] for t in tools] == ["megatron_gptoss.envs.lookup:slow_lookup"], name
     assert list(results) == ["sync", "separate-k1-whole"]
     for name, r in results.items():
         times = [t for t, _ in r["curve"]]

@@ -6,7 +6,8 @@ table      keys "100" ... "299"; the value of a key is a keyed hash of it (salte
            share one small range, which the cold start's arithmetic covers: a small model copies a
            token well only once it has learnt to write it.
 lookup     the tool: `lookup(key: str) -> str`, the value as text, or an "error: ..." string for an
-           unknown key; `tool_spec()` is its `agent.tools` entry (name, function, description, schema).
+           unknown key; `tool_spec()` is its `agent.tools` entry (name, function, description, schema);
+           `slow_lookup` the same after 0.5-2 s (by key), a tool as slow as a sandboxed python call.
 splits     held-out keys: those whose (separately salted) hash falls in HELD_OUT_BUCKETS of BUCKETS
            buckets (43 of the 200 keys); training keys are the rest. The split is fixed, whatever
            the seeds.
@@ -28,6 +29,7 @@ import functools
 import hashlib
 import json
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,24 @@ def lookup(key: str) -> str:
     if key not in KEY_SET:
         return f"error: no key {key!r} in the table (keys are {KEYS[0]} to {KEYS[-1]})"
     return str(value(key))
+
+
+# `slow_lookup`: a call takes between these many seconds (a sandboxed python call's range), by key.
+SLOW_S = (0.5, 2.0)
+
+
+def tool_latency(key: str) -> float:
+    """The seconds `slow_lookup` takes on `key`: spread over SLOW_S by a hash of it (fixed, whatever the
+    seeds, so runs that differ in their setting wait alike)."""
+    low, high = SLOW_S
+    return low + (high - low) * (_hash("latency", key) % 1001) / 1000
+
+
+def slow_lookup(key: str) -> str:
+    """`lookup` that answers after `tool_latency(key)` seconds: the lookup task with a tool as slow as real
+    ones, for asynchronous rollouts to hide (`benchmarks/bench_async.py --lookup --slow-tool`)."""
+    time.sleep(tool_latency(key))
+    return lookup(key)
 
 
 def tool_spec() -> dict[str, Any]:

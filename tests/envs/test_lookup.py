@@ -74,6 +74,21 @@ def test_lookup_through_the_agent_tools():
     assert run_call(registry, wrong, **options).status == "error"
 
 
+def test_slow_lookup_answers_as_lookup_after_half_a_second_to_two():
+    """Its wait is fixed by the key, spread over [0.5, 2] s; through the agent tools a call takes it and
+    answers what lookup answers."""
+    waits = [lookup.tool_latency(k) for k in lookup.KEYS]
+    assert all(0.5 <= w <= 2.0 for w in waits) and min(waits) < 0.6 and max(waits) > 1.9
+    assert waits == [lookup.tool_latency(k) for k in lookup.KEYS]
+    spec = {**lookup.tool_spec(), "function": "megatron_gptoss.envs.lookup:slow_lookup"}
+    registry = ToolRegistry.from_config(AgentConfig(builtin_tools=[], tools=[spec]), SandboxConfig())
+    key = min(lookup.KEYS, key=lookup.tool_latency)  # the quickest key keeps the test short
+    call = ToolCall("functions.lookup", "commentary", "<|constrain|>json", json.dumps({"key": key}))
+    outcome = run_call(registry, call, timeout_s=5.0, budget_left=True, max_chars=100)
+    assert outcome.status == "ok" and outcome.text == lookup.lookup(key)
+    assert outcome.latency_s >= lookup.tool_latency(key), (outcome.latency_s, lookup.tool_latency(key))
+
+
 def test_split_is_fixed_and_disjoint(files):
     held_out, train = set(lookup.split_keys(True)), set(lookup.split_keys(False))
     assert not held_out & train and held_out | train == set(lookup.KEYS)
