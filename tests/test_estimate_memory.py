@@ -54,10 +54,12 @@ def test_cp4_tp2_ring_with_recompute_and_the_all_gather():
         "window": rows + tails,
         "exchange": gathered,
     }
-    # recompute: every layer's bf16 input, one layer's activations and its exchange
+    # recompute: every layer's bf16 input (sequence parallel: 1/tp of the tokens), one layer's activations
+    # but its first norm's input (that same kept input), and its exchange
     local = tokens // cp
     per_token = activation_bytes_per_token(CONFIG, tp, sequence_parallel=True)
-    expected = 2 * CONFIG.hidden_size * local * 36 + per_token * local + rows + 2 * c * kv * 12
+    kept = 2 * CONFIG.hidden_size / tp
+    expected = kept * local * 36 + (per_token - kept) * local + rows + 2 * c * kv * 12
     got = estimate(CONFIG, layout, tokens, activation_checkpointing=True)["activations"]
     assert got == pytest.approx(expected, rel=1e-12)
 

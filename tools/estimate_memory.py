@@ -189,6 +189,8 @@ def estimate(
     per_layer = layer_params(config, layout.tp, layout.ep)
     vocab = config.padded_vocab_size(layout.tp) * config.hidden_size // layout.tp
     act_token = activation_bytes_per_token(config, layout.tp, layout.sequence_parallel)
+    # a layer's bf16 input, in the residual stream's layout (1/tp of the tokens under sequence parallelism)
+    kept_input = 2 * config.hidden_size / (layout.tp if layout.sequence_parallel else 1)
     cp_bytes = context_parallel_bytes(config, layout, tokens, kv_exchange)
     full = sum(config.window_of(n) is None for n in range(config.num_layers)) / config.num_layers
     cp_layer = full * cp_bytes["full"] + (1 - full) * cp_bytes["window"]  # kept, mean over the layers
@@ -200,8 +202,9 @@ def estimate(
         params = dense + experts
         shards = (layout.dp * layout.cp, layout.edp) if distributed_optimizer else (1, 1)
         if activation_checkpointing:  # layer inputs kept; one layer recomputed at a time
-            acts = 2 * config.hidden_size * tokens_here * layers * in_flight(layout, rank, micro_batches)
-            acts += act_token * tokens_here + cp_bytes["full" if full else "window"]
+            acts = kept_input * tokens_here * layers * in_flight(layout, rank, micro_batches)
+            # the recomputed layer's first norm saves that same kept input: not counted twice
+            acts += (act_token - kept_input) * tokens_here + cp_bytes["full" if full else "window"]
         else:
             kept = act_token * tokens_here + cp_layer
             acts = kept * layers * in_flight(layout, rank, micro_batches)
