@@ -20,12 +20,13 @@ Settings (`SETTINGS`, each the same config plus its overrides):
     separate-k1        the last rank an engine only, the others the learner only; max_staleness 1, partial
     separate-k1-whole  the same without partial rollouts (what agent trajectories can run under separate)
 
-Per setting, over the steps between the first (compilation and graph capture) and the last (an asynchronous
-setting's last step trains rows generated during the step before and waits for no new ones: a drain, not
-the steady state; with it, 4 steps on two H200s overstated separate-k1 at 1.70x sync where the steps
-between gave 1.22x): trained tokens per second (the
-loss tokens, `mismatch/tokens`, over the steps' wall time `time/step_s`), steps per hour, the idle fractions
-of the engines and the learner (`idle/*`), the largest staleness and the rows dropped for it; and the ratio of
+Per setting, over the steps between the first (compilation and graph capture) and the last (an
+asynchronous setting's last step trains rows generated during the step before and waits for no new ones: a
+drain, not the steady state; with it, 4 steps on two H200s overstated separate-k1 at 1.70x sync where the
+steps between gave 1.22x): trained tokens per second (the loss tokens, `mismatch/tokens`, over the steps'
+wall time `time/step_s`), steps per hour, the idle fractions of the engines and the learner (`idle/*`), the
+largest staleness and the rows dropped for it, the mean generate and sync seconds (the sync is where a
+learner waits for engines that do not take new weights while they generate); and the ratio of
 each throughput to the synchronous one's (else the first setting's). Results accumulate in OUT/results.json,
 so that settings run in separate calls on one machine (`--settings sync`, then `--settings separate-k1`, the
 same --out) print in one table. `--lookup`: RL on the lookup task (`configs/demo_lookup.yaml` with
@@ -101,19 +102,23 @@ def throughput(steps: list[dict]) -> dict[str, float]:
         "staleness_max": max((s.get("staleness/max", 0.0) for s in timed), default=0.0),
         "dropped_rows": sum(s.get("staleness/dropped_rows", 0.0) for s in timed),
         "response_len": mean("response/length_mean"),
+        "generate_s": mean("time/generate_s"),
+        "sync_s": mean("time/sync_s"),
     }
 
 
 def print_throughput(results: dict[str, dict[str, float]]) -> None:
     base = next(iter(results.values()))["tokens_per_s"]
     header = ["setting", "steps timed", "step s", "trained tok/s", "steps/h", "idle engine", "idle learner",
-              "staleness max", "dropped rows", "response len", "tok/s / first"]  # fmt: skip
+              "staleness max", "dropped rows", "response len", "generate s", "sync s",
+              "tok/s / first"]  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for name, r in results.items():
         cells = [name, str(r["steps"]), f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}",
                  f"{r['steps_per_hour']:.1f}", f"{r['idle_engine']:.2f}", f"{r['idle_learner']:.2f}",
                  f"{r['staleness_max']:.0f}", f"{r['dropped_rows']:.0f}", f"{r['response_len']:.0f}",
+                 f"{r.get('generate_s', float('nan')):.2f}", f"{r.get('sync_s', float('nan')):.2f}",
                  f"{r['tokens_per_s'] / base:.2f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
 

@@ -21,7 +21,7 @@ def test_figures_from_records():
          "idle/engine_frac": 0.5, "idle/learner_frac": 0.1, "staleness/dropped_rows": 2.0,
          "eval/accuracy": 0.95},
         {"step": 3, "time/step_s": 4.0, "mismatch/tokens": 900.0, "staleness/max": 0.0,
-         "idle/engine_frac": 0.3, "idle/learner_frac": 0.3},
+         "idle/engine_frac": 0.3, "idle/learner_frac": 0.3, "time/sync_s": 0.5, "time/generate_s": 1.0},
         {"step": 4, "time/step_s": 0.5, "mismatch/tokens": 1e6, "staleness/max": 3.0,
          "idle/engine_frac": 1.0},
     ]  # fmt: skip
@@ -30,6 +30,7 @@ def test_figures_from_records():
     assert r["steps_per_hour"] == pytest.approx(1200) and r["step_s"] == pytest.approx(3)
     assert r["idle_engine"] == pytest.approx(0.4) and r["idle_learner"] == pytest.approx(0.2)
     assert r["staleness_max"] == 1 and r["dropped_rows"] == 2
+    assert r["sync_s"] == 0.5 and r["generate_s"] == 1.0  # the steps that logged them
     points = bench_async.reward_against_time(steps)
     assert points == [(0.0, 0.2), (52.0, 0.95)]
     assert bench_async.time_to(points, 0.9) == 52.0 and bench_async.time_to(points, 0.99) is None
