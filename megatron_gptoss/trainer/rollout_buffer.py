@@ -18,17 +18,21 @@ s - 1 and so does the engine (synced after every update). With `rollout.max_stal
 So batch s was first sampled at version >= s - 1 - k and every trained token is at most k versions old;
 k = 0 is the synchronous loop, call for call (the same prompts, seeds and engine calls).
 
-Overlap (`RolloutBuffer.overlaps`: k >= 1 at world size 1 with the embedded engine awake): the work ahead
-runs in a thread while the learner computes log-probs and updates; the loop joins it (`wait`) before the
-weights change. The work and its order are those of the sequential schedule (elsewhere it runs before the
+Overlap (`RolloutBuffer.overlaps`: k >= 1 at a learner world of 1 with the embedded engine awake): the work
+ahead runs in a thread while the learner computes log-probs and updates; the loop joins it (`wait`) before
+the weights change. The work and its order are those of the sequential schedule (elsewhere it runs before the
 learner starts), so the results are too, up to the rounding of kernels that split their work over the
 threads they find free.
 
 Separate placement (`trainer.separate`): with k >= 1 every batch is queued on the engine ranks, which step
 its rows on their own while the learner computes and take new weights between two engine steps (without
 `partial` a row ends under the weights it started with, before the new ones are loaded); the world of the
-rules above is the learner ranks'. Agentic trajectories there are generated whole (the agent loop on the
-learner ranks, every turn a generation on the engine ranks), the batches ahead before the learner starts.
+rules above is the learner ranks'. There `take(s)` queues the batches ahead before it waits for batch s:
+the rows of batch s + 1 take the slots that batch s's rows leave as they stop, so the longest rows of a
+batch do not leave the engine idle (they were sampled at version s - 1 and are trained at step s + 1: one
+version old). Agentic trajectories there are generated whole (the agent loop on the learner ranks, every
+turn a generation on the engine ranks): the batches ahead in the overlap's thread while the learner
+computes, their tool calls included (a learner world of one rank), else before the learner starts.
 
 Agentic rollouts (`agent.enabled`, partial): the engine's `start` / `advance` / `finish` run trajectories in
 parts (`trainer.agentic.AgentRollout`); ahead of the learner every batch submitted samples its trajectories
@@ -106,6 +110,9 @@ class RolloutBuffer:
         self.pending: dict[int, Submitted] = {}
         self.version: int | None = None  # the engine's policy version as this buffer knows it
         self.overlap = self.overlaps(cfg, host)
+        # engine ranks that decode on their own (the separate placement) take the batches ahead before this
+        # step's batch is finished, so that its longest rows do not leave the engine's other slots idle
+        self.queues_early = host is not None and host.decodes_ahead and not cfg.agent.enabled
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy_s = 0.0  # the engine's generation time since `busy_s` was last read
@@ -142,6 +149,11 @@ class RolloutBuffer:
         if step not in self.pending:
             self._submit(step, version)
         batch = self.pending.pop(step)
+        later = [a for a in range(step + 1, min(step + self.k, last_step) + 1) if a not in self.pending]
+        if self.queues_early:  # the engine fills the slots this batch's last rows leave free
+            for ahead in later:
+                self._submit(ahead, version)
+            later = []
         self._complete(batch)
         assert batch.rollouts is not None
         rollouts, metrics = batch.rollouts, dict(batch.metrics)
@@ -151,7 +163,6 @@ class RolloutBuffer:
             rollouts, versions = self._resubmit(batch, dropped, versions, version)
             metrics.update(batch_metrics(self.cfg, rollouts))
         metrics["staleness/dropped_rows"] = float(len(dropped))
-        later = [a for a in range(step + 1, min(step + self.k, last_step) + 1) if a not in self.pending]
         rows = self.cfg.rollout.prompts_per_step * self.cfg.rollout.n_samples_per_prompt
         depth = sum(self._rows(b) for b in self.pending.values()) + rows * len(later)
         metrics["buffer/depth"] = float(depth)
@@ -225,14 +236,17 @@ class RolloutBuffer:
     def overlaps(cfg: TrainConfig, host) -> bool:
         """Whether the batches ahead are generated in a thread while the learner computes: k >= 1, a world
         of one rank (the engine's generation then makes no collective that could interleave with the
-        learner's), the embedded engine, no agentic rollouts, an engine that stays awake."""
+        learner's), the embedded engine, an engine that stays awake, and agentic rollouts only on the
+        engine ranks of the separate placement (their trajectories, generated whole turn by turn, and their
+        tool calls then run beside the learner; in the colocated placement the trajectories' sessions
+        share the learner's device)."""
         r = cfg.rollout
         world = dist.get_world_size() if dist.is_initialized() else 1
         return (
             r.max_staleness > 0
             and world == 1
             and host is not None
-            and not cfg.agent.enabled
+            and (not cfg.agent.enabled or host.decodes_ahead)
             and not r.sleep_level
         )
 

@@ -23,9 +23,10 @@
                steps again, so every token records the policy that sampled it.
 
                learner ranks                                   engine ranks
-      take(s)  finish(batch s) ------------------------------> steps batch s's rows to their end
+      take(s)  start(batch s + 1) ---------------------------> queued: its rows take the slots that
+               finish(batch s) ------------------------------> batch s's rows free, until these end
                <---------- rows, log-probs, per-token versions
-               start(batch s + 1) ---------------------------> queued, decoding under version s - 1 ...
+                                                               batch s + 1 decoding under version s - 1 ...
       prepare, update                                          ... while the learner computes
       sync     weight buckets (learner rank 0) --------------> loaded between two engine steps
                version s ------------------------------------> the rows in flight continue under it

@@ -213,3 +213,67 @@ def test_a_row_too_stale_is_generated_again():
     assert engine.calls[1:] == [([[p.token_ids[0]]], base + i) for i, p in enumerate(rollouts.prompts)]
     assert [g.token_ids[0] for g in rollouts.generations] == [base + i for i in range(4)]
     assert versions == [[3, 3]] * 4  # the engine's record of the regenerated rows
+
+
+class _DecodingHost:
+    """An engine that decodes queued rows on its own (the separate placement's `EngineClient`): records its
+    calls; row i of a batch answers [seed + i] under the version it holds."""
+
+    decodes_ahead = True
+    device = torch.device("cpu")
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+        self.version = 0
+        self.batches: dict[int, tuple] = {}
+        self.started = 0
+
+    def start(self, prompts, params: SamplingParams):
+        handle = self.started
+        self.started += 1
+        self.batches[handle] = (prompts, params.seed, self.version)
+        self.calls.append(("start", handle))
+        return handle
+
+    def finish(self, handle):
+        self.calls.append(("finish", handle))
+        prompts, seed, version = self.batches.pop(handle)
+        rows = enumerate(prompts)
+        return [Generation(list(p), [seed + i], [-1.0], "length", versions=[version]) for i, p in rows]
+
+    def weights_changed(self, version, recompute):
+        self.version = version
+        self.calls.append(("version", version))
+
+    def busy_s(self):
+        return 0.0
+
+
+@pytest.mark.usefixtures("world_of_one")
+@pytest.mark.parametrize("partial", [True, False])
+def test_an_engine_that_decodes_ahead_gets_the_next_batch_before_this_one_is_finished(partial):
+    """Separate placement, k = 1: take(s) queues batch s + 1 before it waits for batch s, so that the rows of
+    batch s + 1 fill the slots batch s's finished rows leave (the versions still hold: s + 1 at s - 1)."""
+    cfg = _cfg("rollout.max_staleness=1", f"rollout.partial={str(partial).lower()}")
+    host = _DecodingHost()
+    buffer = RolloutBuffer(cfg, _Engine(), host, _Stream(), SamplingParams(seed=5))
+    for step in (1, 2, 3):
+        _, versions, metrics = buffer.take(step, 3)
+        buffer.wait()
+        assert max(max(v) for v in versions) <= step - 1 and step - 1 - min(min(v) for v in versions) <= 1
+        assert metrics["buffer/depth"] == (4.0 if step < 3 else 0.0)
+        buffer.weights_are(step)
+    assert host.calls == [
+        ("version", 0), ("start", 0), ("start", 1), ("finish", 0), ("version", 1),
+        ("start", 2), ("finish", 1), ("version", 2), ("finish", 2), ("version", 3),
+    ]  # fmt: skip
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_agentic_batches_ahead_overlap_the_learner_only_on_engine_ranks():
+    """Agentic trajectories generated whole through engine ranks run beside the learner (a thread); on the
+    colocated engine, whose sessions share the learner's device, they do not."""
+    agentic = _cfg("rollout.max_staleness=1", "agent.enabled=true")
+    assert RolloutBuffer.overlaps(agentic, _DecodingHost())
+    assert not RolloutBuffer.overlaps(agentic, type("Colocated", (), {"decodes_ahead": False})())
+    assert not RolloutBuffer.overlaps(_cfg("agent.enabled=true"), _DecodingHost())  # k = 0: nothing ahead
