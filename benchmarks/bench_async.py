@@ -18,7 +18,8 @@ Settings (`SETTINGS`, each the same config plus its overrides):
                        turns; the baseline
     colocated-k1       colocated, max_staleness 1, partial rollouts (rows in flight go on under new weights)
     separate-k1        the last rank an engine only, the others the learner only; max_staleness 1, partial
-    separate-k1-whole  the same without partial rollouts (what agent trajectories can run under separate)
+    separate-k1-whole  the same without partial rollouts (agentic: each batch's trajectories end before the
+                       weight sync; with partial they run across it, a tool call in flight included)
 
 Per setting, over the steps between the first (compilation and graph capture) and the last (an
 asynchronous setting's last step trains rows generated during the step before and waits for no new ones: a
@@ -163,7 +164,7 @@ def plot_lookup(curves: dict[str, list[tuple[float, float]]], path: Path) -> Non
 def main(argv: list[str] | None = None) -> dict[str, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--settings", help="comma-separated names of SETTINGS (default: all; --lookup: "
-                        "sync,separate-k1-whole)")  # fmt: skip
+                        "sync,separate-k1,separate-k1-whole)")  # fmt: skip
     parser.add_argument("--nproc", type=int, default=2, help="processes (GPUs), the same for every setting")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--layers", type=int, default=4, help="layers of the gpt-oss-20b-width model")
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     bad = [o for o in overrides if "=" not in o]
     if bad:
         parser.error(f"unknown arguments {bad}: overrides are key=value")
-    default = "sync,separate-k1-whole" if args.lookup else ",".join(SETTINGS)
+    default = "sync,separate-k1,separate-k1-whole" if args.lookup else ",".join(SETTINGS)
     names = (args.settings or default).split(",")
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:

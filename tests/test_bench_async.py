@@ -67,13 +67,13 @@ def test_tiny_lookup_sync_against_separate(tmp_path):
     config = load_config(bench_async.LOOKUP_CONFIG, []).model
     init = tmp_path / "init"
     save_hf(build_model(config, dtype=torch.float32, seed=3), init)
-    args = ["--lookup", "--init", str(init), "--steps", "2", "--settings", "sync,separate-k1-whole"]
+    args = ["--lookup", "--init", str(init), "--steps", "2", "--settings", "sync,separate-k1"]
     args += ["--out", str(tmp_path / "out"), "--slow-tool", "env.eval_size=4", "rollout.prompts_per_step=2"]
     results = bench_async.main(args)
     for name in results:  # --slow-tool: the runs offered the lookup tool that waits 0.5-2 s a call
         tools = json.loads((tmp_path / "out" / name / "config.json").read_text())["agent"]["tools"]
         assert [t["function"] for t in tools] == ["megatron_gptoss.envs.lookup:slow_lookup"], name
-    assert list(results) == ["sync", "separate-k1-whole"]
+    assert list(results) == ["sync", "separate-k1"]  # separate-k1: trajectories across the sync
     for name, r in results.items():
         times = [t for t, _ in r["curve"]]
         assert len(times) == 2 and times[0] == 0 < times[1], (name, r["curve"])

@@ -101,12 +101,17 @@ class Trajectory:
         return len(self.prompt_ids) + len(self.token_ids)
 
     def append(
-        self, token_ids: Sequence[int], logprobs: Sequence[float] | None, version: int | None = None
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float] | None,
+        version: int | Sequence[int] | None = None,
     ) -> None:
         """Model tokens with their log-probs, or tool tokens (logprobs None); `version` recorded for each
-        where given."""
-        if version is not None:
+        where given (one for all, or the engine's record of each)."""
+        if isinstance(version, int):
             self.versions += [version] * len(token_ids)
+        elif version is not None:
+            self.versions += list(version)
         self.token_ids += token_ids
         self.sources += [MODEL if logprobs is not None else TOOL] * len(token_ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(token_ids)
@@ -250,7 +255,7 @@ class AgentLoop:
         logprobs: list[float],
         finish_reason: str,
         routing: torch.Tensor | None,
-        version: int | None = None,
+        version: int | Sequence[int] | None = None,
     ) -> tuple[concurrent.futures.Future, ToolCall] | None:
         """Record a turn (`routing`: the experts of the tokens it computed first, or None; `version`: the
         policy that sampled it, recorded where given); its tool call and the call's future when the
@@ -320,8 +325,8 @@ class AgentLoop:
                 )
                 for i, gen in zip(rows, gens, strict=True):
                     routing = None if gen.routing is None else gen.routing[trajs[i].routed :]
-                    pending = self._end_turn(
-                        trajs[i], gen.token_ids, gen.logprobs, gen.finish_reason, routing
+                    pending = self._end_turn(  # the engine's record of each token's policy version
+                        trajs[i], gen.token_ids, gen.logprobs, gen.finish_reason, routing, gen.versions
                     )
                     if pending is not None:
                         waiting[pending[0]] = (i, pending[1])

@@ -470,8 +470,6 @@ class TrainConfig:
             "run.mode='rl' (a supervised run has no engine)": self.run.mode == "rl",
             "rollout.engine='embedded'": r.engine == "embedded",
             "rollout.sleep_level=0 (the engine ranks hold no learner to make room for)": r.sleep_level == 0,
-            "rollout.partial=false with agent.enabled (trajectories paused at a tool call keep engine "
-            "sessions, which the engine ranks do not serve)": not (self.agent.enabled and r.partial),
         }
         if r.engine_child:
             needs[

@@ -196,8 +196,9 @@ def rl_step(
     t3 = time.perf_counter()
     buffer.wait()  # the batches generated ahead meanwhile, before the engine's weights change
     memory.update(setup.wake_engine())
-    memory.update(setup.sync())  # sync/bytes: what this rank's engine shard received
-    buffer.weights_are(step)  # the engine holds version `step`; rows in flight continue under it
+    with buffer.exclusive():  # no trajectory turn between the new weights and their version
+        memory.update(setup.sync())  # sync/bytes: what this rank's engine shard received
+        buffer.weights_are(step)  # the engine holds version `step`; rows in flight continue under it
     metrics.update(step_times(device, t0, t1, t2, t3))
     metrics.update(idle_fractions(time.perf_counter() - t0, buffer.busy_s(), t3 - t1))
     metrics.update(rollout_metrics(batch, rollouts.scores, kept.keep))

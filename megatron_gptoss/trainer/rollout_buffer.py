@@ -32,7 +32,11 @@ the rows of batch s + 1 take the slots that batch s's rows leave as they stop, s
 batch do not leave the engine idle (they were sampled at version s - 1 and are trained at step s + 1: one
 version old). Agentic trajectories there are generated whole (the agent loop on the learner ranks, every
 turn a generation on the engine ranks): the batches ahead in the overlap's thread while the learner
-computes, their tool calls included (a learner world of one rank), else before the learner starts.
+computes, their tool calls included (a learner world of one rank), else before the learner starts. With
+`partial` (one learner rank) each batch's trajectories have a thread of their own (`_Trajectories`), queued
+at `take(s)` before batch s is waited for and running across the weight sync (`exclusive` keeps a turn from
+falling between the new weights and their version): a trajectory waiting on a tool goes on under the new
+weights, each turn generated again over the whole trajectory, each token recording its version.
 
 Agentic rollouts (`agent.enabled`, partial): the engine's `start` / `advance` / `finish` run trajectories in
 parts (`trainer.agentic.AgentRollout`); ahead of the learner every batch submitted samples its trajectories
@@ -48,13 +52,14 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_gptoss.config import TrainConfig
+from megatron_gptoss.config import ConfigError, TrainConfig
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
 from megatron_gptoss.trainer.rollouts import (
     Rollouts,
@@ -105,14 +110,23 @@ class RolloutBuffer:
         if cfg.rollout.partial and host is None:
             raise ValueError("partial rollouts need the embedded engine's host")
         self.k, self.partial = cfg.rollout.max_staleness, cfg.rollout.partial
-        self.agentic = cfg.agent.enabled and self.partial
+        remote = host is not None and host.decodes_ahead  # engine ranks of the separate placement
+        # agentic partial rollouts through engine ranks: each batch's trajectories in a thread of their own,
+        # turn by turn, across the weight syncs (`exclusive`)
+        self.threaded = cfg.agent.enabled and self.partial and remote
+        if self.threaded and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "rollout.partial=true with agent.enabled under rollout.placement='separate' needs one "
+                f"learner rank (got {dist.get_world_size()}): its trajectories are generated beside it"
+            )
+        self.agentic = cfg.agent.enabled and self.partial and not remote  # engine sessions, in parts
         self.rows = engine if self.agentic else host  # what queues rows and is told of new weights
         self.pending: dict[int, Submitted] = {}
         self.version: int | None = None  # the engine's policy version as this buffer knows it
-        self.overlap = self.overlaps(cfg, host)
+        self.overlap = self.overlaps(cfg, host) and not self.threaded
         # engine ranks that decode on their own (the separate placement) take the batches ahead before this
         # step's batch is finished, so that its longest rows do not leave the engine's other slots idle
-        self.queues_early = host is not None and host.decodes_ahead and not cfg.agent.enabled
+        self.queues_early = remote and (not cfg.agent.enabled or self.threaded)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._busy_s = 0.0  # the engine's generation time since `busy_s` was last read
@@ -131,8 +145,16 @@ class RolloutBuffer:
         """Join the background generation (its error dropped: the run is ending), close the task."""
         if self._thread is not None:
             self._thread.join()
+        for batch in self.pending.values():
+            if isinstance(batch.handle, _Trajectories):
+                batch.handle.thread.join()
         self._thread, self._error = None, None
         self.task.close()
+
+    def exclusive(self) -> AbstractContextManager:
+        """Held across the learner's weight sync and `weights_are`: no turn of a threaded batch runs between
+        the new weights and their version number (a no-op elsewhere)."""
+        return self.host.lock if self.threaded else nullcontext()
 
     # ------------------------------------------------------------------------------------------------
     def take(self, step: int, last_step: int) -> tuple[Rollouts, list[list[int]], dict[str, float]]:
@@ -175,9 +197,12 @@ class RolloutBuffer:
         return rollouts, versions, metrics
 
     def _complete(self, batch: Submitted) -> None:
-        """A partial batch's rows stepped to their end and scored."""
+        """A partial batch's rows stepped to their end (a threaded batch's thread joined) and scored."""
         if batch.rollouts is None:
-            generations = self.rows.finish(batch.handle)
+            if isinstance(batch.handle, _Trajectories):
+                generations = batch.handle.result()
+            else:
+                generations = self.rows.finish(batch.handle)
             batch.rollouts = score_round(self.cfg, self.task, batch.rows, generations)
             batch.metrics = batch_metrics(self.cfg, batch.rollouts)
 
@@ -277,7 +302,11 @@ class RolloutBuffer:
             self.pending[step] = Submitted(step, version, state, rollouts=rollouts, metrics=metrics)
             return
         rows, params = draw_round(self.cfg, self.task, self.sampling, step, 0)
-        handle = self.rows.start([list(p.token_ids) for p in rows], params)
+        prompts = [list(p.token_ids) for p in rows]
+        if self.threaded:
+            handle: Any = _Trajectories(self.engine, prompts, params, self.host.device, step)
+        else:
+            handle = self.rows.start(prompts, params)
         self.pending[step] = Submitted(step, version, state, rows, params, handle)
 
     def _resubmit(
@@ -295,6 +324,35 @@ class RolloutBuffer:
         rescored = score_round(self.cfg, self.task, rollouts.prompts, generations)
         fresh = row_versions(generations, version)
         return rescored, [fresh[i] if i in dropped else v for i, v in enumerate(versions)]
+
+
+class _Trajectories:
+    """A batch's agentic trajectories generated whole, turn by turn through the engine ranks, in a thread of
+    their own (the prompts were drawn in the loop's thread); `result` joins it."""
+
+    def __init__(
+        self, engine, prompts: list[list[int]], params: SamplingParams, device: torch.device, step: int
+    ):
+        self.generations: list[Generation] | None = None
+        self.error: BaseException | None = None
+
+        def work() -> None:
+            try:
+                if device.type == "cuda":
+                    torch.cuda.set_device(device)  # the current device is per thread
+                self.generations = engine.generate(prompts, params)
+            except BaseException as err:  # re-raised by result() in the loop's thread
+                self.error = err
+
+        self.thread = threading.Thread(target=work, name=f"trajectories-{step}", daemon=True)
+        self.thread.start()
+
+    def result(self) -> list[Generation]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        assert self.generations is not None
+        return self.generations
 
 
 def idle_fractions(step_s: float, engine_s: float, learner_s: float) -> dict[str, float]:

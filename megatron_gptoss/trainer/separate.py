@@ -39,6 +39,7 @@ equals the colocated one at the learner's world size (the same prompts, seeds, w
 from __future__ import annotations
 
 import itertools
+import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -265,6 +266,9 @@ class EngineClient:
         placement: Placement,
     ):
         self.placement, self.device = placement, device
+        # one command at a time: a thread generating trajectories ahead (`trainer.rollout_buffer`) calls
+        # beside the learner's sync; `lock` held across a sync and its version keeps every turn under one
+        self.lock = threading.RLock()
         engines, ep = len(placement.engines), cfg.rollout.expert_parallel_size
         layout = EngineLayout(engines, ep, True, expert_format=engine_model_config(cfg, False).expert_format)
         self.exporter = WeightExporter(  # full HF tensors on learner rank 0, bucket by bucket
@@ -272,9 +276,10 @@ class EngineClient:
         )
 
     def sync(self) -> dict[str, float]:
-        self.placement.send(("sync",))
-        self.placement.send_buckets(self.exporter.buckets(), self.device)
-        received, restarts, total = self.placement.reply()
+        with self.lock:
+            self.placement.send(("sync",))
+            self.placement.send_buckets(self.exporter.buckets(), self.device)
+            received, restarts, total = self.placement.reply()
         return {
             "sync/bytes": float(received),
             "engine/restarts": float(restarts),
@@ -282,21 +287,25 @@ class EngineClient:
         }
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        return self.placement.call("generate", prompts, params)
+        return self._call("generate", prompts, params)
 
     def start(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Queue the rows on the engine ranks (they decode from now on); a handle for `finish`."""
-        return self.placement.call("start", prompts, params)
+        return self._call("start", prompts, params)
 
     def finish(self, handle: int) -> list[Generation]:
-        return self.placement.call("finish", handle)
+        return self._call("finish", handle)
 
     def weights_changed(self, version: int, recompute: bool) -> None:
-        self.placement.call("version", version, recompute)
+        self._call("version", version, recompute)
 
     def busy_s(self) -> float:
         """Seconds the engine ranks generated since the last call (the first engine rank's clock)."""
-        return float(self.placement.call("busy"))
+        return float(self._call("busy"))
+
+    def _call(self, op: str, *args: Any) -> Any:
+        with self.lock:
+            return self.placement.call(op, *args)
 
     def sleep(self, level: int) -> dict[str, float]:
         return {}  # the engine ranks hold no learner to make room for

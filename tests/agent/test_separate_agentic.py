@@ -6,16 +6,26 @@ tools, rank 1 the embedded engine), the scripted calculator policy (tests/agent/
   engine/*, idle/* and tool latencies, bit for bit (the same trajectories, losses and gradient norms); the
   trajectories of the batch ahead are generated whole, one version behind the learner from step 2
   (`staleness/max` 1), tools called and their tokens out of the loss;
-- partial rollouts stay refused there: a trajectory paused at a tool call keeps an engine session, which the
-  engine ranks do not serve."""
+- partial rollouts (`rollout.partial=true`): each batch's trajectories run in a thread of their own across
+  the learner's weight sync; a tool call held until that sync (a patched executor) makes the batch's turns
+  straddle it deterministically: the turns before the call record version s - 2, those after it s - 1
+  (the engine's record, per token), `staleness/max` stays 1 and every row of every step is trained once
+  (two learner ranks are refused: `tests/trainer/test_async.py`)."""
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from pathlib import Path
+
 import pytest
+from helpers.batches import observed_batches
 from helpers.harness import pool
 from test_trainer_agentic import REGEN, metrics, train, write_inputs
 
-from megatron_gptoss.config import ConfigError, load_config
+from megatron_gptoss.agent.executor import ToolExecutor
+from megatron_gptoss.trainer.separate import EngineClient
 
 SKIP = ("time/", "perf/", "engine/", "idle/", "tool/latency_", "tool/peak_running")
 
@@ -43,7 +53,56 @@ def test_separate_agentic_equals_colocated(base):
         assert line["mismatch/tokens"] == line["agent/tokens_model"]  # tool tokens out of the loss
 
 
-def test_partial_agentic_is_refused_under_separate():
-    with pytest.raises(ConfigError, match="rollout.placement='separate' needs") as err:
-        load_config(None, ["rollout.placement=separate", "agent.enabled=true", "rollout.partial=true"])
-    assert "rollout.partial=false with agent.enabled" in str(err.value)
+def _train_straddling(base: str, out: str, extra: list[str]) -> None:
+    """`train` with every tool call of batch b >= 3 held until the learner's weight sync of step b - 1 (the
+    batch was queued at step b - 1, under version b - 2; the run's first sync loads its initial weights),
+    and rank 0's trained versions written to OUT/versions.json."""
+    syncs = {"count": 0}
+    sync, submit = EngineClient.sync, ToolExecutor.submit
+
+    def counted_sync(self):
+        metrics = sync(self)
+        syncs["count"] += 1
+        return metrics
+
+    def held_submit(self, call, **kwargs):
+        name = threading.current_thread().name
+        batch = int(name.split("-")[1]) if name.startswith("trajectories-") else 0
+        deadline = time.monotonic() + 120
+        while batch >= 3 and syncs["count"] < batch and time.monotonic() < deadline:  # sync 1: the start's
+            time.sleep(0.01)
+        return submit(self, call, **kwargs)
+
+    seen: list[dict] = []
+
+    def observe(args, batch):
+        masked = batch.loss_mask > 0
+        seen.append(
+            {"versions": sorted({int(v) for v in batch.versions[masked].tolist()}), "rows": len(args[0])}
+        )
+
+    EngineClient.sync, ToolExecutor.submit = counted_sync, held_submit  # type: ignore[method-assign]
+    try:
+        with observed_batches(observe):
+            train(base, out, extra)
+    finally:
+        EngineClient.sync, ToolExecutor.submit = sync, submit  # type: ignore[method-assign]
+    if seen:  # the learner rank
+        (Path(out) / "versions.json").write_text(json.dumps(seen))
+
+
+def test_partial_agentic_trajectories_go_on_across_the_weight_sync(base):
+    partial = ["rollout.max_staleness=1", "rollout.partial=true", "run.steps=3"]
+    out = base / "partial"
+    pool(2).run(_train_straddling, str(base), str(out), ["rollout.placement=separate", *partial])
+    lines = metrics(out)
+    seen = json.loads((out / "versions.json").read_text())
+    assert len(seen) == 3 and all(b["rows"] == 8 for b in seen)  # every row of every step, once
+    assert seen[0]["versions"] == [0]
+    assert set(seen[1]["versions"]) <= {0, 1}
+    assert seen[2]["versions"] == [1, 2]  # turns before the held call at version 1, after it at 2
+    for step in (1, 2, 3):
+        line = lines[step]
+        assert line["staleness/max"] <= 1.0 and line["staleness/dropped_rows"] == 0.0
+        assert line["agent/tokens_tool"] > 0 and line["mismatch/tokens"] == line["agent/tokens_model"]
+    assert lines[3]["staleness/max"] == 1.0 and 0.0 < lines[3]["staleness/mean"] < 1.0

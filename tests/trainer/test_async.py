@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from safetensors.torch import load_file
 
 from megatron_gptoss.config import ConfigError, load_config
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams
-from megatron_gptoss.trainer import loop
+from megatron_gptoss.trainer import loop, rollout_buffer
 from megatron_gptoss.trainer.rollout_buffer import RolloutBuffer
 from megatron_gptoss.trainer.rollouts import collect_rollouts, seed_base
 
@@ -53,6 +54,9 @@ class _Synchronous:
 
     def wait(self):
         pass
+
+    def exclusive(self):
+        return nullcontext()
 
     def busy_s(self):
         return 0.0
@@ -277,3 +281,15 @@ def test_agentic_batches_ahead_overlap_the_learner_only_on_engine_ranks():
     assert RolloutBuffer.overlaps(agentic, _DecodingHost())
     assert not RolloutBuffer.overlaps(agentic, type("Colocated", (), {"decodes_ahead": False})())
     assert not RolloutBuffer.overlaps(_cfg("agent.enabled=true"), _DecodingHost())  # k = 0: nothing ahead
+
+
+@pytest.mark.usefixtures("world_of_one")
+def test_partial_agentic_trajectories_through_engine_ranks_need_one_learner_rank(monkeypatch):
+    """Each batch's trajectories run in a thread beside the learner: with more learner ranks its engine
+    commands would interleave with their collectives, so the buffer refuses them by name."""
+    cfg = _cfg("rollout.max_staleness=1", "rollout.partial=true", "agent.enabled=true")
+    monkeypatch.setattr(rollout_buffer.dist, "get_world_size", lambda group=None: 3)
+    with pytest.raises(ConfigError, match=r"needs one learner rank \(got 3\)"):
+        RolloutBuffer(cfg, _Engine(), _DecodingHost(), _Stream(), SamplingParams())
+    monkeypatch.setattr(rollout_buffer.dist, "get_world_size", lambda group=None: 1)
+    assert RolloutBuffer(cfg, _Engine(), _DecodingHost(), _Stream(), SamplingParams()).threaded
