@@ -33,7 +33,7 @@ batch do not leave the engine idle (they were sampled at version s - 1 and are t
 version old). Agentic trajectories there are generated whole (the agent loop on the learner ranks, every
 turn a generation on the engine ranks): the batches ahead in the overlap's thread while the learner
 computes, their tool calls included (a learner world of one rank), else before the learner starts. With
-`partial` (one learner rank) each batch's trajectories have a thread of their own (`_Trajectories`), queued
+`partial` (one learner rank) each batch's trajectories have a thread of their own (`_InThread`), queued
 at `take(s)` before batch s is waited for and running across the weight sync (`exclusive` keeps a turn from
 falling between the new weights and their version): a trajectory waiting on a tool goes on under the new
 weights, each turn generated again over the whole trajectory, each token recording its version.
@@ -50,8 +50,10 @@ resumed weights): no prompt of the data order is skipped or trained twice.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,12 +125,12 @@ class RolloutBuffer:
         self.rows = engine if self.agentic else host  # what queues rows and is told of new weights
         self.pending: dict[int, Submitted] = {}
         self.version: int | None = None  # the engine's policy version as this buffer knows it
-        self.overlap = self.overlaps(cfg, host) and not self.threaded
         # engine ranks that decode on their own (the separate placement) take the batches ahead before this
         # step's batch is finished, so that its longest rows do not leave the engine's other slots idle
         self.queues_early = remote and (not cfg.agent.enabled or self.threaded)
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        # (queued early, nothing is left for a thread to do while the learner computes)
+        self.overlap = self.overlaps(cfg, host) and not self.queues_early
+        self._thread: _InThread | None = None
         self._busy_s = 0.0  # the engine's generation time since `busy_s` was last read
 
     # ------------------------------------------------------------------------------- the task's state
@@ -143,12 +145,11 @@ class RolloutBuffer:
 
     def close(self) -> None:
         """Join the background generation (its error dropped: the run is ending), close the task."""
-        if self._thread is not None:
-            self._thread.join()
-        for batch in self.pending.values():
-            if isinstance(batch.handle, _Trajectories):
-                batch.handle.thread.join()
-        self._thread, self._error = None, None
+        handles = [self._thread, *(batch.handle for batch in self.pending.values())]
+        for thread in handles:
+            if isinstance(thread, _InThread):
+                thread.join()
+        self._thread = None
         self.task.close()
 
     def exclusive(self) -> AbstractContextManager:
@@ -199,7 +200,7 @@ class RolloutBuffer:
     def _complete(self, batch: Submitted) -> None:
         """A partial batch's rows stepped to their end (a threaded batch's thread joined) and scored."""
         if batch.rollouts is None:
-            if isinstance(batch.handle, _Trajectories):
+            if isinstance(batch.handle, _InThread):
                 generations = batch.handle.result()
             else:
                 generations = self.rows.finish(batch.handle)
@@ -224,30 +225,22 @@ class RolloutBuffer:
         """`_ahead` in a thread while the learner computes; `wait` joins it. On a GPU the thread queues its
         kernels on the learner's stream (the engine's memory is never used by two streams unordered): the
         host's work overlaps, the device runs both in order."""
-        device = self.host.device
 
         def work() -> None:
             start = time.perf_counter()
             try:
-                if device.type == "cuda":
-                    torch.cuda.set_device(device)  # the current device is per thread
                 self._ahead(later, version)
-            except BaseException as err:  # re-raised by wait() in the loop's thread
-                self._error = err
-            self._busy_s += time.perf_counter() - start
+            finally:
+                self._busy_s += time.perf_counter() - start
 
-        self._thread = threading.Thread(target=work, name="rollouts-ahead", daemon=True)
-        self._thread.start()
+        self._thread = _InThread(work, self.host.device, "rollouts-ahead")
 
     def wait(self) -> None:
         """Join the background generation (before the engine's weights change, a checkpoint or an
         evaluation); its error, if any, raised here."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.result()
 
     def busy_s(self) -> float:
         """Seconds the engine generated (in `take` and in the background) since the last call; under the
@@ -304,7 +297,8 @@ class RolloutBuffer:
         rows, params = draw_round(self.cfg, self.task, self.sampling, step, 0)
         prompts = [list(p.token_ids) for p in rows]
         if self.threaded:
-            handle: Any = _Trajectories(self.engine, prompts, params, self.host.device, step)
+            generate = functools.partial(self.engine.generate, prompts, params)
+            handle: Any = _InThread(generate, self.host.device, f"trajectories-{step}")
         else:
             handle = self.rows.start(prompts, params)
         self.pending[step] = Submitted(step, version, state, rows, params, handle)
@@ -326,33 +320,34 @@ class RolloutBuffer:
         return rescored, [fresh[i] if i in dropped else v for i, v in enumerate(versions)]
 
 
-class _Trajectories:
-    """A batch's agentic trajectories generated whole, turn by turn through the engine ranks, in a thread of
-    their own (the prompts were drawn in the loop's thread); `result` joins it."""
+class _InThread:
+    """`fn()` in a thread of its own, on `device` where that is a GPU (the current device is per thread);
+    `result` joins it and returns its value, or raises its error in the caller's thread; `join` only
+    joins."""
 
-    def __init__(
-        self, engine, prompts: list[list[int]], params: SamplingParams, device: torch.device, step: int
-    ):
-        self.generations: list[Generation] | None = None
+    def __init__(self, fn: Callable[[], Any], device: torch.device, name: str):
+        self.value: Any = None
         self.error: BaseException | None = None
 
         def work() -> None:
             try:
                 if device.type == "cuda":
-                    torch.cuda.set_device(device)  # the current device is per thread
-                self.generations = engine.generate(prompts, params)
-            except BaseException as err:  # re-raised by result() in the loop's thread
+                    torch.cuda.set_device(device)
+                self.value = fn()
+            except BaseException as err:  # re-raised by result()
                 self.error = err
 
-        self.thread = threading.Thread(target=work, name=f"trajectories-{step}", daemon=True)
+        self.thread = threading.Thread(target=work, name=name, daemon=True)
         self.thread.start()
 
-    def result(self) -> list[Generation]:
+    def join(self) -> None:
+        self.thread.join()
+
+    def result(self) -> Any:
         self.thread.join()
         if self.error is not None:
             raise self.error
-        assert self.generations is not None
-        return self.generations
+        return self.value
 
 
 def idle_fractions(step_s: float, engine_s: float, learner_s: float) -> dict[str, float]:
