@@ -35,9 +35,10 @@ its tools, from the cold start's HF export `--init`, learning rate `LOOKUP_LR`, 
 steps) per setting; the steps' cumulative time at the first held-out reward >= 0.9, and a plot of the
 held-out reward against that time for every setting (OUT/lookup_reward_time.png); with `--slow-tool` every
 lookup call takes 0.5-2 s (`envs.lookup.slow_lookup`), every row's call at once in every setting. The
-trajectories are agentic either way; an asynchronous setting hides the learner's time behind the
-trajectories', not the tool's: where the learner is small beside the tools, the two come out alike. Each
-run's metrics: OUT/<setting>/metrics.jsonl.
+trajectories are agentic either way: whole (separate-k1-whole) they hide only the learner's time behind the
+trajectories'; partial (separate-k1) each batch's trajectories run across the weight sync, so two batches
+wait on their tools at once. --lookup also prints the throughput table of its runs (8 steps or more give a
+steady one). Each run's metrics: OUT/<setting>/metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ TINY = ["model.preset=gpt_oss_demo", "model.vocab_size=201088", "model.make_voca
         "ppo.num_micro_batches=1", "ppo.num_mini_batches=1", "embedded.max_batch_slots=8"]  # fmt: skip
 THRESHOLD = 0.9  # --lookup: the held-out reward whose first step is timed
 LOOKUP_LR = 2.0e-4  # --lookup's learning rate (the demo's 5e-4 learns within the first evaluation)
-TOOL_CONCURRENCY = 64  # --slow-tool: tool calls at once, every row's of the demo's 8 x 8
+TOOL_CONCURRENCY = 128  # --slow-tool: tool calls at once, every row's of two batches of the demo's 8 x 8
 
 
 def run(setting: str, config: Path, overrides: list[str], out: Path, nproc: int) -> list[dict]:
@@ -245,10 +246,11 @@ def lookup(args, names: list[str], overrides: list[str]) -> dict[str, dict]:
     config = slow_tool_config(args.out) if args.slow_tool else LOOKUP_CONFIG
     curves, results = {}, {}
     for name in names:
-        points = reward_against_time(run(name, config, common, args.out, args.nproc))
-        curves[name] = points
+        steps = run(name, config, common, args.out, args.nproc)
+        points = curves[name] = reward_against_time(steps)
+        timed = sum("time/step_s" in s for s in steps) >= 3  # a step between the first and the last
         results[name] = {"time_to_threshold_s": time_to(points, THRESHOLD), "final_reward": points[-1][1],
-                         "curve": points}  # fmt: skip
+                         "curve": points, "throughput": throughput(steps) if timed else None}  # fmt: skip
     plot_lookup(curves, args.out / "lookup_reward_time.png")
     base = results[names[0]]["time_to_threshold_s"]
     print(
@@ -262,6 +264,9 @@ def lookup(args, names: list[str], overrides: list[str]) -> dict[str, dict]:
         ratio = f"{t / base:.2f}" if t is not None and base else "-"
         cells = [name, "not reached" if t is None else f"{t:.1f}", f"{r['final_reward']:.3f}", ratio]
         print("| " + " | ".join(cells) + " |")
+    if all(r["throughput"] for r in results.values()):
+        print(f"## lookup task: trained tokens per second{' (tool calls 0.5-2 s)' if args.slow_tool else ''}")
+        print_throughput({name: r["throughput"] for name, r in results.items()})
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     return results
 
