@@ -18,12 +18,19 @@ packed --pack at a time against one sequence at a time, without and with the fir
 Random weights at the usual scale route almost uniformly and give flat logits that hide mismatch; the router
 and the output layer are drawn --router-std / --output-std (and the rest --std): the mean entropy of the
 router's softmax over all experts and of the output distribution are printed beside the table.
+
+Then the mode's cost (--cost-tokens, 0 skips it): the learner's forward + backward of the training block of
+`benchmarks/bench_train.py` (the same layers, a --cost-vocab output layer: 2,048 as there, where the head is
+small beside the layers; documents of --doc-len tokens packed into one micro-batch, token-mean log-prob loss,
+every parameter trained) with the library kernels and in the batch-invariant mode, alternating, the median
+of --iters each after a warm-up, and their ratio (the goal: at most 1.15).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import time
 
 import torch
@@ -130,6 +137,66 @@ def entropies(model, outs, prompts, device) -> tuple[float, float]:
     return float(torch.stack(router_h).mean()), float(ent.float().mean())
 
 
+def cost_model(args, device, dtype) -> GPTOSSModel:
+    """The timed block: bench_train's two gpt-oss-120b layers (sliding, full) with a --cost-vocab head."""
+    if args.tiny:
+        config = gpt_oss_tiny(attention_backend="triton")
+    else:
+        config = gpt_oss_120b(
+            num_layers=2, vocab_size=args.cost_vocab, attention_backend="triton", max_position_embeddings=4096
+        )
+    return random_model(config, device, dtype, args.std, args.router_std, args.output_std).train()
+
+
+def fwd_bwd_ms(
+    model: GPTOSSModel, tokens: int, doc_len: int, invariant: bool, iters: int, device
+) -> list[float]:
+    """Milliseconds of `iters` forward + backward passes of `tokens` random tokens in documents of `doc_len`,
+    the token-mean log-prob of each next token as the loss, with the batch-invariant mode `invariant`."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (tokens + 1,), generator=gen).to(device)
+    lengths = [min(doc_len, tokens - s) for s in range(0, tokens, doc_len)]
+    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    times = []
+    with batch_invariant.enabled(invariant):
+        for _ in range(iters):
+            sync(device)
+            start = time.perf_counter()
+            hidden = model.hidden_states(ids[None, :-1], positions, cu_seqlens=cu, max_seqlen=max(lengths))
+            loss = -token_logprobs(hidden[0], model.output_weight(), ids[1:]).mean()
+            loss.backward()
+            sync(device)
+            times.append(1e3 * (time.perf_counter() - start))
+            model.zero_grad(set_to_none=True)
+    return times
+
+
+def cost(args, device, dtype) -> list[tuple[str, float, float]]:
+    """(setting, median ms, spread) of the forward + backward with the library kernels and batch-invariant,
+    measured in alternating rounds after one warm-up pass each (module doc)."""
+    model = cost_model(args, device, dtype)
+    tokens = args.cost_tokens
+    doc_len = min(args.doc_len, tokens)
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for invariant in samples:  # warm-up: compilation, autotuning, the allocator's pools
+        fwd_bwd_ms(model, tokens, doc_len, invariant, 1, device)
+    for _ in range(args.iters):
+        for invariant in samples:
+            samples[invariant] += fwd_bwd_ms(model, tokens, doc_len, invariant, 1, device)
+    rows = []
+    for invariant, times in samples.items():
+        median = statistics.median(times)
+        rows.append(
+            (
+                "batch-invariant" if invariant else "library kernels",
+                median,
+                (max(times) - min(times)) / median,
+            )
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true")
@@ -141,11 +208,16 @@ def main() -> None:
     parser.add_argument("--std", type=float, default=0.02)
     parser.add_argument("--router-std", type=float, default=0.3)
     parser.add_argument("--output-std", type=float, default=0.1)
+    parser.add_argument("--cost-tokens", type=int, default=16384, help="tokens of the timed block (0: none)")
+    parser.add_argument("--cost-vocab", type=int, default=2048)
+    parser.add_argument("--doc-len", type=int, default=4096)
+    parser.add_argument("--iters", type=int, default=10)
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     if args.tiny:
         config = gpt_oss_tiny(attention_backend="triton")
+        args.cost_tokens = min(args.cost_tokens, 64)
         args.rows, args.prompt_len, args.new_tokens = (
             min(args.rows, 8),
             min(args.prompt_len, 12),
@@ -229,6 +301,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, mean, mx, fl, g, l, n in rows:
         print(f"| {name} | {n} | {mean:.3e} | {mx:.3e} | {fl:.4f} | {g:.2f} | {l:.2f} |")
+    if args.cost_tokens > 0:
+        del engine, engines, learner
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        timed = cost(args, device, dtype)
+        base = timed[0][1]
+        print(f"learner forward + backward, 2-layer block, {args.cost_tokens} tokens, {args.iters} rounds:")
+        print("| kernels | ms | spread | / library (goal <= 1.15) |")
+        print("|---|---|---|---|")
+        for name, ms, spread in timed:
+            print(f"| {name} | {ms:.2f} | {100 * spread:.1f}% | {ms / base:.3f} |")
 
 
 if __name__ == "__main__":
