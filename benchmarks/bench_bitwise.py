@@ -148,52 +148,50 @@ def cost_model(args, device, dtype) -> GPTOSSModel:
     return random_model(config, device, dtype, args.std, args.router_std, args.output_std).train()
 
 
-def fwd_bwd_ms(
-    model: GPTOSSModel, tokens: int, doc_len: int, invariant: bool, iters: int, device
-) -> list[float]:
-    """Milliseconds of `iters` forward + backward passes of `tokens` random tokens in documents of `doc_len`,
-    the token-mean log-prob of each next token as the loss, with the batch-invariant mode `invariant`."""
+def packed_tokens(vocab: int, tokens: int, doc_len: int, device) -> tuple[torch.Tensor, ...]:
+    """`tokens` + 1 random token ids and, for the first `tokens` of them in documents of `doc_len`, their
+    positions [1, tokens] and cu_seqlens."""
     gen = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, model.config.vocab_size, (tokens + 1,), generator=gen).to(device)
-    lengths = [min(doc_len, tokens - s) for s in range(0, tokens, doc_len)]
-    positions = torch.cat([torch.arange(n) for n in lengths]).to(device)[None]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    times = []
+    ids = torch.randint(0, vocab, (tokens + 1,), generator=gen).to(device)
+    lengths = torch.tensor([min(doc_len, tokens - s) for s in range(0, tokens, doc_len)])
+    positions = torch.cat([torch.arange(int(n)) for n in lengths]).to(device)[None]
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).int()]).to(device)
+    return ids, positions, cu
+
+
+def fwd_bwd_ms(model: GPTOSSModel, packed: tuple[torch.Tensor, ...], doc_len: int, invariant: bool, device):
+    """Milliseconds of one forward + backward pass over `packed` (`packed_tokens`), the token-mean log-prob of
+    each next token as the loss, with the batch-invariant mode `invariant`; the gradients dropped after."""
+    ids, positions, cu = packed
     with batch_invariant.enabled(invariant):
-        for _ in range(iters):
-            sync(device)
-            start = time.perf_counter()
-            hidden = model.hidden_states(ids[None, :-1], positions, cu_seqlens=cu, max_seqlen=max(lengths))
-            loss = -token_logprobs(hidden[0], model.output_weight(), ids[1:]).mean()
-            loss.backward()
-            sync(device)
-            times.append(1e3 * (time.perf_counter() - start))
-            model.zero_grad(set_to_none=True)
-    return times
+        sync(device)
+        start = time.perf_counter()
+        hidden = model.hidden_states(ids[None, :-1], positions, cu_seqlens=cu, max_seqlen=doc_len)
+        loss = -token_logprobs(hidden[0], model.output_weight(), ids[1:]).mean()
+        loss.backward()
+        sync(device)
+        ms = 1e3 * (time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return ms
 
 
 def cost(args, device, dtype) -> list[tuple[str, float, float]]:
     """(setting, median ms, spread) of the forward + backward with the library kernels and batch-invariant,
     measured in alternating rounds after one warm-up pass each (module doc)."""
     model = cost_model(args, device, dtype)
-    tokens = args.cost_tokens
-    doc_len = min(args.doc_len, tokens)
+    doc_len = min(args.doc_len, args.cost_tokens)
+    packed = packed_tokens(model.config.vocab_size, args.cost_tokens, doc_len, device)
     samples: dict[bool, list[float]] = {False: [], True: []}
     for invariant in samples:  # warm-up: compilation, autotuning, the allocator's pools
-        fwd_bwd_ms(model, tokens, doc_len, invariant, 1, device)
+        fwd_bwd_ms(model, packed, doc_len, invariant, device)
     for _ in range(args.iters):
-        for invariant in samples:
-            samples[invariant] += fwd_bwd_ms(model, tokens, doc_len, invariant, 1, device)
+        for invariant, times in samples.items():
+            times.append(fwd_bwd_ms(model, packed, doc_len, invariant, device))
     rows = []
     for invariant, times in samples.items():
         median = statistics.median(times)
-        rows.append(
-            (
-                "batch-invariant" if invariant else "library kernels",
-                median,
-                (max(times) - min(times)) / median,
-            )
-        )
+        name = "batch-invariant" if invariant else "library kernels"
+        rows.append((name, median, (max(times) - min(times)) / median))
     return rows
 
 
