@@ -57,8 +57,13 @@ class LoRA(nn.Module):
         self.a.copy_(noise.to(self.a.dtype))
         self.b.zero_()
 
+    @property
+    def drops(self) -> bool:
+        """Whether the adapter draws dropout on its input (training, dropout > 0)."""
+        return self.training and self.dropout > 0
+
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        return nn.functional.dropout(x, self.dropout) if self.drops else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> the update [..., out] (dense adapters)."""

@@ -126,7 +126,8 @@ class Experts(nn.Module):
     router weighting as fused Triton kernels (`megatron_gptoss.ops.fused_moe`; on the CPU under
     TRITON_INTERPRET=1): no host sync. The rollout engine's forward steps (inside `moe_decode.decode_scope`)
     over few rows per expert, without autograd (`decode_kernels`), run the GEMMs with their bias and
-    SwiGLU as `ops.moe_decode`'s kernels.
+    SwiGLU as `ops.moe_decode`'s kernels, active adapters' updates (computed as the fused path computes
+    them) added in the kernels' epilogues.
     `loop` (auto on the CPU) is the eager reference: a loop over experts with the per-expert counts read
     on the host.
 
@@ -166,17 +167,19 @@ class Experts(nn.Module):
 
     def decode_eligible(self, x: torch.Tensor) -> bool:
         """The decode kernels' conditions but the device: inside `moe_decode.decode_scope` (the rollout
-        engine's steps; never the learner's forwards), the fused path, nothing for autograd to record,
-        no active adapter, the batch-invariant mode off, x in the weights' dtype and at most
-        `DECODE_ROWS_PER_EXPERT` rows per expert on average."""
+        engine's steps; never the learner's forwards), the fused path, nothing for autograd to record
+        (adapters included), no active adapter drawing dropout (`LoRA.drops`), the batch-invariant mode off,
+        x in the weights' dtype and at most `DECODE_ROWS_PER_EXPERT` rows per expert on average."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
         if not moe_decode.in_decode_scope():
             return False
         if not self.fused(x) or batch_invariant.active() or x.dtype != fc1.dtype:
             return False
-        if active(fc1.lora) is not None or active(fc2.lora) is not None:
+        adapters = [lora for lora in (active(fc1.lora), active(fc2.lora)) if lora is not None]
+        if any(lora.drops for lora in adapters):
             return False
-        params = (x, fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+        params = [x, fc1.weight, fc1.bias, fc2.weight, fc2.bias]
+        params += [p for lora in adapters for p in lora.parameters()]
         if torch.is_grad_enabled() and any(isinstance(p, torch.Tensor) and p.requires_grad for p in params):
             return False
         return x.shape[0] <= DECODE_ROWS_PER_EXPERT * self.num_experts
@@ -185,19 +188,26 @@ class Experts(nn.Module):
         """Rows x [M, H] sorted by expert (this instance's expert e: rows [bounds[e], bounds[e + 1]),
         bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
+        gemm = (
+            "grouped_mm" if x.is_cuda else "loop"
+        )  # the fused path's grouped GEMM, and the decode path's adapters
         if self.decode_kernels(x):
             w1, w2 = fc1.weight, fc2.weight
             if isinstance(w1, MXFP4Weight) and isinstance(w2, MXFP4Weight):
                 h = mxfp4_gemm.fc1_swiglu_mxfp4(
-                    x, w1.blocks, w1.scales, fc1.bias, bounds, self.limit, self.alpha
+                    x, w1.blocks, w1.scales, fc1.bias, bounds, self.limit, self.alpha,
+                    addend=fc1.update(x, bounds, gemm),
+                )  # fmt: skip
+                y = mxfp4_gemm.grouped_linear_mxfp4(
+                    h, w2.blocks, w2.scales, bounds, addend=fc2.update(h, bounds, gemm)
                 )
-                y = mxfp4_gemm.grouped_linear_mxfp4(h, w2.blocks, w2.scales, bounds)
                 return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
             assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)
-            h = moe_decode.decode_fc1(x, w1, fc1.bias, bounds, self.limit, self.alpha)
-            return moe_decode.decode_fc2(h, w2, fc2.bias, bounds)
+            h = moe_decode.decode_fc1(
+                x, w1, fc1.bias, bounds, self.limit, self.alpha, addend=fc1.update(x, bounds, gemm)
+            )
+            return moe_decode.decode_fc2(h, w2, fc2.bias, bounds, addend=fc2.update(h, bounds, gemm))
         if self.fused(x):
-            gemm = "grouped_mm" if x.is_cuda else "loop"
             h = fc1(x, bounds, gemm, packed=True)
             h = fused_moe.swiglu_bias(h, fc1.bias, bounds, self.limit, self.alpha)
             y = fc2(h, bounds, gemm, packed=True)
@@ -264,10 +274,16 @@ class _ExpertLinear(nn.Module):
             y = mxfp4_gemm.grouped_linear_mxfp4(x, weight.blocks, weight.scales, bounds)
         else:
             y = grouped_linear(x, weight.dequantize(x.dtype), bounds, gemm)
+        update = self.update(x, bounds, gemm)
+        return y if update is None else y + update
+
+    def update(self, x: torch.Tensor, bounds: torch.Tensor, gemm: str) -> torch.Tensor | None:
+        """The active adapter's update [M, out] of rows x sorted by expert (`LoRA.grouped` by `grouped_linear`
+        with `gemm`), or None without an active adapter."""
         lora = active(self.lora)
         if lora is None:
-            return y
-        return y + lora.grouped(x, bounds, lambda rows, w, b: grouped_linear(rows, w, b, gemm))
+            return None
+        return lora.grouped(x, bounds, lambda rows, w, b: grouped_linear(rows, w, b, gemm))
 
 
 class MoE(nn.Module):

@@ -3,22 +3,26 @@
 At decode a layer's experts see a few dozen rows each: the GEMMs read every weight of every expert hit
 and do little arithmetic with it, so their time is the time to stream the weights from memory. One Triton
 kernel (`megatron_gptoss.ops.moe_decode_kernels`) per GEMM reads each hit expert's weight once, with the
-epilogue fused: fc1 with its bias and the clamped SwiGLU, fc2 with its bias.
+epilogue fused: fc1 with its bias and the clamped SwiGLU, fc2 with its bias, each optionally with an addend
+(an expert adapter's update, `model.lora`) added to the products first.
 
     rows x [M, H] sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), bounds int32 [E + 1] on the
     device)
-    decode_fc1(x, w1 [E, 2I, H] ([gate; up]), b1 [E, 2I] | None, bounds, limit, alpha) -> h [M, I]:
-        g, u = x w1[e, :I]^T + b1[e, :I], x w1[e, I:]^T + b1[e, I:]
+    decode_fc1(x, w1 [E, 2I, H] ([gate; up]), b1 [E, 2I] | None, bounds, limit, alpha,
+               addend=a1 [M, 2I] ([gate; up]) | None) -> h [M, I]:
+        g, u = x w1[e, :I]^T + a1[:, :I] + b1[e, :I], x w1[e, I:]^T + a1[:, I:] + b1[e, I:]
         h = (clamp(u, -limit, limit) + 1) * gate * sigmoid(alpha gate), gate = min(g, limit)
-    decode_fc2(h [M, I], w2 [E, H, I], b2 [E, H] | None, bounds) -> y [M, H] = h w2[e]^T + b2[e]
+    decode_fc2(h [M, I], w2 [E, H, I], b2 [E, H] | None, bounds, addend=a2 [M, H] | None)
+        -> y [M, H] = h w2[e]^T + a2 + b2[e]
 
-Precision, the library path's (`torch._grouped_mm`, then `fused_moe`'s bias and SwiGLU): operands read in
-their dtype, products accumulated in fp32 over K in a fixed order and rounded to x's dtype, bias and SwiGLU
-in fp32 on those rounded products, one more rounding to x's dtype. The two paths then differ only where the
-order of the fp32 sums moves a product across a rounding boundary of x's dtype. Skipping the products'
-rounding (fp32 straight into the epilogue) is closer to float64 but moves every bf16 output by up to half
-a unit in the last place against the learner, which runs the library path: enough to flip the top-k experts
-of one token in 60 in the next layer's router at gpt-oss width.
+Precision, the library path's (`torch._grouped_mm`, the addend added as a tensor, then `fused_moe`'s bias and
+SwiGLU): operands read in their dtype, products accumulated in fp32 over K in a fixed order and rounded to
+x's dtype, the addend added in fp32 and the sum rounded to x's dtype, bias and SwiGLU in fp32 on those
+rounded values, one more rounding to x's dtype. The two paths then differ only where the order of the fp32
+sums moves a product across a rounding boundary of x's dtype. Skipping the products' rounding (fp32 straight
+into the epilogue) is closer to float64 but moves every bf16 output by up to half a unit in the last place
+against the learner, which runs the library path: enough to flip the top-k experts of one token in 60 in the
+next layer's router at gpt-oss width.
 The grid is static and the bounds are read only on the device (CUDA-graph capturable); an expert without
 rows costs one program exit per column block. No autograd: callers take this path only without gradients.
 
@@ -153,7 +157,15 @@ def _descriptors(x: Tensor, weight: Tensor, cfg: DecodeConfig):
     return x_desc, w_desc
 
 
-def _check(x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, out_rows: int, k: int) -> None:
+def _check(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    addend: Tensor | None,
+    bounds: Tensor,
+    out_rows: int,
+    k: int,
+) -> None:
     if x.dim() != 2 or weight.dim() != 3 or x.shape[1] != k or weight.shape[2] != k:
         raise ValueError(f"rows {tuple(x.shape)} and weight {tuple(weight.shape)} do not match (K = {k})")
     if bounds.dtype != torch.int32 or bounds.numel() != weight.shape[0] + 1:
@@ -161,30 +173,35 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, out_r
                          f"{tuple(bounds.shape)}")  # fmt: skip
     if bias is not None and tuple(bias.shape) != (weight.shape[0], out_rows):
         raise ValueError(f"bias {tuple(bias.shape)} must be [E, {out_rows}]")
+    if addend is not None and (tuple(addend.shape) != (x.shape[0], out_rows) or addend.dtype != x.dtype):
+        raise ValueError(f"addend must be [M, {out_rows}] = [{x.shape[0]}, {out_rows}] in the rows' dtype "
+                         f"{x.dtype}, got {addend.dtype} {tuple(addend.shape)}")  # fmt: skip
 
 
 def _launch(
-    x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, n: int, gated: bool,
-    limit: float, alpha: float, config: DecodeConfig | None,
+    x: Tensor, weight: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor, n: int,
+    gated: bool, limit: float, alpha: float, config: DecodeConfig | None,
 ) -> Tensor:  # fmt: skip
     x = x if x.stride(-1) == 1 else x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
     bias = bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
+    addend = addend if addend is None or addend.stride(-1) == 1 else addend.contiguous()
     m, k = x.shape
     e = weight.shape[0]
     out = x.new_empty(m, n)
     if m == 0 or n == 0:
         return out
     cfg = default_config(m, e, x.device, x.dtype, gated) if config is None else config
-    has_bias = bias is not None
+    has_bias, has_add = bias is not None, addend is not None
     bias_arg = weight if bias is None else bias
+    add_arg = x if addend is None else addend
     x_desc, w_desc = _descriptors(x, weight, cfg)
     _kernels().decode_grouped_kernel[(_cdiv(n, cfg.block_n), e)](
-        x, weight, bias_arg, out, bounds, x_desc, w_desc, n, k, weight.shape[1],
-        x.stride(0), weight.stride(0), weight.stride(1), bias_arg.stride(0) if has_bias else 0, out.stride(0),
-        float(limit), float(alpha),
-        GATED=gated, HAS_BIAS=has_bias, SWAP=cfg.swap, TMA=x_desc is not None, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        x, weight, bias_arg, add_arg, out, bounds, x_desc, w_desc, n, k, weight.shape[1],
+        x.stride(0), weight.stride(0), weight.stride(1), bias_arg.stride(0) if has_bias else 0,
+        add_arg.stride(0) if has_add else 0, out.stride(0), float(limit), float(alpha),
+        GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SWAP=cfg.swap, TMA=x_desc is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
@@ -193,30 +210,33 @@ def _launch(
 
 def decode_fc1(
     x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, limit: float, alpha: float,
-    config: DecodeConfig | None = None,
+    config: DecodeConfig | None = None, addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """x [M, H] sorted by expert, weight [E, 2I, H] ([gate; up]), bias [E, 2I] or None -> the clamped
-    SwiGLU of x w[e]^T + b[e]: [M, I] in x's dtype (module doc)."""
+    """x [M, H] sorted by expert, weight [E, 2I, H] ([gate; up]), bias [E, 2I] or None, addend [M, 2I]
+    ([gate; up]) in x's dtype or None -> the clamped SwiGLU of x w[e]^T + addend + b[e]: [M, I] in x's dtype
+    (module doc)."""
     two_i = weight.shape[1] if weight.dim() == 3 else 0
-    _check(x, weight, bias, bounds, two_i, x.shape[-1])
+    _check(x, weight, bias, addend, bounds, two_i, x.shape[-1])
     if two_i % 2:
         raise ValueError(f"fc1 weight {tuple(weight.shape)}: the output width must be even ([gate; up])")
-    return _launch(x, weight, bias, bounds, two_i // 2, True, limit, alpha, config)
+    return _launch(x, weight, bias, addend, bounds, two_i // 2, True, limit, alpha, config)
 
 
 def decode_fc2(
-    h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, config: DecodeConfig | None = None
-) -> Tensor:
-    """h [M, I] sorted by expert, weight [E, H, I], bias [E, H] or None -> h w[e]^T + b[e]: [M, H] in h's
-    dtype."""
+    h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, config: DecodeConfig | None = None,
+    addend: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """h [M, I] sorted by expert, weight [E, H, I], bias [E, H] or None, addend [M, H] in h's dtype or None
+    -> h w[e]^T + addend + b[e]: [M, H] in h's dtype (module doc)."""
     out_width = weight.shape[1] if weight.dim() == 3 else 0
-    _check(h, weight, bias, bounds, out_width, h.shape[-1])
-    return _launch(h, weight, bias, bounds, out_width, False, 0.0, 0.0, config)
+    _check(h, weight, bias, addend, bounds, out_width, h.shape[-1])
+    return _launch(h, weight, bias, addend, bounds, out_width, False, 0.0, 0.0, config)
 
 
 # ------------------------------------------------------------------------------------------------
 # References (PyTorch): per-expert loop, computed in fp32 (float64 for float64 inputs); the products rounded
-# to the inputs' dtype before the epilogue, as the kernels and the library path do
+# to the inputs' dtype before the epilogue, as the kernels and the library path do, and so is their sum with
+# the addend
 def _grouped_reference(x: Tensor, weight: Tensor, bounds: Tensor) -> Tensor:
     acc = torch.promote_types(x.dtype, torch.float32)
     counts = (bounds[1:] - bounds[:-1]).tolist()
@@ -224,20 +244,33 @@ def _grouped_reference(x: Tensor, weight: Tensor, bounds: Tensor) -> Tensor:
     return torch.cat(pieces) if pieces else x.new_empty(0, weight.shape[1], dtype=acc)
 
 
+def _rounded_products(
+    x: Tensor, weight: Tensor, addend: Tensor | None, bounds: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """The products rounded to `dtype`, plus the addend (in x's dtype or wider) rounded to `dtype` again;
+    returned in x's dtype."""
+    products = _grouped_reference(x, weight, bounds)
+    rounded = products.to(dtype).to(products.dtype)
+    if addend is not None:
+        rounded = (rounded + addend.to(products.dtype)).to(dtype).to(products.dtype)
+    return rounded.to(x.dtype)
+
+
 # to `dtype` (default: the inputs'); float64 inputs with dtype=torch.bfloat16 give the exact products of
 # bf16 operands correctly rounded, the ideal of the bf16 paths
 def fc1_reference(
     x: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, limit: float, alpha: float,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | None = None, addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     dtype = x.dtype if dtype is None else dtype
-    products = _grouped_reference(x, weight, bounds).to(dtype).to(x.dtype)
+    products = _rounded_products(x, weight, addend, bounds, dtype)
     return swiglu_reference(products, bias, bounds, limit, alpha).to(dtype)
 
 
 def fc2_reference(
-    h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, dtype: torch.dtype | None = None
-) -> Tensor:
+    h: Tensor, weight: Tensor, bias: Tensor | None, bounds: Tensor, dtype: torch.dtype | None = None,
+    addend: Tensor | None = None,
+) -> Tensor:  # fmt: skip
     dtype = h.dtype if dtype is None else dtype
-    y = _grouped_reference(h, weight, bounds).to(dtype).to(h.dtype)
+    y = _rounded_products(h, weight, addend, bounds, dtype)
     return (y if bias is None else expert_bias_reference(y, bias, bounds)).to(dtype)

@@ -112,19 +112,32 @@ def _rows_products_tma(
 
 
 @triton.jit
+def _round_add(acc, add_ptrs, mask, DTYPE: tl.constexpr, HAS_ADD: tl.constexpr):
+    """fp32 products `acc` rounded to DTYPE (the output's); HAS_ADD: plus the values at add_ptrs (masked: 0)
+    in fp32, the sum rounded to DTYPE again. Returned in fp32."""
+    acc = acc.to(DTYPE).to(tl.float32)
+    if HAS_ADD:
+        addend = tl.load(add_ptrs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        acc = (acc + addend).to(DTYPE).to(tl.float32)
+    return acc
+
+
+@triton.jit
 def decode_grouped_kernel(
-    X, W, Bias, Out, bounds, x_desc, w_desc, N, K, W_ROWS, stride_x, stride_we, stride_wn, stride_be,
-    stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SWAP: tl.constexpr,
-    TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    X, W, Bias, Add, Out, bounds, x_desc, w_desc, N, K, W_ROWS, stride_x, stride_we, stride_wn, stride_be,
+    stride_add, stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+    SWAP: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N, X [M, K], W [E, *, K] with
-    unit stride along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate *
-    sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rows' products
-    with W[e, c] and W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = product + bias.
-    Products accumulated in fp32 and rounded to Out's dtype (the library GEMM's output), the epilogue in fp32
-    on them, one more rounding to Out's dtype. TMA: the tiles are read through x_desc and w_desc
-    (`_rows_products_tma`; W_ROWS = W.shape[1]), else through pointers (the descriptors unused)."""
+    unit stride along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) *
+    gate * sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rows'
+    products with W[e, c] and W[e, N + c] (plus Add[r, c] and Add[r, N + c]) plus the bias. Not GATED:
+    W [E, N, K], Bias [E, N], Add [M, N]; Out = product (+ Add[r, c]) + bias. Products accumulated in fp32
+    and rounded to Out's dtype (the library GEMM's output); HAS_ADD: Add added in fp32 and the sum rounded
+    to Out's dtype again; the epilogue in fp32 on them, one more rounding to Out's dtype. TMA: the tiles are
+    read through x_desc and w_desc (`_rows_products_tma`; W_ROWS = W.shape[1]), else through pointers (the
+    descriptors unused)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -150,13 +163,15 @@ def decode_grouped_kernel(
                 X, w_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wn,
                 GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )  # fmt: skip
-        # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
-        # the rounded values (a no-op in fp32)
-        lo = lo.to(Out.dtype.element_ty).to(tl.float32)
+        # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
+        # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
+        mask = row_ok[:, None] & col_ok[None, :]
+        add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
+        lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
         if HAS_BIAS:
             lo += b_lo[None, :]
         if GATED:
-            hi = hi.to(Out.dtype.element_ty).to(tl.float32)
+            hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
             if HAS_BIAS:
                 hi += b_hi[None, :]
             gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
@@ -164,4 +179,4 @@ def decode_grouped_kernel(
         else:
             res = lo
         out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)

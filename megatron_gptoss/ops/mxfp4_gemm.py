@@ -7,14 +7,17 @@ and `scales` [E, out, in / 32] uint8 (one E8M0 power of two 2 ** (s - 127) per b
 
     rows x [M, in] sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), bounds int32 [E + 1] on x's
     device)
-    grouped_linear_mxfp4(x, blocks, scales, bounds)  -> y [M, out] = x W[e]^T in x's dtype;
-        differentiable in x (the weights are frozen): grad_x = grad_y W[e]
-    fc1_swiglu_mxfp4(x, blocks, scales, bias, bounds, limit, alpha) -> h [M, I], W[e] [2I, in] as [gate; up]:
-        the clamped SwiGLU of x W[e]^T + bias[e] (`fused_moe.swiglu_bias`'s); forward only
+    grouped_linear_mxfp4(x, blocks, scales, bounds, addend=a [M, out] | None) -> y [M, out] = x W[e]^T (+ a)
+        in x's dtype; differentiable in x (the weights are frozen): grad_x = grad_y W[e], and in a: grad_y
+    fc1_swiglu_mxfp4(x, blocks, scales, bias, bounds, limit, alpha, addend=a [M, 2I] | None) -> h [M, I],
+        W[e] [2I, in] as [gate; up], a in the same column order: the clamped SwiGLU of x W[e]^T (+ a) +
+        bias[e] (`fused_moe.swiglu_bias`'s); forward only
+    The addend a (an expert adapter's update, `model.lora`; in x's dtype) is added as a tensor addition adds.
 
 Precision, the dequantize-then-bf16 path's (`reference_dequantized`: the weights dequantized to x's dtype,
-the library's grouped GEMM, then `fused_moe`'s bias and SwiGLU): products accumulated in fp32 and rounded to
-x's dtype; bias and SwiGLU in fp32 on those rounded products, one more rounding. The kernels sum over K
+the library's grouped GEMM, the addend added as a tensor, then `fused_moe`'s bias and SwiGLU): products
+accumulated in fp32 and rounded to x's dtype, the addend added in fp32 and the sum rounded to x's dtype;
+bias and SwiGLU in fp32 on those rounded values, one more rounding. The kernels sum over K
 in the library GEMM's order: on an H100 the portable kernel's products equal the dequantized path's bit for
 bit (the scaled kernel's too, at the sizes measured); elsewhere they may differ where another order of the
 fp32 sums moves a product across a rounding boundary of x's dtype.
@@ -80,7 +83,10 @@ def _check_weights(blocks: Tensor, scales: Tensor) -> None:
         )
 
 
-def _check(x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tensor | None = None) -> None:
+def _check(
+    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tensor | None = None,
+    addend: Tensor | None = None,
+) -> None:  # fmt: skip
     """Shapes, dtypes and devices of the grouped GEMM's inputs, with errors naming the tensor."""
     _check_weights(blocks, scales)
     e, out, groups = blocks.shape[:3]
@@ -101,6 +107,12 @@ def _check(x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tens
         if bias.device != x.device or not bias.is_floating_point():
             raise ValueError(f"bias must be a floating-point tensor on {x.device}, got {bias.dtype} on "
                              f"{bias.device}")  # fmt: skip
+    if addend is not None:
+        if tuple(addend.shape) != (x.shape[0], out):
+            raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
+        if addend.device != x.device or addend.dtype != x.dtype:
+            raise ValueError(f"addend must be {x.dtype} on {x.device} (x's), got {addend.dtype} on "
+                             f"{addend.device}")  # fmt: skip
 
 
 def _resolve_path(path: str | None) -> str:
@@ -149,18 +161,21 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
 
 def reference_dequantized(
     x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tensor | None = None,
-    swiglu: tuple[float, float] | None = None,
+    swiglu: tuple[float, float] | None = None, addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """The dequantize-then-compute path: W = dequantize(blocks, scales) in x's dtype, then per expert
-    x_e W[e]^T (the library's grouped product: fp32 accumulation, one rounding to x's dtype). With
-    `swiglu` = (limit, alpha): `fused_moe.swiglu_reference` of it (bias [E, 2I] added in fp32 to the rounded
-    products, clamped SwiGLU in fp32, one rounding) -> [M, I]; else the products plus bias[e] (added in fp32
-    to the rounded products, one rounding) -> [M, out]. Differentiable in x through autograd."""
-    _check(x, blocks, scales, bounds, bias)
+    x_e W[e]^T (the library's grouped product: fp32 accumulation, one rounding to x's dtype), plus `addend`
+    [M, out] in x's dtype (a tensor addition: one more rounding). With `swiglu` = (limit, alpha):
+    `fused_moe.swiglu_reference` of it (bias [E, 2I] added in fp32 to the rounded products, clamped SwiGLU
+    in fp32, one rounding) -> [M, I]; else the products plus bias[e] (added in fp32 to the rounded products,
+    one rounding) -> [M, out]. Differentiable in x and addend through autograd."""
+    _check(x, blocks, scales, bounds, bias, addend)
     weight = dequantize(blocks, scales, x.dtype)  # [E, out, in]
     counts = (bounds[1:] - bounds[:-1]).tolist()
     pieces = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
     y = torch.cat(pieces) if pieces else x @ weight[0].t()  # no rows: an empty product, still tied to x
+    if addend is not None:
+        y = y + addend
     acc = torch.promote_types(x.dtype, torch.float32)
     if swiglu is None:
         if bias is None:
@@ -364,14 +379,17 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def _forward(
-    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
-    limit: float, alpha: float, kernel: str, config: Mxfp4Config | None, out_dtype: torch.dtype | None = None,
+    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor,
+    gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:  # fmt: skip
     """One launch of the forward kernel; the output in x's dtype (`out_dtype`: another, which the products
-    are rounded to instead: the tests' fp32 view of the bf16 kernels under the interpreter)."""
+    and their sums with the addend are rounded to instead: the tests' fp32 view of the bf16 kernels under the
+    interpreter)."""
     x = _contiguous_rows(x)
     blocks, scales = _kernel_layout(blocks, scales)
     bias = bias if bias is None else _contiguous_rows(bias)
+    addend = addend if addend is None else _contiguous_rows(addend)
     m, k = x.shape
     e, rows_w = blocks.shape[:2]
     n = rows_w // 2 if gated else rows_w
@@ -388,15 +406,16 @@ def _forward(
                          f"got {cfg.sub_k}")  # fmt: skip
     if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
         decode = DECODES.index("groups")
-    has_bias = bias is not None
+    has_bias, has_add = bias is not None, addend is not None
     bias_arg = x if bias is None else bias
+    add_arg = x if addend is None else addend
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
     _kernels().mxfp4_fwd_kernel[grid](
-        x, blocks, scales, bias_arg, out, bounds, n, k, x.stride(0), blocks.stride(0), blocks.stride(1),
-        scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0, out.stride(0),
-        float(limit), float(alpha),
-        GATED=gated, HAS_BIAS=has_bias, SCALED=kernel == "scaled", SWAP=cfg.swap, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
+        x, blocks, scales, bias_arg, add_arg, out, bounds, n, k, x.stride(0), blocks.stride(0),
+        blocks.stride(1), scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0,
+        add_arg.stride(0) if has_add else 0, out.stride(0), float(limit), float(alpha),
+        GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SCALED=kernel == "scaled", SWAP=cfg.swap,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
@@ -404,25 +423,26 @@ def _forward(
 
 
 def _forward_any(
-    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, gated: bool,
-    limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
+    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor,
+    gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
 ) -> Tensor:  # fmt: skip
     """`_forward`; where the scaled kernel fails to compile or launch on a GPU with these tiles, warns once
     and runs the portable kernel from then on for them (`scaled_failures`)."""
+    args = (x, blocks, scales, bias, addend, bounds, gated, limit, alpha)
     if kernel != "scaled" or not x.is_cuda:
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, config)
+        return _forward(*args, kernel, config)
     cfg = default_config(x.shape[0], blocks.shape[0], x.device, gated) if config is None else config
     key = (torch.cuda.get_device_name(x.device), cfg, gated)
     if key in _SCALED_FAILED:
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", cfg)
+        return _forward(*args, "portable", cfg)
     compile_errors = (importlib.import_module("triton.compiler.errors").CompilationError, RuntimeError)
     try:
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, kernel, cfg)
+        return _forward(*args, kernel, cfg)
     except compile_errors as error:
         _SCALED_FAILED[key] = f"{type(error).__name__}: {error}"
         warnings.warn(f"MXFP4 GEMM: the tl.dot_scaled kernel failed on {key[0]} with {cfg} (gated {gated}), "
                       f"running the portable kernel: {_SCALED_FAILED[key][:300]}", stacklevel=3)  # fmt: skip
-        return _forward(x, blocks, scales, bias, bounds, gated, limit, alpha, "portable", cfg)
+        return _forward(*args, "portable", cfg)
 
 
 def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
@@ -447,57 +467,66 @@ def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dt
 
 
 class _GroupedLinear(torch.autograd.Function):
+    """x W[e]^T (+ addend) by the forward kernel; the gradients: grad_y W[e] for x, grad_y for the addend."""
+
     @staticmethod
-    def forward(ctx, x, blocks, scales, bounds, kernel, config):
+    def forward(ctx, x, blocks, scales, bounds, addend, kernel, config):
         ctx.save_for_backward(blocks, scales, bounds)
         ctx.dtype, ctx.config = x.dtype, config
-        return _forward_any(x, blocks, scales, None, bounds, False, 0.0, 0.0, kernel, config)
+        return _forward_any(x, blocks, scales, None, addend, bounds, False, 0.0, 0.0, kernel, config)
 
     @staticmethod
     def backward(ctx, grad):
         blocks, scales, bounds = ctx.saved_tensors
-        return _input_grad(grad, blocks, scales, bounds, ctx.dtype, ctx.config), None, None, None, None, None
+        grad_x = _input_grad(grad, blocks, scales, bounds, ctx.dtype, ctx.config)
+        grad_addend = grad if ctx.needs_input_grad[4] else None
+        return grad_x, None, None, None, grad_addend, None, None
 
 
 # ------------------------------------------------------------------------------------------------
 # Public API
 def grouped_linear_mxfp4(
     x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, path: str | None = None,
-    config: Mxfp4Config | None = None,
+    config: Mxfp4Config | None = None, addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, blocks [E, out, in / 32, 16] / scales [E, out, in / 32] uint8, bounds int32
-    [E + 1] -> x W[e]^T [M, out] in x's dtype (module doc). Differentiable in x only: grad_x = grad_y W[e],
-    decoded in registers along the other axis (the portable kernel on every path but "reference")."""
-    _check(x, blocks, scales, bounds)
+    [E + 1], addend [M, out] in x's dtype or None -> x W[e]^T (+ addend) [M, out] in x's dtype (module doc).
+    Differentiable in x: grad_x = grad_y W[e], decoded in registers along the other axis (the portable kernel
+    on every path but "reference"); and in the addend: grad_y."""
+    _check(x, blocks, scales, bounds, addend=addend)
     kernel = kernel_for(x, path)
     if kernel == "reference":
-        return reference_dequantized(x, blocks, scales, bounds)
+        return reference_dequantized(x, blocks, scales, bounds, addend=addend)
     if kernel == "dequantized":
-        return _DequantizedLinear.apply(x, blocks, scales, bounds)
-    return _GroupedLinear.apply(x, blocks, scales, bounds, kernel, config)
+        y = _DequantizedLinear.apply(x, blocks, scales, bounds)
+        return y if addend is None else y + addend
+    return _GroupedLinear.apply(x, blocks, scales, bounds, addend, kernel, config)
 
 
 def fc1_swiglu_mxfp4(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor,
     limit: float, alpha: float, path: str | None = None, config: Mxfp4Config | None = None,
+    addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, fc1 blocks [E, 2I, in / 32, 16] / scales [E, 2I, in / 32] ([gate; up]
-    rows), bias [E, 2I] or None -> the clamped SwiGLU [M, I] of x W[e]^T + bias[e] in x's dtype (module doc).
-    Forward only: refused where autograd would record it (the learner composes `grouped_linear_mxfp4` and
-    `fused_moe.swiglu_bias`)."""
-    _check(x, blocks, scales, bounds, bias)
+    rows), bias [E, 2I] or None, addend [M, 2I] ([gate; up]) in x's dtype or None -> the clamped SwiGLU
+    [M, I] of x W[e]^T (+ addend) + bias[e] in x's dtype (module doc). Forward only: refused where autograd
+    would record it (the learner composes `grouped_linear_mxfp4` and `fused_moe.swiglu_bias`)."""
+    _check(x, blocks, scales, bounds, bias, addend)
     if blocks.shape[1] % 2:
         raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, addend)):
         raise RuntimeError(
-            "fc1_swiglu_mxfp4 is forward only and autograd would record it (x or bias requires grad): "
-            "compose grouped_linear_mxfp4 and fused_moe.swiglu_bias, or call it under torch.no_grad()"
+            "fc1_swiglu_mxfp4 is forward only and autograd would record it (x, bias or addend requires "
+            "grad): compose grouped_linear_mxfp4 and fused_moe.swiglu_bias, or call it under torch.no_grad()"
         )
     kernel = kernel_for(x, path)
     with torch.no_grad():
         if kernel == "reference":
-            return reference_dequantized(x, blocks, scales, bounds, bias, (float(limit), float(alpha)))
+            swiglu = (float(limit), float(alpha))
+            return reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend)
         if kernel == "dequantized":
             y = _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, transposed=False)
+            y = y if addend is None else y + addend
             return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
-        return _forward_any(x, blocks, scales, bias, bounds, True, limit, alpha, kernel, config)
+        return _forward_any(x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config)

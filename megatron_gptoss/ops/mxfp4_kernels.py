@@ -8,8 +8,9 @@ Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` i
 Grid (column blocks, E, SPLIT), static: program (c, e, s) owns output columns block c of expert e and that
 expert's row tiles s, s + SPLIT, ...; an expert without rows returns at once (its weight is never read),
 and with one row tile per expert every weight byte is read once. Products are accumulated in fp32 over K in
-a fixed order; the epilogue rounds them to the output dtype (the library GEMM's output) and adds bias and
-SwiGLU in fp32 on the rounded values, one more rounding (`mxfp4_fwd_kernel`).
+a fixed order; the epilogue rounds them to the output dtype (the library GEMM's output), adds an optional
+addend in fp32 and rounds the sum again (a tensor addition's output), and adds bias and SwiGLU in fp32 on the
+rounded values, one more rounding (`mxfp4_fwd_kernel`).
 
 Two ways to form the products:
 - portable (`_portable_products`): plain loads and `tl.dot`. The byte tile is decoded in registers to x's
@@ -39,6 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from megatron_gptoss.ops.moe_decode_kernels import _round_add
 from megatron_gptoss.ops.moe_kernels import _swiglu_parts
 
 
@@ -274,17 +276,19 @@ def _scaled_products(
 
 @triton.jit
 def mxfp4_fwd_kernel(
-    X, Wb, Ws, Bias, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_be,
-    stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
-    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn,
+    stride_be, stride_add, stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_ADD: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr,
+    DECODE: tl.constexpr, SUB_K: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
-    along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N]; Out = (up + 1) * gate * sigmoid(alpha gate)
-    with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded products with W[e, c] and
-    W[e, N + c] plus the bias. Not GATED: W [E, N, K], Bias [E, N]; Out = rounded product (+ bias). SCALED:
-    the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE and SUB_K:
-    `_portable_products`)."""
+    along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
+    sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded
+    products with W[e, c] and W[e, N + c] (HAS_ADD: plus Add[r, c] and Add[r, N + c], rounded again) plus the
+    bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
+    (+ bias). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE
+    and SUB_K: `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -312,13 +316,15 @@ def mxfp4_fwd_kernel(
                 X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
                 GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE, SUB_K,
             )  # fmt: skip
-        # each product rounded to Out's dtype, as the library's GEMM writes it; bias and SwiGLU in fp32 on
-        # the rounded values (a no-op in fp32)
-        lo = lo.to(Out.dtype.element_ty).to(tl.float32)
+        # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
+        # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
+        mask = row_ok[:, None] & col_ok[None, :]
+        add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
+        lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
         if HAS_BIAS:
             lo += b_lo[None, :]
         if GATED:
-            hi = hi.to(Out.dtype.element_ty).to(tl.float32)
+            hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
             if HAS_BIAS:
                 hi += b_hi[None, :]
             gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
@@ -326,7 +332,7 @@ def mxfp4_fwd_kernel(
         else:
             res = lo
         out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,8 +1,9 @@
 """Decode expert kernels (megatron_gptoss.ops.moe_decode) against float64 references, fp32 on the CPU
 under the Triton interpreter (tiny shapes: experts without rows, experts with more rows than a tile,
-partial column and K blocks, both product orientations, with and without bias), the MoE block's decode
-path against its library path and when it is taken, benchmarks/bench_moe_decode.py at toy widths; on a CUDA
-GPU (`gpu`): bf16 and fp32 against float64 and the library path, replays of a captured CUDA graph on new
+partial column and K blocks, both product orientations, with and without bias, with and without an addend),
+the MoE block's decode path against its library path (with active adapters too, bf16-format and MXFP4
+experts) and when it is taken, benchmarks/bench_moe_decode.py at toy widths; on a CUDA GPU (`gpu`): bf16 and
+fp32 against float64 and the library path (with adapters too), replays of a captured CUDA graph on new
 routings. Errors per tensor are ||ours - ref|| / ||ref||."""
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.config import gpt_oss_tiny
 from megatron_gptoss.config.lora import LoRAConfig
-from megatron_gptoss.model.moe import DECODE_ROWS_PER_EXPERT, Experts
-from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode
+from megatron_gptoss.hf import quantize_mxfp4
+from megatron_gptoss.model.lora import adapters_disabled
+from megatron_gptoss.model.moe import DECODE_ROWS_PER_EXPERT, Experts, grouped_linear
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
+from megatron_gptoss.ops import batch_invariant, fused_moe, moe_decode, mxfp4_gemm
 from megatron_gptoss.ops.moe_decode import DecodeConfig
 from megatron_gptoss.rollout import SamplingParams
 
@@ -89,6 +93,30 @@ def test_kernels_match_float64_reference(tile, bias, counts, hidden, inter):
     assert rel_err(y, y_ref) <= 1e-6
 
 
+@pytest.mark.parametrize("tile", sorted(TILES))
+@pytest.mark.parametrize("bias", [True, False])
+@interpreted
+def test_kernels_with_an_addend_match_float64_reference(tile, bias):
+    """fc1 and fc2 with an addend (an adapter's update; fc1's in [gate; up] columns) within 1e-6 of the
+    float64 references, which add it to the products before bias and SwiGLU; without it the results move."""
+    counts, hidden, inter = [5, 0, 19, 3], 48, 40
+    x, w1, b1, w2, b2, bounds = inputs(counts, hidden, inter, bias)
+    g = torch.Generator().manual_seed(1)
+    a1 = 3 * torch.randn(x.shape[0], 2 * inter, generator=g)
+    a2 = torch.randn(x.shape[0], hidden, generator=g)
+    cfg = TILES[tile]
+    h = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, cfg, addend=a1)
+    h_ref = moe_decode.fc1_reference(
+        x.double(), w1.double(), f64(b1), bounds, LIMIT, ALPHA, addend=a1.double()
+    )
+    y = moe_decode.decode_fc2(h, w2, b2, bounds, cfg, addend=a2)
+    y_ref = moe_decode.fc2_reference(h.double(), w2.double(), f64(b2), bounds, addend=a2.double())
+    assert rel_err(h, h_ref) <= 1e-6
+    assert rel_err(y, y_ref) <= 1e-6
+    assert rel_err(moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, cfg), h_ref) > 1e-2
+    assert rel_err(moe_decode.decode_fc2(h, w2, b2, bounds, cfg), y_ref) > 1e-2
+
+
 def test_default_config_on_cpu_and_cuda_shapes():
     assert moe_decode.default_config(1024, 32, torch.device("cpu")) == moe_decode.CPU_CONFIG
     cuda = torch.device("cuda")
@@ -112,18 +140,57 @@ def test_bad_shapes_are_named():
         moe_decode.decode_fc2(x, w2, b2, bounds)  # rows [M, H] where fc2 takes [M, I]
     with pytest.raises(ValueError, match="bias"):
         moe_decode.decode_fc1(x, w1, b2, bounds, LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="addend must be \\[M, 64\\] = \\[6, 64\\]"):
+        moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, addend=torch.zeros(6, 32))  # [M, I]
+    with pytest.raises(ValueError, match="in the rows' dtype"):
+        moe_decode.decode_fc2(torch.zeros(6, 32), w2, b2, bounds, addend=torch.zeros(6, 48).double())
 
 
-def experts_pair(bias: bool, lora: bool = False):
-    config = dataclasses.replace(gpt_oss_tiny(), expert_backend="grouped_mm", add_bias_linear=bias)
-    if lora:
-        config = dataclasses.replace(config, lora=LoRAConfig(rank=2))
+def experts_pair(bias: bool, lora: LoRAConfig | None = None, expert_format: str = "bf16"):
+    """Experts of the tiny config on the fused path, every parameter N(0, 0.25) (adapters' B too); MXFP4
+    weights quantized from such values."""
+    config = dataclasses.replace(
+        gpt_oss_tiny(), expert_backend="grouped_mm", add_bias_linear=bias, expert_format=expert_format
+    )
+    if lora is not None:
+        config = dataclasses.replace(config, lora=lora)
     torch.manual_seed(0)
     experts = Experts(config)
     with torch.no_grad():
         for p in experts.parameters():
             p.copy_(0.5 * torch.randn(p.shape))
+        for weight in mxfp4_weights(experts).values():
+            weight.copy_packed_(*quantize_mxfp4(0.5 * torch.randn(weight.shape)))
     return experts
+
+
+def routed_rows(experts: Experts, tokens: int = 13, seed: int = 3):
+    """(x, probs, indices) of `tokens` tokens routed to 2 experts each, the last expert without rows."""
+    e, hidden = experts.num_experts, experts.linear_fc1.weight.shape[2]
+    g = torch.Generator().manual_seed(seed)
+    indices = torch.stack([torch.randperm(e - 1, generator=g)[:2] for _ in range(tokens)])
+    probs = torch.softmax(torch.randn(tokens, 2, generator=g), dim=-1)
+    return torch.randn(tokens, hidden, generator=g), probs, indices
+
+
+@interpreted
+@pytest.mark.parametrize("expert_format", ["bf16", "mxfp4"])
+def test_experts_decode_path_with_adapters_equals_the_learner_path(expert_format, monkeypatch):
+    """fp32 experts with active adapters on fc1 and fc2 (B random), float and MXFP4 weights: the engine's
+    decode path (each update added in its kernel's epilogue) equals the learner's forward outside the decode
+    scope within 1e-6; the adapters move the output."""
+    experts = experts_pair(True, LoRAConfig(rank=2, alpha=2.0), expert_format)
+    x, probs, indices = routed_rows(experts)
+    monkeypatch.setattr(Experts, "decode_kernels", lambda self, x: self.decode_eligible(x))
+    with torch.no_grad():
+        learner = experts(x, probs, indices)
+        with moe_decode.decode_scope():
+            assert experts.decode_kernels(x)
+            decode = experts(x, probs, indices)
+            with adapters_disabled(experts):
+                base = experts(x, probs, indices)
+    assert rel_err(decode, learner) <= 1e-6
+    assert rel_err(base, learner) > 1e-2
 
 
 @interpreted
@@ -160,7 +227,9 @@ def test_decode_eligible_conditions():
             assert not experts.decode_eligible(x)
         loop = Experts(dataclasses.replace(gpt_oss_tiny(), expert_backend="loop"))
         assert not loop.decode_eligible(x)
-        assert not experts_pair(True, lora=True).decode_eligible(x)
+        adapted = experts_pair(True, LoRAConfig(rank=2, dropout=0.1))
+        assert not adapted.decode_eligible(x)  # in training mode its adapters draw dropout
+        assert adapted.eval().decode_eligible(x)  # the engine's model is in eval mode
         with moe_decode.library_only():  # a benchmark's baseline, nested either way
             assert not experts.decode_eligible(x)
             with moe_decode.decode_scope():
@@ -171,6 +240,9 @@ def test_decode_eligible_conditions():
     with moe_decode.decode_scope():
         assert experts.decode_eligible(x)
         assert not experts.decode_eligible(x.requires_grad_())
+        for name, p in adapted.named_parameters():
+            p.requires_grad_(".lora." in name)  # a frozen base, trainable adapters
+        assert not adapted.decode_eligible(x.detach())
 
 
 def test_fused_references_keep_float64():
@@ -293,6 +365,35 @@ def test_kernels_round_as_the_library_gpt_oss_width_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_kernels_with_an_addend_round_as_the_library_gpt_oss_width_gpu():
+    """bf16 at gpt-oss-20b width with addends N(0, 1) (an adapter's update), default tiles: per row against
+    float64 with the library path's roundings (products rounded to bf16, the addend added and rounded again,
+    bias and SwiGLU on them, rounded again) and against the library path itself (`torch._grouped_mm`, the
+    addend added as a tensor, the fused bias / SwiGLU), at most 1% of a row's values differ; fc2 is checked
+    on the kernel's own fc1 output."""
+    x, w1, b1, w2, b2, bounds = gpt_oss_width_decode_inputs()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    a1 = torch.randn(x.shape[0], w1.shape[1], generator=g, device="cuda").bfloat16()
+    a2 = torch.randn(x.shape[0], w2.shape[1], generator=g, device="cuda").bfloat16()
+    ref = [t.double() for t in (x, w1, b1, w2, b2, a1, a2)]
+    h = moe_decode.decode_fc1(x, w1, b1, bounds, LIMIT, ALPHA, addend=a1)
+    y = moe_decode.decode_fc2(h, w2, b2, bounds, addend=a2)
+    h_ref = moe_decode.fc1_reference(*ref[:3], bounds, LIMIT, ALPHA, torch.bfloat16, addend=ref[5])
+    y_ref = moe_decode.fc2_reference(h.double(), *ref[3:5], bounds, torch.bfloat16, addend=ref[6])
+    h_lib = fused_moe.swiglu_bias(grouped_linear(x, w1, bounds, "grouped_mm") + a1, b1, bounds, LIMIT, ALPHA)
+    y_lib = fused_moe.expert_bias(grouped_linear(h, w2, bounds, "grouped_mm") + a2, b2, bounds)
+    checks = [("fc1 vs float64", h, h_ref), ("fc2 vs float64", y, y_ref)]
+    checks += [("fc1 vs library", h, h_lib), ("fc2 vs library", y, y_lib)]
+    for name, ours, expected in checks:
+        differ, rel = row_mismatch(ours, expected)
+        print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
+              f"max {rel.max():.2e}")  # fmt: skip
+        assert differ.max() <= 0.01, (name, differ.max().item())
+        assert rel.max() <= 2e-3, (name, rel.max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("tma", [False, True])
 def test_graph_replay_reads_bounds_on_the_device_gpu(tma):
     """Captured once, replayed on other routings of the same row count: each replay equals the eager call
@@ -346,6 +447,38 @@ def test_experts_take_the_decode_path_gpu(monkeypatch):
         monkeypatch.setattr(Experts, "decode_kernels", lambda self, x: False)
         library = experts(x, probs, indices)
     assert rel_err(decode, library) <= 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("expert_format", ["bf16", "mxfp4"])
+def test_experts_with_adapters_take_the_decode_path_gpu(expert_format, monkeypatch):
+    """bf16 experts with active adapters (B random) on CUDA, float and MXFP4 weights: inside the decode scope
+    under no_grad the decode kernels run with the adapters' updates as addends, within bf16 rounding of the
+    learner's forward outside the scope (within 1e-2, as without adapters in
+    `test_experts_take_the_decode_path_gpu`)."""
+    experts = experts_pair(True, LoRAConfig(rank=8, alpha=8.0), expert_format).eval().cuda().bfloat16()
+    x, probs, indices = (t.cuda() for t in routed_rows(experts, tokens=40))
+    x = x.bfloat16()
+    module, name = (
+        (mxfp4_gemm, "fc1_swiglu_mxfp4") if expert_format == "mxfp4" else (moe_decode, "decode_fc1")
+    )
+    addends = []
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: addends.append(k.get("addend")) or real(*a, **k))
+    with torch.no_grad():
+        learner = experts(x, probs, indices)
+        assert not addends
+        with moe_decode.decode_scope():
+            assert experts.decode_kernels(x)
+            decode = experts(x, probs, indices)
+        with adapters_disabled(experts):
+            base = experts(x, probs, indices)
+    assert len(addends) == 1 and addends[0] is not None
+    differ = (decode != learner).double().mean().item()
+    print(f"{expert_format}: values differing {differ:.2e}, error {rel_err(decode, learner):.2e}")
+    assert rel_err(decode, learner) <= 1e-2
+    assert rel_err(base, learner) > 5e-2
 
 
 def test_only_the_engines_steps_enter_the_decode_scope(monkeypatch):

@@ -2,9 +2,10 @@
 fp32, tiny shapes: forward and input gradient against the dequantize-then-compute reference (fresh random
 blocks, scales in 120..130, uneven experts with one without rows, partial column and K blocks, experts over
 several row tiles and programs), the fc1 + SwiGLU forward against the reference and against the learner's
-composition (`grouped_linear_mxfp4` + `fused_moe.swiglu_bias`), the `tl.dot_scaled` kernel on bf16 rows
-(its products viewed in fp32: the interpreter's bf16 casts truncate and its bf16 `tl.dot` is not modelled),
-the dequantization against `hf.mxfp4`, and clear errors. Errors per tensor are ||ours - ref|| / ||ref||."""
+composition (`grouped_linear_mxfp4` + `fused_moe.swiglu_bias`), both with an addend (an adapter's update),
+the `tl.dot_scaled` kernel on bf16 rows (its products viewed in fp32: the interpreter's bf16 casts truncate
+and its bf16 `tl.dot` is not modelled), the dequantization against `hf.mxfp4`, and clear errors. Errors per
+tensor are ||ours - ref|| / ||ref||."""
 
 from __future__ import annotations
 
@@ -195,27 +196,79 @@ def test_fc1_swiglu_forward(bias):
 
 
 @interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_addend(gated):
+    """fp32 with an addend [M, out] (an adapter's update; fc1's in [gate; up] columns), the portable kernel
+    and the reference path: fc1 + SwiGLU and the plain product within 1e-6 of the reference, which adds it
+    to the rounded products before bias and SwiGLU, and of the learner's composition; without it the
+    results move."""
+    counts, n, k = [6, 0, 11], 48, 64
+    blocks, scales = weights(len(counts), n, k, seed=14)
+    x, bounds = rows(counts, k, seed=14)
+    x = x * 4  # fc1: products beyond the limit of 7
+    g = torch.Generator().manual_seed(15)
+    addend = 4 * torch.randn(x.shape[0], n, generator=g)
+    b = torch.randn(len(counts), n, generator=g) if gated else None
+    swiglu = (LIMIT, ALPHA) if gated else None
+    ref = reference_dequantized(x, blocks, scales, bounds, b, swiglu, addend)
+    assert rel_err(reference_dequantized(x, blocks, scales, bounds, b, swiglu), ref) > 1e-2
+    learner = grouped_linear_mxfp4(x, blocks, scales, bounds) + addend
+    if gated:
+        learner = fused_moe.swiglu_bias(learner, b, bounds, LIMIT, ALPHA)
+        assert rel_err(learner, ref) <= 1e-6
+    for path in ("portable", "reference"):
+        if gated:
+            ours = fc1_swiglu_mxfp4(x, blocks, scales, b, bounds, LIMIT, ALPHA, path, TILES, addend=addend)
+        else:
+            ours = grouped_linear_mxfp4(x, blocks, scales, bounds, path, TILES, addend=addend)
+        assert rel_err(ours, ref) <= 1e-6, path
+
+
+@interpreted
+def test_addend_gradients():
+    """`grouped_linear_mxfp4` with an addend is differentiable in both: x's gradient within 1e-6 of autograd
+    through the reference (grad_y W[e], as without an addend), the addend's grad_y itself."""
+    counts, n, k = [6, 0, 11], 48, 64
+    blocks, scales = weights(len(counts), n, k, seed=16)
+    x, bounds = rows(counts, k, seed=16)
+    g = torch.Generator().manual_seed(17)
+    addend = torch.randn(x.shape[0], n, generator=g).requires_grad_()
+    grad = torch.randn(x.shape[0], n, generator=g)
+    ours_x, ref_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grouped_linear_mxfp4(ours_x, blocks, scales, bounds, "portable", TILES, addend=addend).backward(grad)
+    reference_dequantized(ref_x, blocks, scales, bounds).backward(grad)
+    assert torch.equal(addend.grad, grad)
+    assert rel_err(ours_x.grad, ref_x.grad) <= 1e-6
+
+
+@interpreted
+@pytest.mark.parametrize("with_addend", [False, True])
 @pytest.mark.parametrize("gated,swap", [(False, False), (True, False), (True, True)])
-def test_scaled_kernel_on_bf16_rows(gated, swap):
+def test_scaled_kernel_on_bf16_rows(gated, swap, with_addend):
     """The `tl.dot_scaled` kernel (the auto path's on bf16 rows), the weight on either side, its products
-    rounded to fp32 instead of bf16: within 1e-6 of the float64 product of the bf16 rows and the decoded
-    weights."""
+    (and their sums with a bf16 addend) rounded to fp32 instead of bf16: within 1e-6 of the float64 product
+    of the bf16 rows and the decoded weights (plus the addend)."""
     counts, n, k = [7, 0, 21], 48, 96
     blocks, scales = weights(len(counts), n, k, seed=6)
     x, bounds = rows(counts, k, seed=6)
     x16 = x.bfloat16()
     assert mxfp4_gemm.kernel_for(x16, "auto") == "reference"  # bf16 on the CPU: the API's reference
     w = mxfp4_gemm.dequantize(blocks, scales, torch.float64)
-    b = torch.randn(len(counts), n, generator=torch.Generator().manual_seed(8)) if gated else None
+    g = torch.Generator().manual_seed(8)
+    b = torch.randn(len(counts), n, generator=g) if gated else None
+    addend = torch.randn(x.shape[0], n, generator=g).bfloat16() if with_addend else None
     expert = fused_moe.expert_of_rows(bounds, x.shape[0])
     exact = torch.einsum("mk,mnk->mn", x16.double(), w[expert])
+    if with_addend:
+        exact = exact + addend.double()
     if gated:
         exact = mxfp4_gemm.reference_dequantized(
-            x16.double(), blocks, scales, bounds, b.double(), (LIMIT, ALPHA)
+            x16.double(), blocks, scales, bounds, b.double(), (LIMIT, ALPHA),
+            None if addend is None else addend.double(),
         )  # fmt: skip
     tiles = dataclasses.replace(TILES, swap=swap)
     ours = mxfp4_gemm._forward(
-        x16, blocks, scales, b, bounds, gated, LIMIT, ALPHA, "scaled", tiles, out_dtype=torch.float32
+        x16, blocks, scales, b, addend, bounds, gated, LIMIT, ALPHA, "scaled", tiles, out_dtype=torch.float32
     )  # fmt: skip
     assert rel_err(ours, exact) <= 1e-6
 
@@ -261,11 +314,19 @@ def test_errors_name_the_tensor():
             grouped_linear_mxfp4(*args)
     with pytest.raises(ValueError, match="bias must be \\[E, out\\] = \\[2, 32\\]"):
         fc1_swiglu_mxfp4(x, blocks, scales, torch.zeros(2, 16), bounds, LIMIT, ALPHA)
+    with pytest.raises(ValueError, match="addend must be \\[M, out\\] = \\[7, 32\\]"):
+        fc1_swiglu_mxfp4(x, blocks, scales, None, bounds, LIMIT, ALPHA, addend=torch.zeros(7, 16))
+    with pytest.raises(ValueError, match="addend must be torch.float32"):
+        grouped_linear_mxfp4(x, blocks, scales, bounds, addend=torch.zeros(7, 32).bfloat16())
     odd_blocks, odd_scales = weights(2, 33, 64, seed=11)
     with pytest.raises(ValueError, match="output width must be even"):
         fc1_swiglu_mxfp4(x, odd_blocks, odd_scales, None, bounds, LIMIT, ALPHA)
     with pytest.raises(ValueError, match="path must be one of"):
         grouped_linear_mxfp4(x, blocks, scales, bounds, path="fast")
+    with pytest.raises(RuntimeError, match="forward only"):
+        fc1_swiglu_mxfp4(
+            x, blocks, scales, None, bounds, LIMIT, ALPHA, addend=torch.zeros(7, 32).requires_grad_()
+        )
     with pytest.raises(RuntimeError, match="forward only"):
         fc1_swiglu_mxfp4(x.requires_grad_(), blocks, scales, None, bounds, LIMIT, ALPHA)
 

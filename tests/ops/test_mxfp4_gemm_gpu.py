@@ -1,8 +1,8 @@
 """MXFP4 grouped expert GEMMs (megatron_gptoss.ops.mxfp4_gemm) on a CUDA GPU, bf16 at gpt-oss-20b width (32
 experts, hidden = intermediate = 2880, top-4 routing): both paths per row against float64 with the
-dequantize-then-bf16 path's roundings and against that path itself; the input gradient likewise; the
-portable kernel's block-vector decodings (its PTX decoding exhaustively); the portable kernel with Triton's
-pre-Hopper matrix instructions (DISABLE_MMA_V3=1, in a child process).
+dequantize-then-bf16 path's roundings and against that path itself, also with addends (an adapter's update);
+the input gradient likewise; the portable kernel's block-vector decodings (its PTX decoding exhaustively); the
+portable kernel with Triton's pre-Hopper matrix instructions (DISABLE_MMA_V3=1, in a child process).
 
     python -m pytest -q -m gpu tests/ops/test_mxfp4_gemm_gpu.py -s
 """
@@ -65,10 +65,12 @@ def exact_products(x: torch.Tensor, blocks, scales, bounds) -> torch.Tensor:
     return mxfp4_gemm.reference_dequantized(x.double(), blocks, scales, bounds)
 
 
-def ideal_fc1(x, blocks, scales, bias, bounds) -> torch.Tensor:
-    """The dequantize-then-bf16 path's roundings on exact sums: products rounded to bf16, bias and SwiGLU in
-    float64 on them, rounded to bf16."""
+def ideal_fc1(x, blocks, scales, bias, bounds, addend=None) -> torch.Tensor:
+    """The dequantize-then-bf16 path's roundings on exact sums: products rounded to bf16 (the addend added
+    and the sum rounded to bf16 again), bias and SwiGLU in float64 on them, rounded to bf16."""
     h = exact_products(x, blocks, scales, bounds).bfloat16().double()
+    if addend is not None:
+        h = (h + addend.double()).bfloat16().double()
     h = h + bias.double()[fused_moe.expert_of_rows(bounds, h.shape[0])]
     gate, up = h.chunk(2, dim=-1)
     gate, up = gate.clamp(max=LIMIT), up.clamp(-LIMIT, LIMIT)
@@ -153,6 +155,35 @@ def test_scaled_kernel_with_the_weight_on_the_left():
     assert_rounds_as("auto swap fc1 vs float64", h, ideal_fc1(x, b1, s1, bias, bounds))
     y = grouped_linear_mxfp4(h, b2, s2, bounds, path="auto", config=cfg2)
     assert_rounds_as("auto swap fc2 vs float64", y, exact_products(h, b2, s2, bounds).bfloat16())
+    assert not mxfp4_gemm.scaled_failures()
+
+
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_addends_round_as_the_dequantized_bf16_path(tokens):
+    """fc1 + SwiGLU and fc2 with bf16 addends N(0, 1) (an adapter's update) at engine decode sizes, each path
+    per row against float64 with the bf16 path's roundings (products rounded, the addend added and the sum
+    rounded again) and against the dequantized path; on Hopper the portable kernel equals it bit for bit."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a1 = torch.randn(x.shape[0], 2 * WIDTH, generator=g, device="cuda").bfloat16()
+    a2 = torch.randn(x.shape[0], WIDTH, generator=g, device="cuda").bfloat16()
+    h_ideal = ideal_fc1(x, b1, s1, bias, bounds, a1)
+    h_lib = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path="reference", addend=a1)
+    results = {}
+    for path in ("auto", "portable", "scaled", "dequantized"):
+        h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA, path=path, addend=a1)
+        assert_rounds_as(f"{path} fc1 + addend vs float64, {tokens} tokens", h, h_ideal)
+        assert_rounds_as(f"{path} fc1 + addend vs dequantized bf16", h, h_lib, differ_max=0.02)
+        y = grouped_linear_mxfp4(h, b2, s2, bounds, path=path, addend=a2)
+        y_ideal = (exact_products(h, b2, s2, bounds).bfloat16().double() + a2.double()).bfloat16()
+        assert_rounds_as(f"{path} fc2 + addend vs float64", y, y_ideal)
+        y_lib = grouped_linear_mxfp4(h, b2, s2, bounds, "reference", addend=a2)
+        assert_rounds_as(f"{path} fc2 + addend vs dequantized bf16", y, y_lib, differ_max=0.02)
+        results[path] = (h, y)
+    if mxfp4_gemm.kernel_for(x, "dequantized") == "dequantized":
+        h, y = results["dequantized"]
+        assert torch.equal(results["portable"][0], h)
+        assert torch.equal(grouped_linear_mxfp4(h, b2, s2, bounds, path="portable", addend=a2), y)
     assert not mxfp4_gemm.scaled_failures()
 
 
