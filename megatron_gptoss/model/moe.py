@@ -188,9 +188,8 @@ class Experts(nn.Module):
         """Rows x [M, H] sorted by expert (this instance's expert e: rows [bounds[e], bounds[e + 1]),
         bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        gemm = (
-            "grouped_mm" if x.is_cuda else "loop"
-        )  # the fused path's grouped GEMM, and the decode path's adapters
+        # the fused path's grouped GEMM; the decode path's adapters take it too, as the fused path's do
+        gemm = "grouped_mm" if x.is_cuda else "loop"
         if self.decode_kernels(x):
             w1, w2 = fc1.weight, fc2.weight
             if isinstance(w1, MXFP4Weight) and isinstance(w2, MXFP4Weight):
