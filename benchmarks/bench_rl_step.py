@@ -26,7 +26,9 @@ responses run to the budget: the step is close to its largest. Prints per step t
 (`perf/peak_gib`) and held by the allocator (`perf/reserved_gib`), the bytes the sync sent (`sync/bytes`) and
 the engine/learner log-prob mismatch (`mismatch/abs_diff_mean`; under `moe.router_replay: r3`, the
 gpt-oss-120b recipe's, also the mismatch the learner's own routing would have had and the fraction of tokens
-it routes differently from the engine: `replay/*`). The first step includes the Triton compilations and the
+it routes differently from the engine: `replay/*`), and where the generation's time went: the engine's
+decode steps (mean ms, rows per step, the share replayed from CUDA graphs) and its prefill (`engine/*`).
+The first step includes the Triton compilations and the
 capture of the decode graphs: later steps are the warm ones. No held-out evaluation runs
 (the trainer's evaluations at step 0 and at the last step would each add a generation outside the phases).
 """
@@ -122,6 +124,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  f"{line.get('replay/mismatch_off_abs_diff_mean', float('nan')):.2e}",
                  f"{line.get('replay/flip_frac', float('nan')):.4f}"]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
+    print(
+        "\n## Where generation's time went (the engine's steps; decode steps compute one token of each row)"
+    )
+    header = ["step", "engine_steps", "decode_steps", "decode_step_ms", "rows_per_decode_step", "graph_frac",
+              "prefill_s", "prefill_tokens", "stepping_s", "generate_s"]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for line in steps:
+        keys = ["engine/steps", "engine/decode_steps", "time/engine_decode_step_ms",
+                "engine/decode_rows_mean", "engine/graph_frac", "time/engine_prefill_s",
+                "engine/prefill_tokens", "time/engine_step_s", "time/generate_s"]  # fmt: skip
+        formats = ["{:.0f}", "{:.0f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.1f}", "{:,.0f}", "{:.1f}", "{:.1f}"]
+        values = [line.get(k, float("nan")) for k in keys]
+        print("| " + " | ".join([str(line["step"]), *(f.format(v) for f, v in zip(formats, values))]) + " |")
     return steps
 
 

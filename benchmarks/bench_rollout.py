@@ -35,6 +35,11 @@ Parts:
     slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights drawn on the
               device, per --slots
 
+--lora-rank R gives the engine's model rank-R adapters on the gpt-oss-20b LoRA recipe's targets (QKV,
+attention output, every expert's fc1 / fc2; alpha 2R), their A and B drawn from Normal(0, 0.02), as the
+engine of a LoRA run holds them beside the shared frozen base; the roofline then adds every adapter's bytes
+(all of them read each step).
+
 --expert-format bf16,mxfp4 runs the decode part once per format, one engine in memory at a time: bf16 holds
 the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
 (`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same. Each row's
@@ -60,12 +65,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from megatron_gptoss.config import EmbeddedEngineConfig, ModelConfig, gpt_oss_20b, gpt_oss_120b
+from megatron_gptoss.config.lora import LoRAConfig
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.hf.io import iter_checkpoint, weight_map_of
 from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
 from megatron_gptoss.hf.names import fc1_rows_from_hf, hf_names, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import build_model
+from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 from megatron_gptoss.ops import batch_invariant, moe_decode
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
@@ -339,8 +346,12 @@ def decode_row(engine: TimedEngine, config: ModelConfig, slots: int, spec, copy,
     keys = statistics.median(k for _, k in full)
     contexts = [int(keys // slots)] * slots
     nbytes = decode_bytes(config, slots, keys_per_step(config, contexts), size, size)
+    nbytes += sum(
+        p.numel() * p.element_size() for n, p in engine.model.named_parameters() if is_adapter_param(n)
+    )
     return {
-        "ran": graphs_used(engine), "steps": len(full), "context": contexts[0], "step_ms": 1e3 * step,
+        "ran": graphs_used(engine), "lora_rank": config.lora.rank, "steps": len(full), "context": contexts[0],
+        "step_ms": 1e3 * step,
         "tokens_per_s": slots / step, "gbytes_read": nbytes / 1e9,
         "roofline_ms_spec": None if spec is None else 1e3 * nbytes / spec,
         "roofline_ms_copy": None if copy is None else 1e3 * nbytes / copy,
@@ -424,6 +435,24 @@ def random_weights(engine: EmbeddedEngine, seed: int = 0) -> None:
     engine.memory.weights_loaded()
 
 
+def random_adapters(engine: EmbeddedEngine, seed: int = 1) -> None:
+    """Every adapter's A and B from Normal(0, 0.02), drawn on the engine's device (B is not zero, so the
+    adapters change the outputs as a trained run's do)."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in engine.model.named_parameters():
+            if is_adapter_param(name):
+                p.copy_(torch.randn(p.shape, generator=gen, device=p.device).mul_(0.02))
+    engine.memory.weights_loaded()
+
+
+def with_adapters(config: ModelConfig, rank: int) -> ModelConfig:
+    """config with rank-`rank` adapters on the gpt-oss-20b LoRA recipe's targets (none for rank 0)."""
+    if rank == 0:
+        return config
+    return dataclasses.replace(config, lora=LoRAConfig(rank=rank, alpha=2.0 * rank))
+
+
 def load_mxfp4_bytes(engine: EmbeddedEngine, checkpoint: Path) -> None:
     """Fill the engine's MXFP4 expert weights with the checkpoint's `<name>_blocks` / `<name>_scales` bytes as
     they are (fc1's rows from HF's interleaved gate/up to our [gate; up])."""
@@ -449,9 +478,11 @@ def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> 
         engine.update_weights(dense, strict=False)
         load_mxfp4_bytes(engine, checkpoint)
     elif checkpoint is not None:
-        engine.update_weights(iter_checkpoint(checkpoint, config, dtype))
+        engine.update_weights(iter_checkpoint(checkpoint, config, dtype), strict=not config.lora.enabled)
     else:
         random_weights(engine)
+    if config.lora.enabled:
+        random_adapters(engine)
     engine.reconfigure(engine_options(args, 2, new=4))  # warm-up: kernels compiled, decode graphs captured
     engine.generate([[1] * args.prompt_len, [2] * 3], SamplingParams(max_new_tokens=4))
     return engine
@@ -492,6 +523,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=["decode"],
         help="decode part: the engine's expert GEMMs, comma-separated: decode (the decode kernels of "
         "ops.moe_decode where eligible), library (grouped GEMM)",
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="decode part: adapters of this rank in the engine (0: none)"
     )
     parser.add_argument(
         "--expert-format",
@@ -537,9 +571,10 @@ def _run(args) -> list[dict]:
             sliced = build_engine(config, args, device, None)
             rows += [{**r, "part": "slice"} for r in part_decode(args, sliced, config, device)]
             del sliced
-        elif part == "decode" and args.expert_format != ["bf16"]:
-            config = tiny_config() if args.tiny else gpt_oss_20b()
-            path = write_synthetic_mxfp4(config, args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b"))
+        elif part == "decode" and (args.expert_format != ["bf16"] or args.lora_rank):
+            config = with_adapters(tiny_config() if args.tiny else gpt_oss_20b(), args.lora_rank)
+            base = dataclasses.replace(config, lora=LoRAConfig())  # the checkpoint holds no adapters
+            path = write_synthetic_mxfp4(base, args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b"))
             engine = None  # one engine in memory at a time
             for expert_format in args.expert_format:
                 held = dataclasses.replace(config, expert_format=expert_format)

@@ -28,7 +28,9 @@ and expert-parallel over several ranks (it overrides `_kv_heads`, `_logits`, `_b
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -46,6 +48,50 @@ from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
 from megatron_gptoss.rollout.scheduler import Scheduler, Sequence, StepPlan, staged
+
+
+@dataclass
+class StepStats:
+    """What the engine's steps did since the last `EmbeddedEngine.take_stats`: every step's wall time runs
+    from its plan to its sampled tokens on the host (the step's one host sync), so the seconds add up to the
+    time spent stepping. A decode step computes one token of each row; any other step prefills too."""
+
+    steps: int = 0
+    seconds: float = 0.0
+    decode_steps: int = 0
+    decode_seconds: float = 0.0
+    decode_rows: int = 0
+    graph_steps: int = 0  # decode steps replayed from a captured graph
+    prefill_tokens: int = 0  # tokens of multi-token chunks (prompts, resumed prefixes)
+
+    def record(self, plan: StepPlan, seconds: float, graph: bool) -> None:
+        self.steps += 1
+        self.seconds += seconds
+        if all(c.count == 1 for c in plan.chunks):
+            self.decode_steps += 1
+            self.decode_seconds += seconds
+            self.decode_rows += len(plan.chunks)
+            self.graph_steps += int(graph)
+        else:
+            self.prefill_tokens += sum(c.count for c in plan.chunks if c.count > 1)
+
+    def metrics(self) -> dict[str, float]:
+        """`engine/*` (counts) and `time/engine_*` (seconds): steps, seconds, the mean decode step (ms) and
+        its rows, the share of decode steps replayed from graphs, the seconds of steps that prefilled and
+        their prefill tokens."""
+        if not self.steps:
+            return {}
+        decode = max(self.decode_steps, 1)
+        return {
+            "engine/steps": float(self.steps),
+            "time/engine_step_s": self.seconds,
+            "engine/decode_steps": float(self.decode_steps),
+            "time/engine_decode_step_ms": 1e3 * self.decode_seconds / decode,
+            "engine/decode_rows_mean": self.decode_rows / decode,
+            "engine/graph_frac": self.graph_steps / decode,
+            "time/engine_prefill_s": self.seconds - self.decode_seconds,
+            "engine/prefill_tokens": float(self.prefill_tokens),
+        }
 
 
 class EmbeddedEngine:
@@ -84,6 +130,7 @@ class EmbeddedEngine:
         self._sessions: dict[int, Sequence] = {}
         self._next_session = 0
         self._turns: list[SessionTurn] = []
+        self.stats = StepStats()
 
     # ----------------------------------------------------------------------------------------------
     def update_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], strict: bool = True) -> None:
@@ -288,6 +335,7 @@ class EmbeddedEngine:
         row went on (no stop), with the sampled tokens written in, and plans afresh otherwise."""
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
+        start = time.perf_counter()
         plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
         with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
             hidden, step = self._forward(plan)
@@ -311,7 +359,14 @@ class EmbeddedEngine:
             for seq in list(scheduler.running):  # the static batch's last row finished: free the batch
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
+        if plan.chunks:
+            self.stats.record(plan, time.perf_counter() - start, step is not None)
         return plan
+
+    def take_stats(self) -> dict[str, float]:
+        """The `engine/*` metrics of the steps since the last call (`StepStats`), then counted afresh."""
+        stats, self.stats = self.stats, StepStats()
+        return stats.metrics()
 
     def _forward(self, plan: StepPlan):
         """The step's hidden states, replayed from a decode graph (then also its `step`) or run eagerly."""

@@ -145,6 +145,11 @@ class Colocated:
         level = self.cfg.rollout.sleep_level
         return self.host.sleep(level) if self.host is not None and level else {}
 
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's step statistics since the last call (`engine/*`; empty for engines that keep their
+        own)."""
+        return self.host.step_stats() if self.host is not None else {}
+
     def wake_engine(self) -> dict[str, float]:
         """The engine takes its weights' memory back, ready for the sync: the bytes re-taken."""
         level = self.cfg.rollout.sleep_level

@@ -141,6 +141,11 @@ class EmbeddedHost:
         """Take the weights' memory back before the sync (the KV cache returns with the next request)."""
         return {"engine/device_taken_gib": self.engine.wake_up()["device_bytes_taken"] / 2**30}
 
+    def step_stats(self) -> dict[str, float]:
+        """This rank's engine steps since the last call (`EmbeddedEngine.take_stats`: the mean decode step,
+        rows per decode step, graph replays, prefill seconds); local."""
+        return self.engine.take_stats()
+
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """Every row's generation on every rank: replica r generates its block of rows."""
         return self.by_replica(prompts, params, self.engine.generate)
@@ -250,6 +255,9 @@ class VLLMHost:
         if self.engine is not None:
             self.engine.wake_up()
         return {}
+
+    def step_stats(self) -> dict[str, float]:
+        return {}  # vLLM keeps its own statistics
 
     def shutdown(self) -> None:
         if self.engine is not None:

@@ -110,7 +110,14 @@ def _train(cfg: TrainConfig, run_session: Session, launcher, placement: Placemen
             host = setup.host if isinstance(setup.host, (EmbeddedHost, EngineClient)) else None
             buffer = RolloutBuffer(cfg, rollout, host, task, sampling)
         with Cadence(cfg, setup, run_session, claim, buffer or task) as cadence:
-            evaluation = (lambda: evaluate(rollout, task, sampling)) if cfg.run.mode == "rl" else None
+            evaluation = None
+            if cfg.run.mode == "rl":
+
+                def evaluation() -> dict[str, float]:
+                    metrics = evaluate(rollout, task, sampling)
+                    setup.engine_stats()  # the next step's engine/* count its own rollouts, not these
+                    return metrics
+
             last: dict[str, float] = {}
             always = trained_tokens(conversations) if cfg.sft.sampled_vocab else None
             for step in cadence.steps(evaluation):
@@ -159,6 +166,7 @@ def rl_step(
         buffer.wait()
         return {"train/skipped": 1.0, **rollout_extra, **kept.metrics()}
     memory = setup.sleep_engine()  # rollout.sleep_level: the engine's memory for the learner until the sync
+    memory.update(setup.engine_stats())  # engine/* and time/engine_*: where the generation's time went
     loss_mask = batch.loss_mask  # before the rollout correction masks any token
     t1 = time.perf_counter()
     batch, metrics = parallel_learner.prepare(

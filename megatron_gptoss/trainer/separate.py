@@ -313,6 +313,9 @@ class EngineClient:
     def wake(self) -> dict[str, float]:
         return {}
 
+    def step_stats(self) -> dict[str, float]:
+        return {}  # the engine ranks keep their steps (`idle/engine_frac` counts their time)
+
     def shutdown(self) -> None:
         """Nothing here: the engine ranks stop with the run's result (`run_separate`)."""
 

@@ -47,3 +47,17 @@ def test_roofline_counts_the_experts_a_batch_hits(batch, hit):
     base = bench_rollout.decode_bytes(config, 1, 0, 1, 1) - config.num_layers * 2 * per_expert
     assert round((few - base) / (config.num_layers * per_expert), 3) == pytest.approx(hit, abs=0.01)
     assert many >= few
+
+
+def test_decode_with_adapters_counts_their_bytes(tmp_path):
+    """--lora-rank gives the engine adapters (B drawn, not zero); the roofline adds their bytes."""
+    args = ["--tiny", "--part", "decode", "--ckpt", str(tmp_path), "--slots", "2", "--decode-steps", "3"]
+    (plain,) = bench_rollout.main(args)
+    (adapted,) = bench_rollout.main([*args, "--lora-rank", "4"])
+    assert plain["lora_rank"] == 0 and adapted["lora_rank"] == 4 and adapted["step_ms"] > 0
+    config = bench_rollout.tiny_config()
+    h, i, e, layers = config.hidden_size, config.intermediate_size, config.num_experts, config.num_layers
+    qkv = config.num_attention_heads * config.head_dim + 2 * config.num_query_groups * config.head_dim
+    per_layer = (h + qkv) + (config.num_attention_heads * config.head_dim + h) + e * (h + 2 * i) + e * (i + h)
+    adapter_bytes = 4 * 4 * layers * per_layer  # rank 4, fp32 on the CPU
+    assert (adapted["gbytes_read"] - plain["gbytes_read"]) * 1e9 == pytest.approx(adapter_bytes)

@@ -90,3 +90,21 @@ def test_update_weights_changes_generation_and_rejects_bad_tensors():
     bad = [("model.layers.0.self_attn.o_proj.weight", torch.zeros(3, 3))]
     with pytest.raises(CheckpointError, match="o_proj.weight"):
         engine.update_weights(bad, strict=False)
+
+
+def test_step_stats_count_the_steps_and_reset():
+    """Four prompts prefilled in one step, then one decode step per further token; the counts are exact
+    and `take_stats` starts them afresh."""
+    _, engine = learner_and_engine(4)
+    prompts = [[1] * 3, [2] * 9, [3] * 5, [4] * 14]
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
+    assert all(len(o.token_ids) == 12 for o in outs)
+    stats = engine.take_stats()
+    assert stats["engine/steps"] == 12 and stats["engine/decode_steps"] == 11
+    assert stats["engine/decode_rows_mean"] == 4 and stats["engine/prefill_tokens"] == 31
+    assert stats["engine/graph_frac"] == 0  # the CPU runs its steps eagerly
+    assert 0 < stats["time/engine_prefill_s"] < stats["time/engine_step_s"]
+    assert stats["time/engine_decode_step_ms"] * 11 == pytest.approx(
+        1e3 * (stats["time/engine_step_s"] - stats["time/engine_prefill_s"])
+    )
+    assert engine.take_stats() == {}

@@ -125,7 +125,9 @@ def test_bounded_staleness(tmp_path, monkeypatch, mode):
     assert background["calls"] == 3
     for step in (1, 2, 3):
         for key, value in alone[step].items():
-            if not key.startswith(("time/", "idle/", "perf/")):
+            # engine/*: the engine's steps since the last read, which a batch generated in a thread meanwhile
+            # falls on either side of
+            if not key.startswith(("time/", "idle/", "perf/", "engine/")):
                 assert lines[step][key] == pytest.approx(value, rel=1e-4, abs=1e-5), (step, key)
 
 

@@ -1,7 +1,7 @@
 """`rollout.sleep_level` in the one trainer (world 1, the demo's model and task): after generation the
 embedded engine frees its KV cache and moves its weights to the host (1) or discards them (2) while the
 learner computes, takes the memory back before the sync, and the next step's engine log-probs still equal
-the learner's. The bytes released are logged every step."""
+the learner's. The bytes released are logged every step, with the engine's step counts."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def test_the_engine_sleeps_while_the_learner_computes(tmp_path, monkeypatch, lev
         line = lines[step]
         assert line["engine/kv_cache_gib"] > 0 and line["engine/weights_gib"] > 0
         assert "engine/device_taken_gib" in line
+        # the step's 16 rows generated in one batch: every decode step ran them all (a stopped row leaves)
+        assert line["engine/steps"] >= 1 and 0 < line["engine/decode_rows_mean"] <= 16
+        assert line["engine/prefill_tokens"] > 0 and line["time/engine_decode_step_ms"] > 0
         assert line["mismatch/abs_diff_max"] <= 1e-5, (step, line["mismatch/abs_diff_max"])
 
 
