@@ -6,7 +6,8 @@
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --decodes bytes,groups,ptx --sweep portable/ptx
                                     # the portable kernel's decodings, and DECODE_SWEEP's tiles with PTX
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
-    python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding
+    python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding,
+                                    # also over the bytes re-laid tile by tile (`tile_layout`)
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
 Shapes: 32 experts (`--experts`; gpt-oss-120b has 128), top-4 random routing of N tokens (N * 4 expert-sorted
@@ -223,6 +224,94 @@ def _load_floor_kernel(
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
+@triton.jit
+def _tiled_floor_kernel(
+    X, Wt, St, Out, bounds, N, K, NB, KT, stride_x, stride_out,
+    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """`_load_floor_kernel` over the tile-contiguous layout of `tile_layout`: the [BLOCK_N, BLOCK_K / 2] bytes
+    and [BLOCK_N, BLOCK_K / 32] scales one program reads at one K step are each one contiguous run (tile
+    ((e, half, column block), K step) of NB column blocks and KT K steps), not BLOCK_N runs of BLOCK_K / 2
+    bytes a row apart."""
+    e = tl.program_id(1)
+    start = tl.load(bounds + e)
+    end = tl.load(bounds + e + 1)
+    if start >= end:
+        return
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    HALVES: tl.constexpr = 2 if GATED else 1
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    in_bytes = tl.arange(0, BLOCK_N)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    in_scales = tl.arange(0, BLOCK_N)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
+    for r0 in range(start, end, BLOCK_M):
+        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < end
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for kt in range(0, KT):
+            k0 = kt * BLOCK_K
+            kx = k0 + tl.arange(0, HALF)
+            x = tl.load(X + rows[:, None] * stride_x + kx[None, :], mask=row_ok[:, None] & (kx < K)[None, :],
+                        other=0.0)  # fmt: skip
+            for half in tl.static_range(HALVES):
+                tile = ((e.to(tl.int64) * HALVES + half) * NB + tl.program_id(0)) * KT + kt
+                b = tl.load(Wt + tile * (BLOCK_N * HALF) + in_bytes, eviction_policy="evict_first")
+                sc = tl.load(St + tile * (BLOCK_N * GROUPS) + in_scales, eviction_policy="evict_first")
+                acc = tl.dot(b.to(x.dtype), tl.trans(x), acc)
+                acc += tl.sum(sc.to(tl.float32), axis=1)[:, None]
+        out_ptrs = Out + rows[None, :] * stride_out + cols[:, None]
+        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+
+
+def tile_layout(blocks: torch.Tensor, scales: torch.Tensor, gated: bool, block_n: int, block_k: int):
+    """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] -> (bytes, scales) tile-contiguous, zero-padded to
+    whole tiles: [E, halves, NB, KT, block_n, block_k / 2] and [E, halves, NB, KT, block_n, block_k / 32]
+    (halves = 2 for fc1's [gate; up], tiled apart so that a tile never mixes them), with NB and KT."""
+    e, r = blocks.shape[:2]
+    halves = 2 if gated else 1
+    n, k = r // halves, blocks.shape[2] * 32
+    nb, kt = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+
+    def tiled(t: torch.Tensor, per_k: int) -> torch.Tensor:
+        t = t.reshape(e, halves, n, -1)
+        t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
+        return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
+
+    return tiled(blocks, block_k // 2), tiled(scales, block_k // 32), nb, kt
+
+
+def tiled_floor_layer(layers: Layers, block_k: int = 128):
+    """(fc1, fc2) of `_tiled_floor_kernel` at `default_config`'s tiles (with `block_k`) over every layer's
+    weights re-laid in tiles once (the time to stream the MXFP4 bytes were they stored tile by tile)."""
+    cache: dict[tuple[int, bool, int], tuple] = {}
+
+    def launch(x, blocks, scales, bounds, gated: bool, i: int):
+        e, rows_w = blocks.shape[:2]
+        n = rows_w // 2 if gated else rows_w
+        cfg = mxfp4_gemm.default_config(x.shape[0], e, x.device, gated)
+        cfg = dataclasses.replace(cfg, block_k=block_k) if x.is_cuda else cfg
+        key = (i, gated, cfg.block_n * 1000 + cfg.block_k)
+        if key not in cache:
+            cache[key] = tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
+        wt, st, nb, kt = cache[key]
+        out = x.new_empty(x.shape[0], n)
+        _tiled_floor_kernel[(nb, e)](
+            x, wt, st, out, bounds, n, x.shape[1], nb, kt, x.stride(0), out.stride(0), GATED=gated,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
+            num_stages=cfg.stages,
+        )  # fmt: skip
+        return out
+
+    def fc1(x, layers: Layers, i: int, bounds):
+        return launch(x, *layers.fc1[i], bounds, True, i)
+
+    def fc2(h, layers: Layers, i: int, bounds):
+        return launch(h, *layers.fc2[i], bounds, False, i)
+
+    return fc1, fc2
+
+
 def floor_layer(block_k: int | None = None):
     """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
     the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing."""
@@ -354,6 +443,8 @@ def run(args: argparse.Namespace) -> int:
                                        *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
+            ks = (64, 128, 256) if device.type == "cuda" else (32,)
+            candidates += [(f"{FLOOR} tiled k{k}", *tiled_floor_layer(layers, k), 4.25) for k in ks]
         candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))
