@@ -57,6 +57,14 @@ TINY = ["model.preset=gpt_oss_demo", "model.vocab_size=201088", "model.make_voca
         "run.dtype=float32", "rollout.prompts_per_step=2", "rollout.n_samples_per_prompt=2",
         "rollout.max_new_tokens=8", "ppo.num_micro_batches=1", "ppo.num_mini_batches=1"]  # fmt: skip
 COLUMNS = ["time/generate_s", "time/logprobs_s", "time/update_s", "time/sync_s"]
+ENGINE_COLUMNS = [  # (label, metric, format) of the table of the engine's steps
+    ("engine_steps", "engine/steps", "{:.0f}"), ("decode_steps", "engine/decode_steps", "{:.0f}"),
+    ("decode_step_ms", "time/engine_decode_step_ms", "{:.2f}"),
+    ("rows_per_decode_step", "engine/decode_rows_mean", "{:.1f}"),
+    ("graph_frac", "engine/graph_frac", "{:.2f}"),
+    ("prefill_s", "time/engine_prefill_s", "{:.1f}"), ("prefill_tokens", "engine/prefill_tokens", "{:,.0f}"),
+    ("stepping_s", "time/engine_step_s", "{:.1f}"), ("generate_s", "time/generate_s", "{:.1f}"),
+]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -127,17 +135,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(
         "\n## Where generation's time went (the engine's steps; decode steps compute one token of each row)"
     )
-    header = ["step", "engine_steps", "decode_steps", "decode_step_ms", "rows_per_decode_step", "graph_frac",
-              "prefill_s", "prefill_tokens", "stepping_s", "generate_s"]  # fmt: skip
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print("| step | " + " | ".join(label for label, _, _ in ENGINE_COLUMNS) + " |")
+    print("|" + "---|" * (len(ENGINE_COLUMNS) + 1))
     for line in steps:
-        keys = ["engine/steps", "engine/decode_steps", "time/engine_decode_step_ms",
-                "engine/decode_rows_mean", "engine/graph_frac", "time/engine_prefill_s",
-                "engine/prefill_tokens", "time/engine_step_s", "time/generate_s"]  # fmt: skip
-        formats = ["{:.0f}", "{:.0f}", "{:.2f}", "{:.1f}", "{:.2f}", "{:.1f}", "{:,.0f}", "{:.1f}", "{:.1f}"]
-        values = [line.get(k, float("nan")) for k in keys]
-        print("| " + " | ".join([str(line["step"]), *(f.format(v) for f, v in zip(formats, values))]) + " |")
+        cells = [form.format(line.get(key, float("nan"))) for _, key, form in ENGINE_COLUMNS]
+        print(f"| {line['step']} | " + " | ".join(cells) + " |")
     return steps
 
 

@@ -72,7 +72,7 @@ from megatron_gptoss.hf.io import iter_checkpoint, weight_map_of
 from megatron_gptoss.hf.mxfp4 import SCALE_BIAS, packed_shapes
 from megatron_gptoss.hf.names import fc1_rows_from_hf, hf_names, hf_shapes, match_hf, match_ours
 from megatron_gptoss.model import build_model
-from megatron_gptoss.model.lora import is_adapter_param
+from megatron_gptoss.model.lora import base_config, is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
 from megatron_gptoss.ops import batch_invariant, moe_decode
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
@@ -573,8 +573,10 @@ def _run(args) -> list[dict]:
             del sliced
         elif part == "decode" and (args.expert_format != ["bf16"] or args.lora_rank):
             config = with_adapters(tiny_config() if args.tiny else gpt_oss_20b(), args.lora_rank)
-            base = dataclasses.replace(config, lora=LoRAConfig())  # the checkpoint holds no adapters
-            path = write_synthetic_mxfp4(base, args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b"))
+            # the checkpoint holds the base alone
+            path = write_synthetic_mxfp4(
+                base_config(config), args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b")
+            )
             engine = None  # one engine in memory at a time
             for expert_format in args.expert_format:
                 held = dataclasses.replace(config, expert_format=expert_format)
