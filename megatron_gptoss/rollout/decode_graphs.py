@@ -221,7 +221,9 @@ class DecodeGraphs:
         return hidden, torch.stack([tokens.double(), logprobs.float().double()])
 
     def _capture(self, b: _Buffers) -> bool:
-        """Warm up on a side stream, then capture; on failure turn graphs off (False)."""
+        """Warm up on a side stream, then capture; on failure turn graphs off (False). The capture forbids
+        unsafe CUDA calls to this thread only ("thread_local"): the learner, or a thread receiving weights,
+        may go on using the device while a rollout thread captures."""
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -231,7 +233,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     b.hidden, b.drawn = self._forward(b)
             except RuntimeError as err:
                 if "use_count" not in str(err):
@@ -239,7 +241,7 @@ class DecodeGraphs:
                 # the pool outlived its graphs (see _drop_graphs): this and later graphs get a new one
                 self._pool = torch.cuda.graph_pool_handle()
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     b.hidden, b.drawn = self._forward(b)
             b.graph = graph
             return True

@@ -259,13 +259,21 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
             if not torch.equal(both[: len(values)], -both[len(values) :]):
                 raise ValueError(f"every rank of the engine must pass the same {what}")
 
+    def _steps_alone(self) -> bool:
+        """Whether this rank's steps call no collective (no tp group, no lockstep block: tp 1, ep 1)."""
+        return self.tp_group is None and self.block_group is None
+
     def _graph_mode(self) -> str | None:
-        """Graphs only as the padded check: the collectives of a sharded step are not captured."""
+        """A rank that steps alone captures graphs as the single-device engine does; a sharded step only
+        runs the padded check (its collectives are not captured)."""
+        if self._steps_alone():
+            return super()._graph_mode()
         return "padded" if self.options.cuda_graphs == "padded" else None
 
     def _graph_head(self) -> Head | None:
-        """None: a sharded step's logits are gathered over the tp group, outside the bucketed step."""
-        return None
+        """The single-device head for a rank that steps alone; else None: a sharded step's logits are
+        gathered over the tp group, outside the bucketed step."""
+        return super()._graph_head() if self._steps_alone() else None
 
     def _kv_heads(self) -> int:
         return self.config.num_query_groups // self.dims.tp

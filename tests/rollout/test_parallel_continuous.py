@@ -43,9 +43,10 @@ def session_run(engine) -> list:
     return [(t.token_ids, t.logprobs) for t in (first, second)]
 
 
-def on_ranks(layout: dict) -> dict:
+def on_ranks(layout: dict, graphs: str = "auto") -> dict:
     dims = ParallelDims.build(ParallelConfig(**layout), CONFIG)
-    engine = ParallelEmbeddedEngine(CONFIG, dims, options=EmbeddedEngineConfig(**OPTIONS))
+    options = EmbeddedEngineConfig(**OPTIONS, cuda_graphs=graphs)
+    engine = ParallelEmbeddedEngine(CONFIG, dims, options=options)
     engine.update_weights(iter_hf_tensors(model(), CONFIG))
     which = dims.coord("dp") % 2
     outs = engine.generate(PROMPTS[which], PARAMS, max_new_tokens=BUDGETS[which])
@@ -53,6 +54,8 @@ def on_ranks(layout: dict) -> dict:
     if dims.tp > 1:
         result["sessions"] = session_run(engine)
     result["free"] = all(free == cap for free, cap in engine.kv_blocks_free())
+    if engine._graphs is not None:  # which bucketed steps sampled inside the step (the graphs' head)
+        result["sampled_inside"] = {sampling is not None for _, _, sampling in engine._graphs._buffers}
     return result
 
 
@@ -63,18 +66,22 @@ def close(got, want) -> bool:
     )
 
 
+def single_process() -> list:
+    single = EmbeddedEngine(CONFIG, options=EmbeddedEngineConfig(schedule="static", max_batch_slots=8))
+    single.update_weights(iter_hf_tensors(model(), CONFIG))
+    return [
+        [(o.token_ids, o.logprobs) for o in single.generate(p, PARAMS, max_new_tokens=b)]
+        for p, b in zip(PROMPTS, BUDGETS)
+    ]
+
+
 @pytest.mark.parametrize(
     "layout",
     [dict(expert_model_parallel_size=2), dict(tensor_model_parallel_size=2)],
     ids=["ep2", "tp2"],
 )
 def test_parallel_engine_continuous_equals_single_process(layout):
-    single = EmbeddedEngine(CONFIG, options=EmbeddedEngineConfig(schedule="static", max_batch_slots=8))
-    single.update_weights(iter_hf_tensors(model(), CONFIG))
-    want = [
-        [(o.token_ids, o.logprobs) for o in single.generate(p, PARAMS, max_new_tokens=b)]
-        for p, b in zip(PROMPTS, BUDGETS)
-    ]
+    want = single_process()
     results = pool(2).run(on_ranks, layout, timeout=TIMEOUT)
     for r in results:
         assert close(r["outs"], want[r["which"]]) and r["free"]
@@ -84,3 +91,19 @@ def test_parallel_engine_continuous_equals_single_process(layout):
         expected = session_run(session_engine)
         assert all(close(r["sessions"], expected) for r in results)
     assert {r["which"] for r in results} == ({0, 1} if "expert" in next(iter(layout)) else {0})
+
+
+@pytest.mark.parametrize(
+    "layout,alone", [({}, True), (dict(expert_model_parallel_size=2), False)], ids=["dp2", "ep2"]
+)
+def test_bucketed_decode_steps_where_a_rank_steps_alone(layout, alone):
+    """The bucketed decode steps (CUDA graphs on a GPU, run eagerly here as "padded"): a rank whose steps
+    call no collective (tp 1, ep 1: one replica of the RL step's engine) samples inside the bucketed step as
+    the single-device engine does; an ep2 rank samples outside it (its logits follow collectives). Both
+    generate the single-process engine's tokens."""
+    want = single_process()
+    results = pool(2).run(on_ranks, layout, "padded", timeout=TIMEOUT)
+    for r in results:
+        assert close(r["outs"], want[r["which"]]) and r["free"]
+        assert r["sampled_inside"] == {alone}
+    assert {r["which"] for r in results} == {0, 1}
