@@ -33,6 +33,7 @@ captured, it checks the bucketing, padding and sampling against the unpadded ste
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -131,6 +132,8 @@ class DecodeGraphs:
         self.enabled = True
         # why capture failed (graphs are then off), None while it has not
         self.failure: str | None = None
+        # graphs captured, and the seconds spent capturing them (warm-up forwards included), since built
+        self.captures, self.capture_seconds = 0, 0.0
         self._buffers: dict[tuple, _Buffers] = {}
         self._sizes = self._pool_sizes()
         self._pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
@@ -244,6 +247,7 @@ class DecodeGraphs:
         """Warm up on a side stream, then capture; on failure turn graphs off (False). The capture forbids
         unsafe CUDA calls to this thread only ("thread_local"): the learner, or a thread receiving weights,
         may go on using the device while a rollout thread captures."""
+        start = time.perf_counter()
         try:
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -264,6 +268,8 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                     b.hidden, b.drawn = self._forward(b)
             b.graph = graph
+            stream.synchronize()  # the warm-up forwards' time counted as the capture's
+            self.captures += 1
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)
             log.warning(
@@ -273,3 +279,5 @@ class DecodeGraphs:
             self.enabled = False
             self._buffers.clear()
             return False
+        finally:
+            self.capture_seconds += time.perf_counter() - start

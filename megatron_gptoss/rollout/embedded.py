@@ -63,10 +63,14 @@ class StepStats:
     decode_rows: int = 0
     graph_steps: int = 0  # decode steps replayed from a captured graph
     prefill_tokens: int = 0  # tokens of multi-token chunks (prompts, resumed prefixes)
+    captures: int = 0  # decode graphs captured (each bucket's first step, again after sleep or a grown cache)
+    capture_seconds: float = 0.0  # of the steps' seconds, those spent capturing
 
-    def record(self, plan: StepPlan, seconds: float, graph: bool) -> None:
+    def record(self, plan: StepPlan, seconds: float, graph: bool, captures: int, capture_s: float) -> None:
         self.steps += 1
         self.seconds += seconds
+        self.captures += captures
+        self.capture_seconds += capture_s
         if all(c.count == 1 for c in plan.chunks):
             self.decode_steps += 1
             self.decode_seconds += seconds
@@ -78,7 +82,7 @@ class StepStats:
     def metrics(self) -> dict[str, float]:
         """`engine/*` (counts) and `time/engine_*` (seconds): steps, seconds, the mean decode step (ms) and
         its rows, the share of decode steps replayed from graphs, the seconds of steps that prefilled and
-        their prefill tokens."""
+        their prefill tokens, the graphs captured and the seconds that took (inside the decode steps')."""
         if not self.steps:
             return {}
         decode = max(self.decode_steps, 1)
@@ -91,6 +95,8 @@ class StepStats:
             "engine/graph_frac": self.graph_steps / decode,
             "time/engine_prefill_s": self.seconds - self.decode_seconds,
             "engine/prefill_tokens": float(self.prefill_tokens),
+            "engine/graph_captures": float(self.captures),
+            "time/engine_capture_s": self.capture_seconds,
         }
 
 
@@ -337,6 +343,8 @@ class EmbeddedEngine:
         scheduler = self._scheduler
         start = time.perf_counter()
         plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
+        graphs = self._graphs
+        captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
         with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
             hidden, step = self._forward(plan)
         if self.routing is not None:
@@ -360,7 +368,12 @@ class EmbeddedEngine:
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
         if plan.chunks:
-            self.stats.record(plan, time.perf_counter() - start, step is not None)
+            captures, capture_s = (
+                (graphs.captures - captured[0], graphs.capture_seconds - captured[1])
+                if graphs is not None
+                else (0, 0.0)
+            )
+            self.stats.record(plan, time.perf_counter() - start, step is not None, captures, capture_s)
         return plan
 
     def take_stats(self) -> dict[str, float]:

@@ -114,7 +114,12 @@ def test_captured_decode_graphs_equal_the_eager_step():
     _, ref = generate("cuda", "padded", torch.bfloat16)
     assert engine._graphs is not None
     assert engine._graphs.enabled, f"capture failed, decode ran eagerly: {engine._graphs.failure}"
-    assert any(b.graph is not None for b in engine._graphs._buffers.values())
+    captured = sum(b.graph is not None for b in engine._graphs._buffers.values())
+    assert captured > 0
+    stats = engine.take_stats()  # every capture counted once, its seconds inside the decode steps'
+    assert stats["engine/graph_captures"] == captured
+    decode_s = stats["time/engine_step_s"] - stats["time/engine_prefill_s"]
+    assert 0 < stats["time/engine_capture_s"] < decode_s
     assert_same(outs, ref, 1e-6)
     fp32, _ = generate("cuda", "auto")
     assert fp32._graphs is not None and not fp32._graphs.enabled and "float32" in str(fp32._graphs.failure)
