@@ -132,7 +132,7 @@ class DecodeGraphs:
         self.enabled = True
         # why capture failed (graphs are then off), None while it has not
         self.failure: str | None = None
-        # graphs captured, and the seconds spent capturing them (warm-up forwards included), since built
+        # graphs captured, and the seconds spent capturing them (warm-up forwards included), not yet taken
         self.captures, self.capture_seconds = 0, 0.0
         self._buffers: dict[tuple, _Buffers] = {}
         self._sizes = self._pool_sizes()
@@ -153,6 +153,12 @@ class DecodeGraphs:
         self._buffers.clear()
         if self.mode == "capture":
             self._pool = torch.cuda.graph_pool_handle()
+
+    def take_captures(self) -> tuple[int, float]:
+        """Graphs captured and the seconds that took since the last call (`StepStats`), then zero."""
+        taken = (self.captures, self.capture_seconds)
+        self.captures, self.capture_seconds = 0, 0.0
+        return taken
 
     def _pool_sizes(self) -> tuple[int, ...]:
         return tuple(pool.num_blocks for pool in self.cache.pools)

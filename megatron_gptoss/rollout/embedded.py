@@ -343,8 +343,6 @@ class EmbeddedEngine:
         scheduler = self._scheduler
         start = time.perf_counter()
         plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
-        graphs = self._graphs
-        captured = (graphs.captures, graphs.capture_seconds) if graphs is not None else (0, 0.0)
         with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
             hidden, step = self._forward(plan)
         if self.routing is not None:
@@ -368,12 +366,8 @@ class EmbeddedEngine:
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
         if plan.chunks:
-            captures, capture_s = (
-                (graphs.captures - captured[0], graphs.capture_seconds - captured[1])
-                if graphs is not None
-                else (0, 0.0)
-            )
-            self.stats.record(plan, time.perf_counter() - start, step is not None, captures, capture_s)
+            captured = self._graphs.take_captures() if self._graphs is not None else (0, 0.0)
+            self.stats.record(plan, time.perf_counter() - start, step is not None, *captured)
         return plan
 
     def take_stats(self) -> dict[str, float]:

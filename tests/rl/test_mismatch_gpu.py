@@ -3,10 +3,12 @@
 `python -m megatron_gptoss.train` (world 1) and `torchrun --nproc_per_node 2` (expert parallel 2 in the
 learner and the engine, where two GPUs are present) run RL steps from one fixed synthetic HF checkpoint at
 gpt-oss-20b width (hidden 2880, the full 201,088-token vocabulary, 2 layers, 8 experts top-4) in bf16
-with the embedded engine and its CUDA-graph decode steps. The test reads `mismatch/abs_diff_mean` and
-`mismatch/abs_diff_p99` (|engine log-prob - learner log-prob| over the sampled tokens) from the run's
-metrics and bounds both on every step. CPU tests run in fp32, where a kernel that rounds differently
-from the learner cannot be seen; this one runs the bf16 path the trainer runs on a GPU.
+with the embedded engine. The test reads `mismatch/abs_diff_mean` and `mismatch/abs_diff_p99` (|engine
+log-prob - learner log-prob| over the sampled tokens) from the run's metrics and bounds both on every step.
+At world 1 the engine's decode steps must replay CUDA graphs (`engine/graph_frac` above 0.9 on every step:
+the trainer's engine once ran them all eagerly, unseen); at expert parallel 2 they run eagerly. CPU tests
+run in fp32, where a kernel that rounds differently from the learner cannot be seen; this one runs the bf16
+path the trainer runs on a GPU.
 
 Bounds (`BOUNDS`), from this configuration measured on two H200s (benchmarks/RESULTS.md, "mismatch
 regression"): world 1 gave a mean of 2.9e-4 to 4.6e-4 and a 99th percentile of 6.8e-3 to 7.3e-3 per step,
@@ -116,6 +118,8 @@ def check(steps: list[dict], layout: str) -> None:
         assert m["mismatch/tokens"] > 0
         assert m["mismatch/abs_diff_mean"] <= mean_bound, (layout, m["step"], m["mismatch/abs_diff_mean"])
         assert m["mismatch/abs_diff_p99"] <= p99_bound, (layout, m["step"], m["mismatch/abs_diff_p99"])
+        if layout == "world1":  # the decode steps the rollouts used are the graphs' (module doc)
+            assert m.get("engine/graph_frac", 0.0) > 0.9, (layout, m["step"], m.get("engine/graph_frac"))
 
 
 def test_trainer_mismatch_world1_gpu(checkpoint, tmp_path):
