@@ -366,8 +366,10 @@ class EmbeddedEngine:
                 scheduler.stop(seq, keep_blocks=False)
                 seq.left = True
         if plan.chunks:
-            captured = self._graphs.take_captures() if self._graphs is not None else (0, 0.0)
-            self.stats.record(plan, time.perf_counter() - start, step is not None, *captured)
+            graphs = self._graphs
+            captured = graphs.take_captures() if graphs is not None else (0, 0.0)
+            replayed = step is not None and graphs is not None and graphs.mode == "capture"
+            self.stats.record(plan, time.perf_counter() - start, replayed, *captured)
         return plan
 
     def take_stats(self) -> dict[str, float]:
