@@ -183,56 +183,16 @@ def decode_fc2(h, layers: Layers, i: int, bounds):
 
 @triton.jit
 def _load_floor_kernel(
-    X, Wb, Ws, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_out,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    X, Wb, Ws, Out, bounds, N, K, NB, KT, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn,
+    stride_out, GATED: tl.constexpr, TILED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """The forward kernel's grid, loads and matrix products without the decoding (a timing floor; the values
     mean nothing): each weight byte converted to x's dtype as an integer and multiplied by x's first K / 2
-    columns, the scale bytes summed into the products."""
-    e = tl.program_id(1)
-    start = tl.load(bounds + e)
-    end = tl.load(bounds + e + 1)
-    if start >= end:
-        return
-    HALF: tl.constexpr = BLOCK_K // 2
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < N
-    wb = Wb + e.to(tl.int64) * stride_wbe
-    ws = Ws + e.to(tl.int64) * stride_wse
-    for r0 in range(start, end, BLOCK_M):
-        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok = rows < end
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kb = k0 // 2 + tl.arange(0, HALF)
-            kg = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            x_ptrs = X + rows[:, None] * stride_x + (k0 + tl.arange(0, HALF))[None, :]
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & (kb < K // 2)[None, :], other=0.0)
-            for half in tl.static_range(2 if GATED else 1):
-                w_rows = (cols + half * N)[:, None]
-                b_ok = col_ok[:, None] & (kb < K // 2)[None, :]
-                s_ok = col_ok[:, None] & (kg < K // 32)[None, :]
-                b = tl.load(
-                    wb + w_rows * stride_wbn + kb[None, :], mask=b_ok, other=0, eviction_policy="evict_first"
-                )
-                sc = tl.load(
-                    ws + w_rows * stride_wsn + kg[None, :], mask=s_ok, other=0, eviction_policy="evict_first"
-                )
-                acc = tl.dot(b.to(x.dtype), tl.trans(x), acc)
-                acc += tl.sum(sc.to(tl.float32), axis=1)[:, None]
-        out_ptrs = Out + rows[None, :] * stride_out + cols[:, None]
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
-
-
-@triton.jit
-def _tiled_floor_kernel(
-    X, Wt, St, Out, bounds, N, K, NB, KT, stride_x, stride_out,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """`_load_floor_kernel` over the tile-contiguous layout of `tile_layout`: the [BLOCK_N, BLOCK_K / 2] bytes
-    and [BLOCK_N, BLOCK_K / 32] scales one program reads at one K step are each one contiguous run (tile
-    ((e, half, column block), K step) of NB column blocks and KT K steps), not BLOCK_N runs of BLOCK_K / 2
-    bytes a row apart."""
+    columns, the scale bytes summed into the products. TILED: the weights in `tile_layout`'s
+    tile-contiguous layout (NB column blocks, KT K steps; the strides unused), where the [BLOCK_N,
+    BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] scales one program reads at one K step are each one
+    contiguous run, not BLOCK_N runs of BLOCK_K / 2 bytes a row apart."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -243,21 +203,34 @@ def _tiled_floor_kernel(
     HALVES: tl.constexpr = 2 if GATED else 1
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
+    wb = Wb + e.to(tl.int64) * stride_wbe
+    ws = Ws + e.to(tl.int64) * stride_wse
     in_bytes = tl.arange(0, BLOCK_N)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     in_scales = tl.arange(0, BLOCK_N)[:, None] * GROUPS + tl.arange(0, GROUPS)[None, :]
     for r0 in range(start, end, BLOCK_M):
         rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for kt in range(0, KT):
-            k0 = kt * BLOCK_K
+        for k0 in range(0, K, BLOCK_K):
+            kb = k0 // 2 + tl.arange(0, HALF)
+            kg = k0 // 32 + tl.arange(0, GROUPS)
             kx = k0 + tl.arange(0, HALF)
-            x = tl.load(X + rows[:, None] * stride_x + kx[None, :], mask=row_ok[:, None] & (kx < K)[None, :],
+            x_ok = (kx < K) if TILED else (kb < K // 2)
+            x = tl.load(X + rows[:, None] * stride_x + kx[None, :], mask=row_ok[:, None] & x_ok[None, :],
                         other=0.0)  # fmt: skip
             for half in tl.static_range(HALVES):
-                tile = ((e.to(tl.int64) * HALVES + half) * NB + tl.program_id(0)) * KT + kt
-                b = tl.load(Wt + tile * (BLOCK_N * HALF) + in_bytes, eviction_policy="evict_first")
-                sc = tl.load(St + tile * (BLOCK_N * GROUPS) + in_scales, eviction_policy="evict_first")
+                if TILED:
+                    tile = ((e.to(tl.int64) * HALVES + half) * NB + tl.program_id(0)) * KT + k0 // BLOCK_K
+                    b = tl.load(Wb + tile * (BLOCK_N * HALF) + in_bytes, eviction_policy="evict_first")
+                    sc = tl.load(Ws + tile * (BLOCK_N * GROUPS) + in_scales, eviction_policy="evict_first")
+                else:
+                    w_rows = (cols + half * N)[:, None]
+                    b_ok = col_ok[:, None] & (kb < K // 2)[None, :]
+                    s_ok = col_ok[:, None] & (kg < K // 32)[None, :]
+                    b = tl.load(wb + w_rows * stride_wbn + kb[None, :], mask=b_ok, other=0,
+                                eviction_policy="evict_first")  # fmt: skip
+                    sc = tl.load(ws + w_rows * stride_wsn + kg[None, :], mask=s_ok, other=0,
+                                 eviction_policy="evict_first")  # fmt: skip
                 acc = tl.dot(b.to(x.dtype), tl.trans(x), acc)
                 acc += tl.sum(sc.to(tl.float32), axis=1)[:, None]
         out_ptrs = Out + rows[None, :] * stride_out + cols[:, None]
@@ -281,23 +254,28 @@ def tile_layout(blocks: torch.Tensor, scales: torch.Tensor, gated: bool, block_n
     return tiled(blocks, block_k // 2), tiled(scales, block_k // 32), nb, kt
 
 
-def tiled_floor_layer(layers: Layers, block_k: int = 128):
-    """(fc1, fc2) of `_tiled_floor_kernel` at `default_config`'s tiles (with `block_k`) over every layer's
-    weights re-laid in tiles once (the time to stream the MXFP4 bytes were they stored tile by tile)."""
-    cache: dict[tuple[int, bool, int], tuple] = {}
+def floor_layer(block_k: int | None = None, tiled: bool = False):
+    """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
+    the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing; `tiled`: over every
+    layer's weights re-laid in tiles once (`tile_layout`: the time were they stored tile by tile)."""
+    cache: dict[tuple[int, bool, int, int], tuple] = {}
 
     def launch(x, blocks, scales, bounds, gated: bool, i: int):
         e, rows_w = blocks.shape[:2]
         n = rows_w // 2 if gated else rows_w
         cfg = mxfp4_gemm.default_config(x.shape[0], e, x.device, gated)
-        cfg = dataclasses.replace(cfg, block_k=block_k) if x.is_cuda else cfg
-        key = (i, gated, cfg.block_n * 1000 + cfg.block_k)
-        if key not in cache:
-            cache[key] = tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
-        wt, st, nb, kt = cache[key]
+        if block_k is not None and x.is_cuda:
+            cfg = dataclasses.replace(cfg, block_k=block_k)
+        nb, kt = triton.cdiv(n, cfg.block_n), 0
+        if tiled:
+            key = (i, gated, cfg.block_n, cfg.block_k)
+            if key not in cache:
+                cache[key] = tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
+            blocks, scales, nb, kt = cache[key]
         out = x.new_empty(x.shape[0], n)
-        _tiled_floor_kernel[(nb, e)](
-            x, wt, st, out, bounds, n, x.shape[1], nb, kt, x.stride(0), out.stride(0), GATED=gated,
+        _load_floor_kernel[(nb, e)](
+            x, blocks, scales, out, bounds, n, x.shape[1], nb, kt, x.stride(0), blocks.stride(0),
+            blocks.stride(1), scales.stride(0), scales.stride(1), out.stride(0), GATED=gated, TILED=tiled,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps,
             num_stages=cfg.stages,
         )  # fmt: skip
@@ -308,33 +286,6 @@ def tiled_floor_layer(layers: Layers, block_k: int = 128):
 
     def fc2(h, layers: Layers, i: int, bounds):
         return launch(h, *layers.fc2[i], bounds, False, i)
-
-    return fc1, fc2
-
-
-def floor_layer(block_k: int | None = None):
-    """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
-    the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing."""
-
-    def launch(x, blocks, scales, bounds, gated: bool):
-        e, rows_w = blocks.shape[:2]
-        n = rows_w // 2 if gated else rows_w
-        cfg = mxfp4_gemm.default_config(x.shape[0], e, x.device, gated)
-        if block_k is not None and x.is_cuda:
-            cfg = dataclasses.replace(cfg, block_k=block_k)
-        out = x.new_empty(x.shape[0], n)
-        _load_floor_kernel[(triton.cdiv(n, cfg.block_n), e)](
-            x, blocks, scales, out, bounds, n, x.shape[1], x.stride(0), blocks.stride(0), blocks.stride(1),
-            scales.stride(0), scales.stride(1), out.stride(0), GATED=gated, BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages,
-        )  # fmt: skip
-        return out
-
-    def fc1(x, layers: Layers, i: int, bounds):
-        return launch(x, *layers.fc1[i], bounds, True)
-
-    def fc2(h, layers: Layers, i: int, bounds):
-        return launch(h, *layers.fc2[i], bounds, False)
 
     return fc1, fc2
 
@@ -444,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
             ks = (64, 128, 256) if device.type == "cuda" else (32,)
-            candidates += [(f"{FLOOR} tiled k{k}", *tiled_floor_layer(layers, k), 4.25) for k in ks]
+            candidates += [(f"{FLOOR} tiled k{k}", *floor_layer(k, tiled=True), 4.25) for k in ks]
         candidates.append(("bf16 library", library_fc1, library_fc2, 16.0))
         if rows <= DECODE_ROWS_PER_EXPERT * experts and device.type == "cuda":
             candidates.append(("bf16 decode", decode_fc1, decode_fc2, 16.0))

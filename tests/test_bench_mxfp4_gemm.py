@@ -40,6 +40,6 @@ def test_tiled_floor_computes_the_row_major_floor():
     bounds = fused_moe.sort_by_expert(indices, 4)[1]
     x = torch.randn(10, 64, generator=g)
     assert mxfp4_gemm.default_config(10, 4, x.device, True).block_k == 32  # the CPU tiles: both kernels
-    for tiled, plain in zip(bench_mxfp4_gemm.tiled_floor_layer(layers, 32), bench_mxfp4_gemm.floor_layer()):
+    for tiled, plain in zip(bench_mxfp4_gemm.floor_layer(32, tiled=True), bench_mxfp4_gemm.floor_layer()):
         ours, ref = tiled(x, layers, 0, bounds), plain(x, layers, 0, bounds)
         assert ref.abs().sum() > 0 and torch.equal(ours, ref)
