@@ -9,8 +9,10 @@ forward (--pack sequences per forward). Per setting, one table row:
     none      engine and learner with the library kernels
     r3        the engine records each token's experts, the learner's forward replays them
     bitwise   both sides with the batch-invariant kernels (`rollout.bitwise_on_policy`)
-with the mean and max |engine log-prob - learner log-prob| over the sampled tokens, the fraction of
-(token, layer) pairs whose top-k experts differ between engine and learner (r3: before replay), the
+these three with the engine's decode steps eager; then with its decode steps from CUDA graphs (on a GPU):
+r3 (the recorded experts out of the graphs' static buffers), none, bitwise, and none again. Each with the
+mean and max |engine log-prob - learner log-prob| over the sampled tokens, the fraction of (token, layer)
+pairs whose top-k experts differ between engine and learner (r3: before replay), the
 engine's generation time and the learner's forward time. r2 (the update replays the old-policy pass's
 experts) compares two learner passes: the row `r2 (learner)` is the learner's forward with its sequences
 packed --pack at a time against one sequence at a time, without and with the first pass's experts replayed.
@@ -233,17 +235,20 @@ def main() -> None:
     ]
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=3)
     rows = []
-    settings = [  # (name, batch-invariant, engine records routing (its decode runs eagerly), r3 replay)
-        ("none", False, True, False),
-        ("r3", False, True, True),
-        ("bitwise", True, True, False),
-        ("none, CUDA graphs", False, False, False),
-        ("bitwise, CUDA graphs", True, False, False),
-        ("none, CUDA graphs (again)", False, False, False),  # graphs re-captured after the bitwise ones
+    settings = [  # (name, batch-invariant, engine records routing, r3 replay, decode graphs)
+        ("none", False, True, False, False),
+        ("r3", False, True, True, False),
+        ("bitwise", True, True, False, False),
+        ("r3, CUDA graphs", False, True, True, True),  # the routing from the graphs' static buffers
+        ("none, CUDA graphs", False, False, False, True),
+        ("bitwise, CUDA graphs", True, False, False, True),
+        ("none, CUDA graphs (again)", False, False, False, True),  # re-captured after the bitwise ones
     ]
     engines: dict[bool, EmbeddedEngine] = {}  # one engine per routing record, reconfigured per setting
-    for name, invariant, record, replayed in settings:
-        options = EmbeddedEngineConfig(max_batch_slots=args.rows, record_routing=record)
+    for name, invariant, record, replayed, graphs in settings:
+        options = EmbeddedEngineConfig(
+            max_batch_slots=args.rows, record_routing=record, cuda_graphs="auto" if graphs else "off"
+        )
         print(f"{name} ...", flush=True)
         with batch_invariant.enabled(invariant):
             engine = engines.get(record)

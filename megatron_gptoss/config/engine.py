@@ -41,7 +41,7 @@ class EmbeddedEngineConfig:
     # Record each token's routed experts (top-k ids per layer) for router replay; off costs nothing.
     record_routing: bool = False
     # Decode steps from CUDA graphs bucketed by batch size: "auto" (on CUDA, where an engine rank's steps
-    # call no collective: tensor and expert parallel 1; unless routing is recorded), "off", or "padded"
+    # call no collective: tensor and expert parallel 1), "off", or "padded"
     # (the bucketed buffers run eagerly: a check, on any device).
     cuda_graphs: str = "auto"
     # Largest decode batch replayed from a graph (larger steps run eagerly).

@@ -9,7 +9,8 @@
          into the null block, query position -1 (they see no key and their outputs are dropped)
       -> replay the bucket's graph (captured on first use) -> final hidden states [1, Bb, H]; with
          `Sampling` the graph goes on: fp32 logits of the output layer (`head`), the seeded sampler
-         (`rollout.sampling`) -> tokens and their log-probs [2, Bb] -> rows [:B]
+         (`rollout.sampling`) -> tokens and their log-probs [2, Bb] -> rows [:B]; with a routing record
+         (`rollout.routing`) the routers' top-k ids into the bucket's static buffers -> rows [:B]
 
 Capture needs a forward without host synchronisation and without copies from the host: every input is
 in the bucket's device buffers (filled before the replay), every module buffer lives on the device (the
@@ -34,6 +35,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,7 @@ import torch
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.paged_kv_cache import AttentionGroup, PagedKVCache, StepLayout
+from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
 from megatron_gptoss.rollout.scheduler import staged
 
@@ -96,6 +99,8 @@ class _Buffers:
         self.hidden: torch.Tensor | None = None
         # [2, batch] float64: sampled tokens and their log-probs (with `params`)
         self.drawn: torch.Tensor | None = None
+        # with a routing record: each layer's top-k expert ids [batch, k], written by every replay
+        self.routing: dict[int, torch.Tensor] | None = None
 
 
 @dataclass
@@ -109,12 +114,20 @@ class GraphStep:
 
 class DecodeGraphs:
     """Bucketed decode forwards of `model` over `cache`. `mode`: "capture" (CUDA graphs) or "padded".
-    `head`: the engine's fp32 logits of final hidden states; None keeps sampling out of the graphs."""
+    `head`: the engine's fp32 logits of final hidden states; None keeps sampling out of the graphs.
+    `routing`: the engine's routing record, given each step's routing from the bucket's static buffers."""
 
     def __init__(
-        self, model: GPTOSSModel, cache: PagedKVCache, max_batch: int, mode: str, head: Head | None = None
+        self,
+        model: GPTOSSModel,
+        cache: PagedKVCache,
+        max_batch: int,
+        mode: str,
+        head: Head | None = None,
+        routing: RoutingRecorder | None = None,
     ):
         self.model, self.cache, self.max_batch, self.mode, self.head = model, cache, max_batch, mode, head
+        self.routing = routing
         self.device = next(model.parameters()).device
         self.enabled = True
         # why capture failed (graphs are then off), None while it has not
@@ -177,6 +190,8 @@ class DecodeGraphs:
         if buffers is None:
             params = None if sampling is None else sampling.params
             buffers = _Buffers(key[0], widths, self.cache.block_size, self.device, params)
+            if self.routing is not None:
+                buffers.routing = self.routing.static(key[0], self.device)
             self._buffers[key] = buffers
         self._fill(buffers, input_ids, positions, layout, sampling)
         if self.mode == "padded":
@@ -187,6 +202,8 @@ class DecodeGraphs:
             assert buffers.graph is not None and buffers.hidden is not None
             buffers.graph.replay()
             hidden, drawn = buffers.hidden, buffers.drawn
+        if self.routing is not None and buffers.routing is not None:
+            self.routing.read_from(buffers.routing, rows)
         return GraphStep(hidden[:, :rows], None if drawn is None else drawn[:, :rows])
 
     def _fill(
@@ -220,8 +237,11 @@ class DecodeGraphs:
 
     def _forward(self, b: _Buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.layout = b.layout
+        routing, buffers = self.routing, b.routing
+        recording = nullcontext() if routing is None or buffers is None else routing.writing_into(buffers)
         try:
-            hidden = self.model.hidden_states(b.input_ids, position_ids=b.positions, cache=self.cache)
+            with recording:
+                hidden = self.model.hidden_states(b.input_ids, position_ids=b.positions, cache=self.cache)
         finally:
             self.cache.layout = None
         if b.params is None or self.head is None:

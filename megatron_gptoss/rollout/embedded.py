@@ -507,17 +507,17 @@ class EmbeddedEngine:
             mode = self._graph_mode()
             if mode is not None:
                 self._graphs = DecodeGraphs(
-                    self.model, self._cache, opts.cuda_graph_max_batch, mode, self._graph_head()
+                    self.model, self._cache, opts.cuda_graph_max_batch, mode, self._graph_head(), self.routing
                 )
         return self._scheduler
 
     def _graph_mode(self) -> str | None:
         """ "capture", "padded" or None (decode steps run eagerly): `cuda_graphs` resolved for this engine
-        (a routing record needs the eager step: graph replays call no hook)."""
+        (a routing record comes out of the graphs' static buffers: `DecodeGraphs`)."""
         mode = self.options.cuda_graphs
         if mode == "padded":
             return mode
-        if mode == "auto" and self.device.type == "cuda" and self.routing is None:
+        if mode == "auto" and self.device.type == "cuda":
             return "capture"
         return None
 

@@ -16,10 +16,12 @@ PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 7, 30, 1], [11], [8, 8, 8, 8, 8], [7
 BUDGETS = [12, 3, 20, 7, 1, 9]  # rows leave one by one: the decode batch crosses buckets 8, 4, 2, 1
 
 
-def generate(device, graphs: str, dtype=torch.float32, backend=None, params=None):
+def generate(device, graphs: str, dtype=torch.float32, backend=None, params=None, record=False):
     config = gpt_oss_tiny(attention_backend=backend or ("eager" if device == "cpu" else "auto"))
     learner = build_model(config, seed=4)
-    options = EmbeddedEngineConfig(max_batch_slots=5, block_size=4, max_step_tokens=8, cuda_graphs=graphs)
+    options = EmbeddedEngineConfig(
+        max_batch_slots=5, block_size=4, max_step_tokens=8, cuda_graphs=graphs, record_routing=record
+    )
     engine = EmbeddedEngine(config, dtype, device, options=options)
     engine.update_weights(iter_hf_tensors(learner, config))
     params = params or SamplingParams(temperature=0.8, seed=3)
@@ -122,3 +124,20 @@ def test_captured_decode_graphs_equal_the_eager_step():
     assert_same(outs, ref, 1e-6)
     fp32, _ = generate("cuda", "auto")
     assert fp32._graphs is not None and not fp32._graphs.enabled and "float32" in str(fp32._graphs.failure)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_routing_recorded_from_captured_graphs_equals_the_eager_record():
+    """Router replay's record with the decode steps replayed (bf16): each row's experts, written by the
+    graphs into their static buffers, equal those of the same bucketed buffers run eagerly (whose record the
+    CPU tests compare with the learner's routing), and the tokens too."""
+    engine, outs = generate("cuda", "auto", torch.bfloat16, record=True)
+    _, ref = generate("cuda", "padded", torch.bfloat16, record=True)
+    assert engine._graphs is not None
+    assert engine._graphs.enabled, f"capture failed, decode ran eagerly: {engine._graphs.failure}"
+    assert any(b.graph is not None for b in engine._graphs._buffers.values())
+    assert_same(outs, ref, 1e-6)
+    for out, want in zip(outs, ref):
+        assert out.routing is not None and want.routing is not None
+        assert torch.equal(out.routing, want.routing)

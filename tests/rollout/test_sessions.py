@@ -88,10 +88,18 @@ def test_a_session_stops_on_its_stop_token_and_resumes(learner):
     assert engine.step_sessions() == []
 
 
-def test_routing_record_equals_the_learners_routing(learner):
-    engine = engine_of(learner, record_routing=True, max_batch_slots=2, block_size=4, max_step_tokens=6)
+@pytest.mark.parametrize("graphs", ["off", "padded"])
+def test_routing_record_equals_the_learners_routing(learner, graphs):
+    """Eager steps record through the routers' hooks; bucketed decode steps ("padded": the graphs' buffers
+    run eagerly) through the buckets' static buffers, which a replayed graph writes."""
+    engine = engine_of(
+        learner, record_routing=True, max_batch_slots=2, block_size=4, max_step_tokens=6, cuda_graphs=graphs
+    )
     prompts = [[4, 8, 15, 16, 23, 42, 9, 1, 33], [2, 7]]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=7, seed=2))
+    if graphs == "padded":  # decode-only steps ran bucketed, each bucket with its routing buffers
+        assert engine._graphs is not None and engine._graphs._buffers
+        assert all(b.routing is not None for b in engine._graphs._buffers.values())
     routers = [layer.mlp.router for layer in learner.decoder.layers.values()]
     for out in outs:
         seq = torch.tensor(out.prompt_ids + out.token_ids[:-1])[None]
