@@ -378,25 +378,46 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
 
 
+def _row_major_layout(blocks: Tensor, scales: Tensor, n: int, cfg: Mxfp4Config) -> tuple[int, ...]:
+    """The forward kernel's tile addressing (wb_half, wb_col, wb_step, wb_row, then the same for the
+    scales; the kernels' module doc) of row-major blocks [E, R, K / 32, 16] and scales [E, R, K / 32]."""
+    sb, ss = blocks.stride(1), scales.stride(1)
+    return n * sb, cfg.block_n * sb, cfg.block_k // 2, sb, n * ss, cfg.block_n * ss, cfg.block_k // 32, ss
+
+
 def _forward(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor,
     gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:  # fmt: skip
-    """One launch of the forward kernel; the output in x's dtype (`out_dtype`: another, which the products
-    and their sums with the addend are rounded to instead: the tests' fp32 view of the bf16 kernels under the
-    interpreter)."""
-    x = _contiguous_rows(x)
+    """One launch of the forward kernel over row-major weights; the output in x's dtype (`out_dtype`:
+    another, which the products and their sums with the addend are rounded to instead: the tests' fp32 view
+    of the bf16 kernels under the interpreter)."""
     blocks, scales = _kernel_layout(blocks, scales)
+    e, rows_w = blocks.shape[:2]
+    n = rows_w // 2 if gated else rows_w
+    cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
+    layout = _row_major_layout(blocks, scales, n, cfg)
+    return _launch_forward(
+        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype
+    )
+
+
+def _launch_forward(
+    x: Tensor, wb: Tensor, ws: Tensor, layout: tuple[int, ...], n: int, bias: Tensor | None,
+    addend: Tensor | None, bounds: Tensor, gated: bool, limit: float, alpha: float, kernel: str,
+    cfg: Mxfp4Config, out_dtype: torch.dtype | None,
+) -> Tensor:  # fmt: skip
+    """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
+    (`_row_major_layout`'s, or a `TiledWeights`'s)."""
+    x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
     m, k = x.shape
-    e, rows_w = blocks.shape[:2]
-    n = rows_w // 2 if gated else rows_w
+    e = wb.shape[0]
     out = x.new_empty(m, n, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
-    cfg = default_config(m, e, x.device, gated) if config is None else config
     if cfg.decode not in DECODES:
         raise ValueError(f"Mxfp4Config.decode must be one of {DECODES}, got {cfg.decode!r}")
     decode = DECODES.index(cfg.decode)
@@ -411,9 +432,9 @@ def _forward(
     add_arg = x if addend is None else addend
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
     _kernels().mxfp4_fwd_kernel[grid](
-        x, blocks, scales, bias_arg, add_arg, out, bounds, n, k, x.stride(0), blocks.stride(0),
-        blocks.stride(1), scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0,
-        add_arg.stride(0) if has_add else 0, out.stride(0), float(limit), float(alpha),
+        x, wb, ws, bias_arg, add_arg, out, bounds, n, k, x.stride(0), wb.stride(0), *layout[:4], ws.stride(0),
+        *layout[4:], bias_arg.stride(0) if has_bias else 0, add_arg.stride(0) if has_add else 0,
+        out.stride(0), float(limit), float(alpha),
         GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SCALED=kernel == "scaled", SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
@@ -530,3 +551,95 @@ def fc1_swiglu_mxfp4(
             y = y if addend is None else y + addend
             return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
         return _forward_any(x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tile-contiguous weights
+@dataclass(frozen=True)
+class TiledWeights:
+    """An expert weight's MXFP4 bytes and scales stored tile by tile (`tile_layout`): the [block_n,
+    block_k / 2] bytes and [block_n, block_k / 32] scales that one program of the forward kernel reads at
+    one K step are each one contiguous run, not block_n runs a row stride apart."""
+
+    blocks: Tensor  # [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded to whole tiles
+    scales: Tensor  # [E, halves, NB, KT, block_n, block_k / 32] uint8
+    n: int  # output columns (of each half: fc1's gate and up are tiled apart)
+    k: int  # input columns
+    gated: bool
+    block_n: int
+    block_k: int
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """The forward kernel's tile addressing (`_row_major_layout`'s order)."""
+        b, s = self.blocks, self.scales
+        return (
+            b.stride(1),
+            b.stride(2),
+            b.stride(3),
+            b.stride(4),
+            s.stride(1),
+            s.stride(2),
+            s.stride(3),
+            s.stride(4),
+        )
+
+
+def tile_layout(blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int) -> TiledWeights:
+    """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] (R = 2N as [gate; up] when `gated`, else N) re-laid
+    tile by tile for the forward kernel's (block_n, block_k) tiles: a copy, zero-padded to whole tiles."""
+    _check_weights(blocks, scales)
+    if block_k % BLOCK or block_n <= 0:
+        raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
+                         f"{block_k}")  # fmt: skip
+    e, r = blocks.shape[:2]
+    halves = 2 if gated else 1
+    if r % halves:
+        raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
+    n, k = r // halves, blocks.shape[2] * BLOCK
+    nb, kt = _cdiv(n, block_n), _cdiv(k, block_k)
+
+    def tiled(t: Tensor, per_k: int) -> Tensor:
+        t = t.reshape(e, halves, n, -1)
+        t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
+        return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
+
+    tiles = tiled(blocks, block_k // 2), tiled(scales, block_k // BLOCK)
+    return TiledWeights(*tiles, n=n, k=k, gated=gated, block_n=block_n, block_k=block_k)
+
+
+def forward_tiled(
+    x: Tensor, tiles: TiledWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
+    alpha: float = 0.0, config: Mxfp4Config | None = None, addend: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """`fc1_swiglu_mxfp4` (tiles.gated: the clamped SwiGLU [M, N]) or `grouped_linear_mxfp4`'s forward plus
+    bias[e] ([M, N]) over tile-laid weights, by the portable kernel at the tiles' block_n and block_k: the
+    same products in the same K order as over the row-major weights. Forward only; x [M, K] sorted by expert,
+    on CUDA, or fp32 on the CPU under TRITON_INTERPRET=1."""
+    e = tiles.blocks.shape[0]
+    if x.dim() != 2 or x.shape[1] != tiles.k:
+        raise ValueError(f"x must be [M, {tiles.k}] (the tiles' input width), got {tuple(x.shape)}")
+    if bounds.dtype != torch.int32 or tuple(bounds.shape) != (e + 1,):
+        raise ValueError(
+            f"bounds must be int32 [E + 1] = [{e + 1}], got {bounds.dtype} {tuple(bounds.shape)}"
+        )
+    if kernel_for(x, "portable") != "portable":
+        raise ValueError(f"tiled MXFP4 weights need the Triton kernels: {x.dtype} rows on {x.device} cannot "
+                         "run them (CUDA, or fp32 rows on the CPU under TRITON_INTERPRET=1)")  # fmt: skip
+    halves = 2 if tiles.gated else 1
+    if bias is not None and tuple(bias.shape) != (e, halves * tiles.n):
+        raise ValueError(f"bias must be [E, out] = [{e}, {halves * tiles.n}], got {tuple(bias.shape)}")
+    if addend is not None and tuple(addend.shape) != (x.shape[0], halves * tiles.n):
+        raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {halves * tiles.n}], got "
+                         f"{tuple(addend.shape)}")  # fmt: skip
+    cfg = default_config(x.shape[0], e, x.device, tiles.gated) if config is None else config
+    if config is None:
+        cfg = dataclasses.replace(cfg, block_n=tiles.block_n, block_k=tiles.block_k, sub_k=0)
+    if (cfg.block_n, cfg.block_k) != (tiles.block_n, tiles.block_k):
+        raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "
+                         f"{tiles.block_n} x {tiles.block_k}")  # fmt: skip
+    with torch.no_grad():
+        return _launch_forward(
+            x, tiles.blocks, tiles.scales, tiles.layout, tiles.n, bias, addend, bounds, tiles.gated, limit,
+            alpha, "portable", cfg, None,
+        )  # fmt: skip

@@ -5,6 +5,13 @@ Weights: expert e's W[e] [N, K] is `Wb` [E, N, K / 2] bytes (value k of row n in
 the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) for values 32 g .. 32 g + 31).
 Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
 
+The forward kernel addresses the weights tile by tile, so that they may be stored row-major or
+tile-contiguous (`mxfp4_gemm.tile_layout`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
+block c and K step t, in half h (fc1's [gate; up]), sits at Wb + e stride_wbe + h wb_half + c wb_col +
+t wb_step + n wb_row + j (the scales likewise with ws_*, j < BLOCK_K / 32). Row-major: wb_half = N S,
+wb_col = BLOCK_N S, wb_step = BLOCK_K / 2, wb_row = S (S the row stride); tile-contiguous: each tile's
+[BLOCK_N, BLOCK_K / 2] bytes one contiguous run, wb_row = BLOCK_K / 2.
+
 Grid (column blocks, E, SPLIT), static: program (c, e, s) owns output columns block c of expert e and that
 expert's row tiles s, s + SPLIT, ...; an expert without rows returns at once (its weight is never read),
 and with one row tile per expert every weight byte is read once. Products are accumulated in fp32 over K in
@@ -122,27 +129,28 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 
 @triton.jit
 def _decode_groups(
-    wb_base, ws_base, cols, col_ok, k0, K, stride_wbn, stride_wsn, DTYPE: tl.constexpr,
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of rows `cols` at K columns k0 + 2 j
-    and k0 + 2 j + 1 (`_decode`'s), the bytes read as [BLOCK_N, BLOCK_K / 32, 16] tiles (16-byte vectors)
-    and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by
-    `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else
-    by `_fp4_values` and `_scale_values`."""
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
+    columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
+    the bytes read as [BLOCK_N, BLOCK_K / 32, 16] tiles (16-byte vectors) and each block's scale once,
+    broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale
+    bytes 2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else by `_fp4_values` and
+    `_scale_values`."""
     GROUPS: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, GROUPS)
-    mask = col_ok[:, None] & (g < K // 32)[None, :]
-    byte_ptrs = wb_base + cols[:, None, None] * stride_wbn + (g * 16)[None, :, None]
+    g = tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
+    byte_ptrs = wb_tile + local[:, None, None] * wb_row + ((k_in // 32 + g) * 16)[None, :, None]
     byte = tl.load(
         byte_ptrs + tl.arange(0, 16)[None, None, :],
         mask=mask[:, :, None],
         other=0,
         eviction_policy="evict_first",
     )
-    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps: left to L2's default policy (the
-    # weight bytes, read once, are evicted first)
-    scale = tl.load(ws_base + cols[:, None] * stride_wsn + g[None, :], mask=mask, other=0)
+    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
+    # default policy (the weight bytes, read once, are evicted first)
+    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
     if PTX:
         scale = tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, 16])
         even, odd = tl.inline_asm_elementwise(
@@ -158,6 +166,27 @@ def _decode_groups(
 
 
 @triton.jit
+def _decode_tile(
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUB_K: tl.constexpr, DECODE: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
+    SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, 1 `_decode_groups`, 2 the same through
+    PTX) and interleaved back into K's order."""
+    if DECODE == 0:
+        jj = tl.arange(0, SUB_K // 2)
+        mask = col_ok[:, None] & ((kg // 2 + jj) < K // 2)[None, :]
+        b_ptrs = wb_tile + local[:, None] * wb_row + (k_in // 2 + jj)[None, :]
+        s_ptrs = ws_tile + local[:, None] * ws_row + ((k_in // 2 + jj) // 16)[None, :]
+        even, odd = _decode(b_ptrs, s_ptrs, mask, DTYPE)
+    else:
+        even, odd = _decode_groups(
+            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
+        )
+    return _interleave(even, odd, BLOCK_N, SUB_K)
+
+
+@triton.jit
 def _interleave(even, odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(even, odd) [BLOCK_N, BLOCK_K / 2] -> [BLOCK_N, BLOCK_K], K's order: columns 2 j and 2 j + 1 side by
     side."""
@@ -166,24 +195,25 @@ def _interleave(even, odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _portable_products(
-    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
+    ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
 ):  # fmt: skip
-    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T. DECODE: 0
-    `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX. Each BLOCK_K
-    step is decoded and multiplied in SUB_K pieces (BLOCK_K with DECODE 0), from k0 up: the step's loads
-    are issued together (runs of BLOCK_K / 2 bytes per weight row), its decoded values held SUB_K at a
-    time, interleaved back into K's order before their `tl.dot`."""
-    HALF: tl.constexpr = SUB_K // 2
+    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
+    columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
+    multiplied in SUB_K pieces (`_decode_tile`; BLOCK_K with DECODE 0), from k0 up: the step's loads are
+    issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`."""
+    local = tl.arange(0, BLOCK_N)
+    col_ok = c * BLOCK_N + local < N
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
-    jj = tl.arange(0, HALF)
     dtype = X.dtype.element_ty
+    wb_c = wb_e + c * wb_col
+    ws_c = ws_e + c * ws_col
     for k0 in range(0, K, BLOCK_K):
+        wb_t = wb_c + (k0 // BLOCK_K) * wb_step
+        ws_t = ws_c + (k0 // BLOCK_K) * ws_step
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):
-            kb = (k0 + k1) // 2 + jj  # byte column of the weight rows
-            k_ok = kb < K // 2
             ks = k0 + k1 + tl.arange(0, SUB_K)
             xt = tl.load(
                 X + rows[None, :] * stride_x + ks[:, None],
@@ -191,33 +221,22 @@ def _portable_products(
                 other=0.0,
                 eviction_policy="evict_last",
             )  # [SUB_K, BLOCK_M]
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
-            s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
-            if DECODE == 0:
-                w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
-            else:
-                w_even, w_odd = _decode_groups(
-                    wb_base, ws_base, cols, col_ok, k0 + k1, K, stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K,
-                    DECODE == 2,
-                )  # fmt: skip
-            lo = tl.dot(_interleave(w_even, w_odd, BLOCK_N, SUB_K), xt, lo, input_precision=DOT_PRECISION)
+            w = _decode_tile(
+                wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE
+            )
+            lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
-                if DECODE == 0:
-                    w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
-                else:
-                    w_even, w_odd = _decode_groups(
-                        wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0 + k1, K,
-                        stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K, DECODE == 2,
-                    )  # fmt: skip
-                w = _interleave(w_even, w_odd, BLOCK_N, SUB_K)
+                w = _decode_tile(
+                    wb_t + wb_half, ws_t + ws_half, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype,
+                    BLOCK_N, SUB_K, DECODE,
+                )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
 
 
 @triton.jit
 def _scaled_products(
-    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+    X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, stride_wbn, stride_wsn, wb_half, ws_half,
     GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, X_FORMAT: tl.constexpr,
 ):  # fmt: skip
@@ -262,8 +281,8 @@ def _scaled_products(
         else:
             lo = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=lo)
         if GATED:
-            w = tl.load(b_ptrs + N * stride_wbn, mask=b_mask, other=0, eviction_policy="evict_first")
-            s = tl.load(s_ptrs + N * stride_wsn, mask=s_mask, other=0, eviction_policy="evict_first")
+            w = tl.load(b_ptrs + wb_half, mask=b_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + ws_half, mask=s_mask, other=0, eviction_policy="evict_first")
             if SWAP:
                 hi = tl.dot_scaled(w, s, "e2m1", xt, None, X_FORMAT, acc=hi)
             else:
@@ -276,19 +295,20 @@ def _scaled_products(
 
 @triton.jit
 def mxfp4_fwd_kernel(
-    X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn,
-    stride_be, stride_add, stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_ADD: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr,
-    DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, wb_half, wb_col, wb_step, wb_row,
+    stride_wse, ws_half, ws_col, ws_step, ws_row, stride_be, stride_add, stride_out, limit, alpha,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
+    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
     sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded
     products with W[e, c] and W[e, N + c] (HAS_ADD: plus Add[r, c] and Add[r, N + c], rounded again) plus the
     bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
-    (+ bias). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE
-    and SUB_K: `_portable_products`)."""
+    (+ bias). The weights addressed tile by tile (wb_*, ws_*: module doc; the scaled kernel reads the
+    row-major layout only). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module
+    doc; DECODE and SUB_K: `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -308,13 +328,14 @@ def mxfp4_fwd_kernel(
         row_ok = rows < end
         if SCALED:
             lo, hi = _scaled_products(
-                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+                X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, wb_row, ws_row, wb_half,
+                ws_half, GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
             )  # fmt: skip
         else:
             lo, hi = _portable_products(
-                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE, SUB_K,
+                X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
+                wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                DECODE, SUB_K,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
         # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values

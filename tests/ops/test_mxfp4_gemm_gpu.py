@@ -221,6 +221,22 @@ def test_portable_decodings_equal_the_dequantized_path(decode, tokens):
         assert torch.equal(y, grouped_linear_mxfp4(h, b2, s2, bounds, path="dequantized"))
 
 
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_tiled_weights_equal_the_row_major_kernel(tokens):
+    """The forward kernel over the weights re-laid tile by tile (`mxfp4_gemm.tile_layout`, default tiles,
+    the ptx decoding): fc1 (SwiGLU) and fc2 (plus bias) bit for bit what it computes over the row-major
+    weights."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bias2 = torch.randn(EXPERTS, WIDTH, generator=g, device="cuda").bfloat16()
+    for (blocks, scales), b, gated, rows in (((b1, s1), bias, True, x), ((b2, s2), bias2, False, x)):
+        cfg = mxfp4_gemm.default_config(rows.shape[0], EXPERTS, rows.device, gated)
+        tiles = mxfp4_gemm.tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
+        ours = mxfp4_gemm.forward_tiled(rows, tiles, b, bounds, LIMIT, ALPHA, cfg)
+        ref = mxfp4_gemm._forward(rows, blocks, scales, b, None, bounds, gated, LIMIT, ALPHA, "portable", cfg)
+        assert ours.abs().sum() > 0 and torch.equal(ours, ref), f"gated {gated}"
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
