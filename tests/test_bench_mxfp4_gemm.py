@@ -30,7 +30,7 @@ def test_tiled_layer_passes_the_check():
     g = torch.Generator().manual_seed(2)
     bounds = fused_moe.sort_by_expert(torch.rand(6, 4, generator=g).topk(2, dim=-1).indices, 4)[1]
     x = torch.randn(12, 64, generator=g)
-    fc1, fc2 = bench_mxfp4_gemm.tiled_layer(decode="groups")
+    fc1, fc2 = bench_mxfp4_gemm.relaid_layer("tiled+shuffled", decode="groups")
     assert bench_mxfp4_gemm.check("tiled", fc1, fc2, layers, x, bounds, verbose=False)
     off = bench_mxfp4_gemm.check("off", lambda *a: fc1(*a) * 1.02, fc2, layers, x, bounds, verbose=False)
     assert not off  # the check can fail

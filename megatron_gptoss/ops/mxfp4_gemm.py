@@ -399,17 +399,17 @@ def _forward(
     cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
     layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
-        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype
+        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype, False
     )
 
 
 def _launch_forward(
     x: Tensor, wb: Tensor, ws: Tensor, layout: tuple[int, ...], n: int, bias: Tensor | None,
     addend: Tensor | None, bounds: Tensor, gated: bool, limit: float, alpha: float, kernel: str,
-    cfg: Mxfp4Config, out_dtype: torch.dtype | None,
+    cfg: Mxfp4Config, out_dtype: torch.dtype | None, shuffled: bool,
 ) -> Tensor:  # fmt: skip
     """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
-    (`_row_major_layout`'s, or a `TiledWeights`'s)."""
+    (`_row_major_layout`'s, or a `KernelWeights`'s), their bytes `shuffled` (`shuffle_bytes`) or not."""
     x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
@@ -425,6 +425,8 @@ def _launch_forward(
     if sub_k % BLOCK or cfg.block_k % sub_k:
         raise ValueError(f"Mxfp4Config.sub_k must be a multiple of {BLOCK} dividing block_k {cfg.block_k}, "
                          f"got {cfg.sub_k}")  # fmt: skip
+    if shuffled and decode == 0:
+        raise ValueError(f"shuffled bytes need the 'groups' or 'ptx' decoding, got {cfg}")
     if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
         decode = DECODES.index("groups")
     has_bias, has_add = bias is not None, addend is not None
@@ -438,7 +440,8 @@ def _launch_forward(
         GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SCALED=kernel == "scaled", SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, num_warps=cfg.warps, num_stages=cfg.stages,
+        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, SHUFFLED=shuffled, num_warps=cfg.warps,
+        num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -554,25 +557,36 @@ def fc1_swiglu_mxfp4(
 
 
 # ------------------------------------------------------------------------------------------------
-# Tile-contiguous weights
+# Weights re-laid for the forward kernel
 @dataclass(frozen=True)
-class TiledWeights:
-    """An expert weight's MXFP4 bytes and scales stored tile by tile (`tile_layout`): the [block_n,
-    block_k / 2] bytes and [block_n, block_k / 32] scales that one program of the forward kernel reads at
-    one K step are each one contiguous run, not block_n runs a row stride apart."""
+class KernelWeights:
+    """An expert weight's MXFP4 bytes and scales re-laid for the forward kernel's (block_n, block_k) tiles
+    (`kernel_weights`): `tiled`, stored tile by tile, so that the [block_n, block_k / 2] bytes and [block_n,
+    block_k / 32] scales one program reads at one K step are each one contiguous run, not block_n runs a row
+    stride apart; `shuffled`, each 16-byte block's bytes in `shuffle_bytes`' order, so that the bytes one
+    thread of the matrix unit's operand decodes are side by side (one vector read from shared memory instead
+    of one read a byte)."""
 
-    blocks: Tensor  # [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded to whole tiles
-    scales: Tensor  # [E, halves, NB, KT, block_n, block_k / 32] uint8
+    blocks: (
+        Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded; else [E, R, K / 32, 16]
+    )
+    scales: Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 32] uint8; else [E, R, K / 32]
     n: int  # output columns (of each half: fc1's gate and up are tiled apart)
     k: int  # input columns
     gated: bool
     block_n: int
     block_k: int
+    tiled: bool
+    shuffled: bool
 
     @property
     def layout(self) -> tuple[int, ...]:
         """The forward kernel's tile addressing (`_row_major_layout`'s order)."""
         b, s = self.blocks, self.scales
+        if not self.tiled:
+            sb, ss = b.stride(1), s.stride(1)
+            return (self.n * sb, self.block_n * sb, self.block_k // 2, sb, self.n * ss, self.block_n * ss,
+                    self.block_k // BLOCK, ss)  # fmt: skip
         return (
             b.stride(1),
             b.stride(2),
@@ -585,9 +599,13 @@ class TiledWeights:
         )
 
 
-def tile_layout(blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int) -> TiledWeights:
+def kernel_weights(
+    blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int, tiled: bool = True,
+    shuffled: bool = False,
+) -> KernelWeights:  # fmt: skip
     """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] (R = 2N as [gate; up] when `gated`, else N) re-laid
-    tile by tile for the forward kernel's (block_n, block_k) tiles: a copy, zero-padded to whole tiles."""
+    for the forward kernel's (block_n, block_k) tiles (`KernelWeights`): a copy, zero-padded to whole tiles
+    when `tiled`."""
     _check_weights(blocks, scales)
     if block_k % BLOCK or block_n <= 0:
         raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
@@ -599,47 +617,61 @@ def tile_layout(blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block
     n, k = r // halves, blocks.shape[2] * BLOCK
     nb, kt = _cdiv(n, block_n), _cdiv(k, block_k)
 
-    def tiled(t: Tensor, per_k: int) -> Tensor:
+    def tiled_copy(t: Tensor, per_k: int) -> Tensor:
         t = t.reshape(e, halves, n, -1)
         t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
         return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
 
-    tiles = tiled(blocks, block_k // 2), tiled(scales, block_k // BLOCK)
-    return TiledWeights(*tiles, n=n, k=k, gated=gated, block_n=block_n, block_k=block_k)
+    if shuffled:
+        blocks = shuffle_bytes(blocks)
+    if tiled:
+        blocks, scales = tiled_copy(blocks, block_k // 2), tiled_copy(scales, block_k // BLOCK)
+    else:
+        blocks, scales = _kernel_layout(blocks.contiguous(), scales)
+    return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, shuffled)
 
 
-def forward_tiled(
-    x: Tensor, tiles: TiledWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
+def shuffle_bytes(blocks: Tensor) -> Tensor:
+    """MXFP4 bytes [..., 16] (blocks in K's order) -> each block stored as the transpose of its [4, 4] view:
+    byte 4 b + a at 4 a + b, so that the bytes one thread of the matrix unit's operand decodes (every fourth:
+    the K pairs of bytes a, a + 4, a + 8, a + 12 at lane a of each quad) are side by side. Its own inverse.
+    A copy."""
+    if blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
+    return blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).reshape(blocks.shape).contiguous()
+
+
+def forward_kernel_weights(
+    x: Tensor, weights: KernelWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
     alpha: float = 0.0, config: Mxfp4Config | None = None, addend: Tensor | None = None,
 ) -> Tensor:  # fmt: skip
-    """`fc1_swiglu_mxfp4` (tiles.gated: the clamped SwiGLU [M, N]) or `grouped_linear_mxfp4`'s forward plus
-    bias[e] ([M, N]) over tile-laid weights, by the portable kernel at the tiles' block_n and block_k: the
-    same products in the same K order as over the row-major weights. Forward only; x [M, K] sorted by expert,
-    on CUDA, or fp32 on the CPU under TRITON_INTERPRET=1."""
-    e = tiles.blocks.shape[0]
-    if x.dim() != 2 or x.shape[1] != tiles.k:
-        raise ValueError(f"x must be [M, {tiles.k}] (the tiles' input width), got {tuple(x.shape)}")
+    """`fc1_swiglu_mxfp4` (weights.gated: the clamped SwiGLU [M, N]) or `grouped_linear_mxfp4`'s forward plus
+    bias[e] ([M, N]) over re-laid weights, by the portable kernel at the weights' block_n and block_k: the
+    same products in the same K order as over the checkpoint's layout. Forward only; x [M, K] sorted by
+    expert, on CUDA, or fp32 on the CPU under TRITON_INTERPRET=1."""
+    e = weights.blocks.shape[0]
+    if x.dim() != 2 or x.shape[1] != weights.k:
+        raise ValueError(f"x must be [M, {weights.k}] (the weights' input width), got {tuple(x.shape)}")
     if bounds.dtype != torch.int32 or tuple(bounds.shape) != (e + 1,):
         raise ValueError(
             f"bounds must be int32 [E + 1] = [{e + 1}], got {bounds.dtype} {tuple(bounds.shape)}"
         )
     if kernel_for(x, "portable") != "portable":
-        raise ValueError(f"tiled MXFP4 weights need the Triton kernels: {x.dtype} rows on {x.device} cannot "
-                         "run them (CUDA, or fp32 rows on the CPU under TRITON_INTERPRET=1)")  # fmt: skip
-    halves = 2 if tiles.gated else 1
-    if bias is not None and tuple(bias.shape) != (e, halves * tiles.n):
-        raise ValueError(f"bias must be [E, out] = [{e}, {halves * tiles.n}], got {tuple(bias.shape)}")
-    if addend is not None and tuple(addend.shape) != (x.shape[0], halves * tiles.n):
-        raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {halves * tiles.n}], got "
-                         f"{tuple(addend.shape)}")  # fmt: skip
-    cfg = default_config(x.shape[0], e, x.device, tiles.gated) if config is None else config
+        raise ValueError(f"re-laid MXFP4 weights need the Triton kernels: {x.dtype} rows on {x.device} "
+                         "cannot run them (CUDA, or fp32 rows on the CPU under the interpreter)")  # fmt: skip
+    out = (2 if weights.gated else 1) * weights.n
+    if bias is not None and tuple(bias.shape) != (e, out):
+        raise ValueError(f"bias must be [E, out] = [{e}, {out}], got {tuple(bias.shape)}")
+    if addend is not None and tuple(addend.shape) != (x.shape[0], out):
+        raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
+    cfg = default_config(x.shape[0], e, x.device, weights.gated) if config is None else config
     if config is None:
-        cfg = dataclasses.replace(cfg, block_n=tiles.block_n, block_k=tiles.block_k, sub_k=0)
-    if (cfg.block_n, cfg.block_k) != (tiles.block_n, tiles.block_k):
+        cfg = dataclasses.replace(cfg, block_n=weights.block_n, block_k=weights.block_k, sub_k=0)
+    if (cfg.block_n, cfg.block_k) != (weights.block_n, weights.block_k):
         raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "
-                         f"{tiles.block_n} x {tiles.block_k}")  # fmt: skip
+                         f"{weights.block_n} x {weights.block_k}")  # fmt: skip
     with torch.no_grad():
         return _launch_forward(
-            x, tiles.blocks, tiles.scales, tiles.layout, tiles.n, bias, addend, bounds, tiles.gated, limit,
-            alpha, "portable", cfg, None,
+            x, weights.blocks, weights.scales, weights.layout, weights.n, bias, addend, bounds, weights.gated,
+            limit, alpha, "portable", cfg, None, weights.shuffled,
         )  # fmt: skip

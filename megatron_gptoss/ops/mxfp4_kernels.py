@@ -6,7 +6,7 @@ the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) f
 Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
 
 The forward kernel addresses the weights tile by tile, so that they may be stored row-major or
-tile-contiguous (`mxfp4_gemm.tile_layout`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
+tile-contiguous (`mxfp4_gemm.kernel_weights`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
 block c and K step t, in half h (fc1's [gate; up]), sits at Wb + e stride_wbe + h wb_half + c wb_col +
 t wb_step + n wb_row + j (the scales likewise with ws_*, j < BLOCK_K / 32). Row-major: wb_half = N S,
 wb_col = BLOCK_N S, wb_step = BLOCK_K / 2, wb_row = S (S the row stride); tile-contiguous: each tile's
@@ -130,49 +130,52 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 @triton.jit
 def _decode_groups(
     wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, SHUFFLED: tl.constexpr,
 ):  # fmt: skip
     """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
     columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
-    the bytes read as [BLOCK_N, BLOCK_K / 32, 16] tiles (16-byte vectors) and each block's scale once,
-    broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale
-    bytes 2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else by `_fp4_values` and
-    `_scale_values`."""
+    the bytes read as 16-byte vectors and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on
+    NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
+    113: normal bf16); else by `_fp4_values` and `_scale_values`. SHUFFLED: each 16-byte block stored as the
+    transpose of its [4, 4] view (`mxfp4_gemm.shuffle_bytes`: byte 4 b + a at 4 a + b), so that the bytes
+    one thread of the matrix unit's operand needs (every fourth) come from shared memory as one vector."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
-    byte_ptrs = wb_tile + local[:, None, None] * wb_row + ((k_in // 32 + g) * 16)[None, :, None]
-    byte = tl.load(
-        byte_ptrs + tl.arange(0, 16)[None, None, :],
-        mask=mask[:, :, None],
-        other=0,
-        eviction_policy="evict_first",
-    )
+    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
     # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
     # default policy (the weight bytes, read once, are evicted first)
-    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
-    if PTX:
+    ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
+    byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
+                   eviction_policy="evict_first")  # fmt: skip
+    if SHUFFLED:  # the 16-byte runs viewed as [4, 4] once loaded: [N, g, a, b] = stored byte 16 g + 4 a + b
+        byte = tl.reshape(byte, [BLOCK_N, GROUPS, 4, 4])
+        scale = tl.broadcast_to(scale[:, :, None, None], [BLOCK_N, GROUPS, 4, 4])
+    else:
         scale = tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, 16])
+    if PTX:
         even, odd = tl.inline_asm_elementwise(
             _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
             pack=4,
         )  # fmt: skip
     else:
         codes = byte.to(tl.int32)
-        factor = _scale_values(scale)[:, :, None]
+        factor = _scale_values(scale)
         even = (_fp4_values(codes & 15) * factor).to(DTYPE)
         odd = (_fp4_values(codes >> 4) * factor).to(DTYPE)
+    if SHUFFLED:  # [N, g, a, b] holds byte 16 g + 4 b + a: -> [N, g, b, a]
+        even, odd = tl.permute(even, (0, 1, 3, 2)), tl.permute(odd, (0, 1, 3, 2))
     return tl.reshape(even, [BLOCK_N, BLOCK_K // 2]), tl.reshape(odd, [BLOCK_N, BLOCK_K // 2])
 
 
 @triton.jit
 def _decode_tile(
     wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SUB_K: tl.constexpr, DECODE: tl.constexpr,
+    SUB_K: tl.constexpr, DECODE: tl.constexpr, SHUFFLED: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
     SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, 1 `_decode_groups`, 2 the same through
-    PTX) and interleaved back into K's order."""
+    PTX; SHUFFLED: `_decode_groups`') and interleaved back into K's order."""
     if DECODE == 0:
         jj = tl.arange(0, SUB_K // 2)
         mask = col_ok[:, None] & ((kg // 2 + jj) < K // 2)[None, :]
@@ -181,8 +184,9 @@ def _decode_tile(
         even, odd = _decode(b_ptrs, s_ptrs, mask, DTYPE)
     else:
         even, odd = _decode_groups(
-            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
-        )
+            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
+            SHUFFLED,
+        )  # fmt: skip
     return _interleave(even, odd, BLOCK_N, SUB_K)
 
 
@@ -198,6 +202,7 @@ def _portable_products(
     X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
     ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    SHUFFLED: tl.constexpr,
 ):  # fmt: skip
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
     columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
@@ -222,13 +227,14 @@ def _portable_products(
                 eviction_policy="evict_last",
             )  # [SUB_K, BLOCK_M]
             w = _decode_tile(
-                wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE
-            )
+                wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE,
+                SHUFFLED,
+            )  # fmt: skip
             lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
                 w = _decode_tile(
                     wb_t + wb_half, ws_t + ws_half, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype,
-                    BLOCK_N, SUB_K, DECODE,
+                    BLOCK_N, SUB_K, DECODE, SHUFFLED,
                 )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
@@ -300,6 +306,7 @@ def mxfp4_fwd_kernel(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    SHUFFLED: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -335,7 +342,7 @@ def mxfp4_fwd_kernel(
             lo, hi = _portable_products(
                 X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
                 wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                DECODE, SUB_K,
+                DECODE, SUB_K, SHUFFLED,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
         # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values

@@ -342,55 +342,72 @@ def test_tiles_fit_the_shared_memory():
 
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
-def test_tiled_weights_give_the_row_major_products(gated):
-    """Weights re-laid tile by tile (`tile_layout`: partial column and K tiles zero-padded, fc1's halves
-    tiled apart): the forward kernel reading them gives exactly what it gives over the row-major weights,
-    bias and addend included, with each decoding and over several row tiles of an expert; within 1e-6 of the
-    reference; and clear errors for tiles that do not match the kernel's or rows of another width."""
+def test_relaid_weights_give_the_row_major_products(gated):
+    """Weights re-laid for the forward kernel (`kernel_weights`): tile by tile (partial column and K tiles
+    zero-padded, fc1's halves tiled apart), with each block's bytes shuffled, or both. The kernel reading
+    them gives exactly what it gives over the checkpoint's layout, bias and addend included, with each
+    decoding and over several row tiles of an expert; within 1e-6 of the reference; and clear errors for
+    tiles that do not match the kernel's, rows of another width or a decoding that cannot read shuffled
+    bytes."""
     counts, n, k = [5, 0, 37], 40, 96
     blocks, scales = weights(len(counts), 2 * n if gated else n, k, seed=21)
     x, bounds = rows(counts, k, seed=21)
     g = torch.Generator().manual_seed(22)
     bias = torch.randn(len(counts), blocks.shape[1], generator=g)
     addend = torch.randn(x.shape[0], blocks.shape[1], generator=g)
-    tiled = mxfp4_gemm.tile_layout(blocks, scales, gated, TILES.block_n, TILES.block_k)
-    assert tiled.blocks.shape == (len(counts), 2 if gated else 1, 3, 2, 16, 32)
-    assert tiled.blocks.is_contiguous() and tiled.blocks.stride(4) == TILES.block_k // 2
     swiglu = (LIMIT, ALPHA) if gated else None
     ref = reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend)
-    for decode, sub_k in (("bytes", 0), ("groups", 0), ("groups", 32), ("ptx", 0)):
-        tiles = dataclasses.replace(TILES, decode=decode, sub_k=sub_k)
-        ours = mxfp4_gemm.forward_tiled(x, tiled, bias, bounds, LIMIT, ALPHA, tiles, addend)
-        row_major = mxfp4_gemm._forward(
-            x, blocks, scales, bias, addend, bounds, gated, LIMIT, ALPHA, "portable", tiles
-        )
-        assert ours.abs().sum() > 0 and torch.equal(ours, row_major), decode
-        assert rel_err(ours, ref) <= 1e-6, decode
+    tiled = mxfp4_gemm.kernel_weights(blocks, scales, gated, TILES.block_n, TILES.block_k)
+    assert tiled.blocks.shape == (len(counts), 2 if gated else 1, 3, 2, 16, 32)
+    assert tiled.blocks.is_contiguous() and tiled.blocks.stride(4) == TILES.block_k // 2
+    decodes = [("bytes", 0), ("groups", 0), ("groups", 32), ("ptx", 0)]
+    for is_tiled, shuffled in ((True, False), (False, True), (True, True)):
+        relaid = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, is_tiled, shuffled)
+        for decode, sub_k in decodes[1:] if shuffled else decodes:
+            tiles = dataclasses.replace(TILES, decode=decode, sub_k=sub_k)
+            ours = mxfp4_gemm.forward_kernel_weights(x, relaid, bias, bounds, LIMIT, ALPHA, tiles, addend)
+            row_major = mxfp4_gemm._forward(
+                x, blocks, scales, bias, addend, bounds, gated, LIMIT, ALPHA, "portable", tiles
+            )
+            assert ours.abs().sum() > 0 and torch.equal(ours, row_major), (is_tiled, shuffled, decode, sub_k)
+            assert rel_err(ours, ref) <= 1e-6, decode
+    shuffled = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, False, True)
+    with pytest.raises(ValueError, match="shuffled bytes need the 'groups' or 'ptx' decoding"):
+        mxfp4_gemm.forward_kernel_weights(x, shuffled, bias, bounds, config=TILES)
     with pytest.raises(ValueError, match="the kernel's tiles 16 x 32 must be the weights' 16 x 64"):
-        mxfp4_gemm.forward_tiled(x, tiled, bias, bounds, config=dataclasses.replace(TILES, block_k=32))
+        mxfp4_gemm.forward_kernel_weights(
+            x, tiled, bias, bounds, config=dataclasses.replace(TILES, block_k=32)
+        )
     with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
-        mxfp4_gemm.forward_tiled(x[:, :64], tiled, bias, bounds)
+        mxfp4_gemm.forward_kernel_weights(x[:, :64], tiled, bias, bounds)
     with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp4_gemm.tile_layout(blocks, scales, gated, 16, 48)
+        mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 48)
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_tile_layout_keeps_every_byte(gated):
-    """The re-laid bytes and scales hold every byte and scale of the weights where the kernel's tile
-    addressing looks for them, and zeros in the padding."""
+def test_kernel_weights_keep_every_byte(gated):
+    """The tiled bytes and scales hold every byte and scale of the weights where the kernel's tile
+    addressing looks for them, and zeros in the padding; shuffled bytes are each block's [4, 4] transpose,
+    which shuffling again undoes."""
     g = torch.Generator().manual_seed(0)
-    experts, rows, width = 2, 2 * 24 if gated else 24, 96  # 24 rows: not a whole number of 16-row tiles
-    blocks = torch.randint(0, 256, (experts, rows, width // 32, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(100, 130, (experts, rows, width // 32), generator=g, dtype=torch.uint8)
-    tiles = mxfp4_gemm.tile_layout(blocks, scales, gated, 16, 64)
+    experts, rows_, width = 2, 2 * 24 if gated else 24, 96  # 24 rows: not a whole number of 16-row tiles
+    blocks = torch.randint(0, 256, (experts, rows_, width // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 130, (experts, rows_, width // 32), generator=g, dtype=torch.uint8)
+    tiles = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64)
     tiled, tiled_scales, nb, kt = tiles.blocks, tiles.scales, *tiles.blocks.shape[2:4]
-    halves, n = (2, rows // 2) if gated else (1, rows)
+    halves, n = (2, rows_ // 2) if gated else (1, rows_)
     assert (nb, kt) == (2, 2) and tiled.shape == (experts, halves, nb, kt, 16, 32)
     # byte j of row r of half h sits in tile (r // 16, j // 32) at (r % 16, j % 32); the padding is zero
     untiled = tiled.permute(0, 1, 2, 4, 3, 5).reshape(experts, halves, nb * 16, kt * 32)
     assert torch.equal(
-        untiled[:, :, :n, : width // 2].reshape(experts, rows, -1), blocks.reshape(experts, rows, -1)
+        untiled[:, :, :n, : width // 2].reshape(experts, rows_, -1), blocks.reshape(experts, rows_, -1)
     )
     assert untiled[:, :, n:].eq(0).all() and untiled[..., width // 2 :].eq(0).all()
     scales_back = tiled_scales.permute(0, 1, 2, 4, 3, 5).reshape(experts, halves, nb * 16, kt * 2)
-    assert torch.equal(scales_back[:, :, :n, : width // 32].reshape(experts, rows, -1), scales)
+    assert torch.equal(scales_back[:, :, :n, : width // 32].reshape(experts, rows_, -1), scales)
+    shuffled = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, tiled=False, shuffled=True)
+    assert torch.equal(shuffled.blocks[..., 1], blocks[..., 4]) and torch.equal(
+        shuffled.blocks[..., 4], blocks[..., 1]
+    )
+    assert torch.equal(mxfp4_gemm.shuffle_bytes(shuffled.blocks), blocks)
+    assert torch.equal(shuffled.scales, scales)

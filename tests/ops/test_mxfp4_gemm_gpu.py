@@ -222,19 +222,25 @@ def test_portable_decodings_equal_the_dequantized_path(decode, tokens):
 
 
 @pytest.mark.parametrize("tokens", [64, 256])
-def test_tiled_weights_equal_the_row_major_kernel(tokens):
-    """The forward kernel over the weights re-laid tile by tile (`mxfp4_gemm.tile_layout`, default tiles,
-    the ptx decoding): fc1 (SwiGLU) and fc2 (plus bias) bit for bit what it computes over the row-major
-    weights."""
+def test_relaid_weights_equal_the_row_major_kernel(tokens):
+    """The forward kernel over the weights re-laid (`mxfp4_gemm.kernel_weights`: tiled, shuffled, both),
+    default tiles with the ptx decoding and with sub_k 64: fc1 (SwiGLU) and fc2 (plus bias) bit for bit
+    what it computes over the checkpoint's layout."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
     g = torch.Generator(device="cuda").manual_seed(5)
     bias2 = torch.randn(EXPERTS, WIDTH, generator=g, device="cuda").bfloat16()
-    for (blocks, scales), b, gated, rows in (((b1, s1), bias, True, x), ((b2, s2), bias2, False, x)):
-        cfg = mxfp4_gemm.default_config(rows.shape[0], EXPERTS, rows.device, gated)
-        tiles = mxfp4_gemm.tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
-        ours = mxfp4_gemm.forward_tiled(rows, tiles, b, bounds, LIMIT, ALPHA, cfg)
-        ref = mxfp4_gemm._forward(rows, blocks, scales, b, None, bounds, gated, LIMIT, ALPHA, "portable", cfg)
-        assert ours.abs().sum() > 0 and torch.equal(ours, ref), f"gated {gated}"
+    for (blocks, scales), b, gated in (((b1, s1), bias, True), ((b2, s2), bias2, False)):
+        default = mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated)
+        for cfg in (default, dataclasses.replace(default, sub_k=64)):
+            ref = mxfp4_gemm._forward(
+                x, blocks, scales, b, None, bounds, gated, LIMIT, ALPHA, "portable", cfg
+            )
+            for tiled, shuffled in ((True, False), (False, True), (True, True)):
+                relaid = mxfp4_gemm.kernel_weights(
+                    blocks, scales, gated, cfg.block_n, cfg.block_k, tiled, shuffled
+                )
+                ours = mxfp4_gemm.forward_kernel_weights(x, relaid, b, bounds, LIMIT, ALPHA, cfg)
+                assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, shuffled)
 
 
 def test_portable_path_with_pre_hopper_matrix_instructions():
