@@ -8,7 +8,7 @@
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
     python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding,
                                     # also over the bytes re-laid tile by tile (`mxfp4_gemm.kernel_weights`)
-    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --relaid --sweep tiled+shuffled/ptx
+    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --relaid --sweep pairs/ptx
                                     # the portable kernel over the weights re-laid (RELAID), and the
                                     # fastest of DECODE_SWEEP's tiles for one of them
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
@@ -71,8 +71,11 @@ DECODE_SWEEP = [
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
     (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64),
 ]  # fmt: skip
-# the weights re-laid for the forward kernel (`mxfp4_gemm.kernel_weights`): (tiled, shuffled) by name
-RELAID = {"tiled": (True, False), "shuffled": (False, True), "tiled+shuffled": (True, True)}
+# the weights re-laid for the forward kernel (`mxfp4_gemm.kernel_weights`): (tiled, byte format) by name
+RELAID = {
+    "tiled": (True, "checkpoint"), "shuffled": (False, "shuffled"), "tiled+shuffled": (True, "shuffled"),
+    "pairs": (False, "pairs"), "tiled+pairs": (True, "pairs"),
+}  # fmt: skip
 
 
 class Layers:
@@ -246,12 +249,12 @@ def _load_floor_kernel(
 
 
 def tiles_of(cache: dict, blocks, scales, gated: bool, i: int, block_n: int, block_k: int, tiled: bool = True,
-             shuffled: bool = False):  # fmt: skip
+             byte_format: str = "checkpoint"):  # fmt: skip
     """Layer i's fc1 (`gated`) or fc2 weights re-laid by `mxfp4_gemm.kernel_weights` for (block_n, block_k)
     tiles, once per benchmark (kept in `cache`)."""
-    key = (i, gated, block_n, block_k, tiled, shuffled)
+    key = (i, gated, block_n, block_k, tiled, byte_format)
     if key not in cache:
-        cache[key] = mxfp4_gemm.kernel_weights(blocks, scales, gated, block_n, block_k, tiled, shuffled)
+        cache[key] = mxfp4_gemm.kernel_weights(blocks, scales, gated, block_n, block_k, tiled, byte_format)
     return cache[key]
 
 
@@ -261,14 +264,14 @@ def relaid_layer(
     """(fc1, fc2) of the portable kernel over the weights re-laid as RELAID[layout] (`mxfp4_gemm.
     forward_kernel_weights`; the tiles of cfg1 / cfg2, else `default_config`'s with `decode`): the time were
     the experts stored that way."""
-    tiled, shuffled = RELAID[layout]
+    tiled, byte_format = RELAID[layout]
     cache: dict[tuple, mxfp4_gemm.KernelWeights] = {}
 
     def run(x, blocks, scales, bias, bounds, gated: bool, i: int, cfg: Mxfp4Config | None):
         if cfg is None:
             cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated)
             cfg = dataclasses.replace(cfg, decode=decode)
-        weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, shuffled)
+        weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, byte_format)
         return mxfp4_gemm.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)
 
     def fc1(x, layers: Layers, i: int, bounds):

@@ -220,6 +220,11 @@ class Mxfp4Config:
 
 
 DECODES = ("bytes", "groups", "ptx")
+BYTE_FORMATS = (
+    "checkpoint",
+    "shuffled",
+    "pairs",
+)  # `kernel_weights`' byte formats, in the kernels' numbering
 
 
 # Interpreter tiles (the CPU): small, few numpy calls.
@@ -399,17 +404,17 @@ def _forward(
     cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
     layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
-        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype, False
+        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype, 0
     )
 
 
 def _launch_forward(
     x: Tensor, wb: Tensor, ws: Tensor, layout: tuple[int, ...], n: int, bias: Tensor | None,
     addend: Tensor | None, bounds: Tensor, gated: bool, limit: float, alpha: float, kernel: str,
-    cfg: Mxfp4Config, out_dtype: torch.dtype | None, shuffled: bool,
+    cfg: Mxfp4Config, out_dtype: torch.dtype | None, byte_format: int,
 ) -> Tensor:  # fmt: skip
     """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
-    (`_row_major_layout`'s, or a `KernelWeights`'s), their bytes `shuffled` (`shuffle_bytes`) or not."""
+    (`_row_major_layout`'s, or a `KernelWeights`'s), their bytes in BYTE_FORMATS[byte_format]."""
     x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
@@ -425,8 +430,9 @@ def _launch_forward(
     if sub_k % BLOCK or cfg.block_k % sub_k:
         raise ValueError(f"Mxfp4Config.sub_k must be a multiple of {BLOCK} dividing block_k {cfg.block_k}, "
                          f"got {cfg.sub_k}")  # fmt: skip
-    if shuffled and decode == 0:
-        raise ValueError(f"shuffled bytes need the 'groups' or 'ptx' decoding, got {cfg}")
+    if byte_format and decode == 0:
+        raise ValueError(f"byte format {BYTE_FORMATS[byte_format]!r} needs the 'groups' or 'ptx' decoding, "
+                         f"got {cfg}")  # fmt: skip
     if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
         decode = DECODES.index("groups")
     has_bias, has_add = bias is not None, addend is not None
@@ -440,8 +446,8 @@ def _launch_forward(
         GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SCALED=kernel == "scaled", SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, SHUFFLED=shuffled, num_warps=cfg.warps,
-        num_stages=cfg.stages,
+        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -563,9 +569,10 @@ class KernelWeights:
     """An expert weight's MXFP4 bytes and scales re-laid for the forward kernel's (block_n, block_k) tiles
     (`kernel_weights`): `tiled`, stored tile by tile, so that the [block_n, block_k / 2] bytes and [block_n,
     block_k / 32] scales one program reads at one K step are each one contiguous run, not block_n runs a row
-    stride apart; `shuffled`, each 16-byte block's bytes in `shuffle_bytes`' order, so that the bytes one
-    thread of the matrix unit's operand decodes are side by side (one vector read from shared memory instead
-    of one read a byte)."""
+    stride apart; `byte_format` (BYTE_FORMATS): "checkpoint" the released bytes, "shuffled" each 16-byte
+    block's bytes in `shuffle_bytes`' order, so that the bytes one thread of the matrix unit's operand decodes
+    are side by side (one vector read from shared memory instead of one read a byte), "pairs" each block as
+    `pair_words`' four 32-bit words, decoded into bf16 pairs in K's order by masks and one fma a pair."""
 
     blocks: (
         Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded; else [E, R, K / 32, 16]
@@ -577,7 +584,7 @@ class KernelWeights:
     block_n: int
     block_k: int
     tiled: bool
-    shuffled: bool
+    byte_format: str
 
     @property
     def layout(self) -> tuple[int, ...]:
@@ -601,12 +608,20 @@ class KernelWeights:
 
 def kernel_weights(
     blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int, tiled: bool = True,
-    shuffled: bool = False,
+    byte_format: str = "checkpoint",
 ) -> KernelWeights:  # fmt: skip
     """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] (R = 2N as [gate; up] when `gated`, else N) re-laid
     for the forward kernel's (block_n, block_k) tiles (`KernelWeights`): a copy, zero-padded to whole tiles
-    when `tiled`."""
+    when `tiled`. "pairs" holds scale bytes 2..128 only (weights up to 12 in magnitude): others are
+    refused."""
     _check_weights(blocks, scales)
+    if byte_format not in BYTE_FORMATS:
+        raise ValueError(f"byte_format must be one of {BYTE_FORMATS}, got {byte_format!r}")
+    if byte_format == "pairs" and scales.numel() and not bool(((scales >= 2) & (scales <= 128)).all()):
+        low, high = int(scales.min()), int(scales.max())
+        raise ValueError(
+            f"byte format 'pairs' decodes scale bytes 2..128 exactly; these scales span {low}..{high}"
+        )
     if block_k % BLOCK or block_n <= 0:
         raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
                          f"{block_k}")  # fmt: skip
@@ -622,13 +637,15 @@ def kernel_weights(
         t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
         return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
 
-    if shuffled:
+    if byte_format == "shuffled":
         blocks = shuffle_bytes(blocks)
+    elif byte_format == "pairs":
+        blocks = pair_words(blocks)
     if tiled:
         blocks, scales = tiled_copy(blocks, block_k // 2), tiled_copy(scales, block_k // BLOCK)
     else:
         blocks, scales = _kernel_layout(blocks.contiguous(), scales)
-    return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, shuffled)
+    return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, byte_format)
 
 
 def shuffle_bytes(blocks: Tensor) -> Tensor:
@@ -639,6 +656,31 @@ def shuffle_bytes(blocks: Tensor) -> Tensor:
     if blocks.shape[-1] != BLOCK_BYTES:
         raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
     return blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).reshape(blocks.shape).contiguous()
+
+
+def pair_words(blocks: Tensor) -> Tensor:
+    """MXFP4 bytes [..., 16] (blocks in K's order) -> byte format "pairs": each block as four little-endian
+    32-bit words, word a holding the codes of bytes a, a + 4, a + 8, a + 12 (the K pairs 2 (a + 4 i), + 1)
+    with pair i's two codes in slot i: slots 0..2 the sign at bits 15 - 3 i and 31 - 3 i, exponent and
+    mantissa at 8 - 3 i .. 6 - 3 i and 24 - 3 i .. 22 - 3 i; slot 3 the sign at 14 / 30, the exponent at
+    11, 10 / 27, 26, the mantissa at 13 / 29 (the kernels' `_PAIRS_BF16_PTX` reads them). A copy."""
+    if blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
+    b = (
+        blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).to(torch.int64)
+    )  # [..., a, i]: byte 4 i + a
+    word = torch.zeros(b.shape[:-1], dtype=torch.int64, device=blocks.device)
+    for i in range(4):
+        for half, code in ((0, b[..., i] & 15), (16, b[..., i] >> 4)):
+            sign, e1, e0, m = (code >> 3) & 1, (code >> 2) & 1, (code >> 1) & 1, code & 1
+            if i < 3:
+                at = (15 - 3 * i, 8 - 3 * i, 7 - 3 * i, 6 - 3 * i)
+            else:
+                at = (14, 11, 10, 13)
+            for bit, pos in zip((sign, e1, e0, m), at):
+                word |= bit << (pos + half)
+    out = torch.stack([(word >> (8 * j)) & 255 for j in range(4)], dim=-1)  # little-endian bytes of word a
+    return out.to(torch.uint8).reshape(blocks.shape).contiguous()
 
 
 def forward_kernel_weights(
@@ -673,5 +715,5 @@ def forward_kernel_weights(
     with torch.no_grad():
         return _launch_forward(
             x, weights.blocks, weights.scales, weights.layout, weights.n, bias, addend, bounds, weights.gated,
-            limit, alpha, "portable", cfg, None, weights.shuffled,
+            limit, alpha, "portable", cfg, None, BYTE_FORMATS.index(weights.byte_format),
         )  # fmt: skip

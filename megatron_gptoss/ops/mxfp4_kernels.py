@@ -130,15 +130,16 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 @triton.jit
 def _decode_groups(
     wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, SHUFFLED: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
     columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
     the bytes read as 16-byte vectors and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on
     NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
-    113: normal bf16); else by `_fp4_values` and `_scale_values`. SHUFFLED: each 16-byte block stored as the
-    transpose of its [4, 4] view (`mxfp4_gemm.shuffle_bytes`: byte 4 b + a at 4 a + b), so that the bytes
-    one thread of the matrix unit's operand needs (every fourth) come from shared memory as one vector."""
+    113: normal bf16); else by `_fp4_values` and `_scale_values`. BYTE_FORMAT 0: the checkpoint's bytes; 1:
+    each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_gemm.shuffle_bytes`: byte 4 b + a
+    at 4 a + b), so that the bytes one thread of the matrix unit's operand needs (every fourth) come from
+    shared memory as one vector. (Format 2: `_decode_pairs`.)"""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
@@ -148,7 +149,7 @@ def _decode_groups(
     ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
     byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
                    eviction_policy="evict_first")  # fmt: skip
-    if SHUFFLED:  # the 16-byte runs viewed as [4, 4] once loaded: [N, g, a, b] = stored byte 16 g + 4 a + b
+    if BYTE_FORMAT == 1:  # the 16-byte runs viewed as [4, 4]: [N, g, a, b] = stored byte 16 g + 4 a + b
         byte = tl.reshape(byte, [BLOCK_N, GROUPS, 4, 4])
         scale = tl.broadcast_to(scale[:, :, None, None], [BLOCK_N, GROUPS, 4, 4])
     else:
@@ -163,7 +164,7 @@ def _decode_groups(
         factor = _scale_values(scale)
         even = (_fp4_values(codes & 15) * factor).to(DTYPE)
         odd = (_fp4_values(codes >> 4) * factor).to(DTYPE)
-    if SHUFFLED:  # [N, g, a, b] holds byte 16 g + 4 b + a: -> [N, g, b, a]
+    if BYTE_FORMAT == 1:  # [N, g, a, b] holds byte 16 g + 4 b + a: -> [N, g, b, a]
         even, odd = tl.permute(even, (0, 1, 3, 2)), tl.permute(odd, (0, 1, 3, 2))
     return tl.reshape(even, [BLOCK_N, BLOCK_K // 2]), tl.reshape(odd, [BLOCK_N, BLOCK_K // 2])
 
@@ -171,11 +172,15 @@ def _decode_groups(
 @triton.jit
 def _decode_tile(
     wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SUB_K: tl.constexpr, DECODE: tl.constexpr, SHUFFLED: tl.constexpr,
+    SUB_K: tl.constexpr, DECODE: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
     SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, 1 `_decode_groups`, 2 the same through
-    PTX; SHUFFLED: `_decode_groups`') and interleaved back into K's order."""
+    PTX) from bytes in BYTE_FORMAT (0 and 1: `_decode_groups`', 2: `_decode_pairs`')."""
+    if BYTE_FORMAT == 2:
+        return _decode_pairs(
+            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
+        )
     if DECODE == 0:
         jj = tl.arange(0, SUB_K // 2)
         mask = col_ok[:, None] & ((kg // 2 + jj) < K // 2)[None, :]
@@ -185,9 +190,94 @@ def _decode_tile(
     else:
         even, odd = _decode_groups(
             wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
-            SHUFFLED,
+            BYTE_FORMAT,
         )  # fmt: skip
     return _interleave(even, odd, BLOCK_N, SUB_K)
+
+
+# Byte format 2 ("pairs", `mxfp4_gemm.pair_words`): each 16-byte block as four 32-bit words, word a holding
+# the 8 values at K 2 (a + 4 i) + t (i = 0..3, t = 0, 1: the K pairs one thread of the matrix unit's operand
+# takes at lane a of its quad), their codes' bits placed so that pair i is a bf16x2 word by one mask: slots
+# 0, 1, 2 are (word << 3 i) & 0x81C081C0 (sign to bit 15, exponent and mantissa bits to 8..6, the second value
+# 16 bits up), slot 3 takes the remaining bits (sign at 14, exponent at 11, 10, mantissa at 13). A code in
+# those bits reads as a bf16 of value 2 ** -126 times its FP4 value (code 1, 0.5, as the subnormal 2 ** -127),
+# so one exact bf16x2 fma by 2 ** (s - 1) (bf16 bits (s + 126) << 7 in both halves; scale bytes 2..128) gives
+# the weight; -0 is added, so signed zeros stay. $4: the word, $5: its factor; $0..$3: pairs 0..3.
+_PAIRS_BF16_PTX = tl.constexpr(
+    """
+{
+.reg .b32 w0, w1, w2, w3, t1, t2, t3, nz;
+mov.b32 nz, 0x80008000;
+and.b32 w0, $4, 0x81C081C0;
+shl.b32 w1, $4, 3;
+and.b32 w1, w1, 0x81C081C0;
+shl.b32 w2, $4, 6;
+and.b32 w2, w2, 0x81C081C0;
+shl.b32 t1, $4, 1;
+and.b32 t1, t1, 0x80008000;
+shr.b32 t2, $4, 3;
+and.b32 t2, t2, 0x01800180;
+shr.b32 t3, $4, 7;
+and.b32 t3, t3, 0x00400040;
+or.b32 w3, t1, t2;
+or.b32 w3, w3, t3;
+fma.rn.bf16x2 $0, w0, $5, nz;
+fma.rn.bf16x2 $1, w1, $5, nz;
+fma.rn.bf16x2 $2, w2, $5, nz;
+fma.rn.bf16x2 $3, w3, $5, nz;
+}
+"""
+)
+
+
+@triton.jit
+def _pair_bits(word, v):
+    """The bf16 bit pattern (int32, 0..65535) of value v (0..7: pair v // 2, its half v % 2) of byte format
+    2's word (int64; `_PAIRS_BF16_PTX`'s decoding, without the factor)."""
+    i = v // 2
+    slot = (word << (3 * (i % 3))) & 0x81C081C0
+    fourth = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+    bits = tl.where(i == 3, fourth, slot)
+    return ((bits >> (16 * (v % 2))) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _decode_pairs(
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows at its K columns
+    k_in .. (the weight's kg .., masked from K up), read as 16-byte vectors viewed [N, g, a, 4 bytes], each
+    word decoded into its 4 bf16 pairs (PTX: `_PAIRS_BF16_PTX`, two outputs of 4 values a word: values 0..3
+    and 4..7; else the same bits by `_pair_bits` in fp32), then put in K's order (32 g + 8 i + 2 a + t)."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
+    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
+    ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
+    byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
+                   eviction_policy="evict_first")  # fmt: skip
+    byte = tl.reshape(byte, [BLOCK_N, GROUPS, 4, 4])  # [N, g, a, byte of the word]
+    exponent = scale.to(tl.int32) + 126  # 2 ** (s - 1): the bf16 exponent field s + 126
+    if PTX:
+        factor = tl.broadcast_to(
+            ((exponent << 7) | (exponent << 23))[:, :, None, None], [BLOCK_N, GROUPS, 4, 4]
+        )
+        first, second = tl.inline_asm_elementwise(
+            _PAIRS_BF16_PTX, "=r,=r,=r,=r,r,r,r,r,r", [byte, factor], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=4,
+        )  # fmt: skip
+    else:
+        shifts = (tl.arange(0, 4) * 8)[None, None, None, :]
+        word = tl.sum(byte.to(tl.int64) << shifts, axis=3)[:, :, :, None]  # little-endian, 64-bit
+        factor = (exponent << 23).to(tl.float32, bitcast=True)[:, :, None, None]
+        v = tl.arange(0, 4)[None, None, None, :]
+        first = ((_pair_bits(word, v) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
+        second = ((_pair_bits(word, v + 4) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
+    # first[.., b] is value b (pair b // 2, half b % 2), second[.., b] value 4 + b: [N, g, a, i0, t, which]
+    w = tl.join(tl.reshape(first, [BLOCK_N, GROUPS, 4, 2, 2]), tl.reshape(second, [BLOCK_N, GROUPS, 4, 2, 2]))
+    w = tl.permute(w, (0, 1, 5, 3, 2, 4))  # [N, g, which, i0, a, t]: K 32 g + 8 (2 which + i0) + 2 a + t
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -202,7 +292,7 @@ def _portable_products(
     X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
     ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    SHUFFLED: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
     columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
@@ -228,13 +318,13 @@ def _portable_products(
             )  # [SUB_K, BLOCK_M]
             w = _decode_tile(
                 wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE,
-                SHUFFLED,
+                BYTE_FORMAT,
             )  # fmt: skip
             lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
                 w = _decode_tile(
                     wb_t + wb_half, ws_t + ws_half, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype,
-                    BLOCK_N, SUB_K, DECODE, SHUFFLED,
+                    BLOCK_N, SUB_K, DECODE, BYTE_FORMAT,
                 )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
@@ -306,7 +396,7 @@ def mxfp4_fwd_kernel(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    SHUFFLED: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -342,7 +432,7 @@ def mxfp4_fwd_kernel(
             lo, hi = _portable_products(
                 X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
                 wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                DECODE, SUB_K, SHUFFLED,
+                DECODE, SUB_K, BYTE_FORMAT,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
         # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values

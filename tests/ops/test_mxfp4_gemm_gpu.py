@@ -223,9 +223,10 @@ def test_portable_decodings_equal_the_dequantized_path(decode, tokens):
 
 @pytest.mark.parametrize("tokens", [64, 256])
 def test_relaid_weights_equal_the_row_major_kernel(tokens):
-    """The forward kernel over the weights re-laid (`mxfp4_gemm.kernel_weights`: tiled, shuffled, both),
-    default tiles with the ptx decoding and with sub_k 64: fc1 (SwiGLU) and fc2 (plus bias) bit for bit
-    what it computes over the checkpoint's layout."""
+    """The forward kernel over the weights re-laid (`mxfp4_gemm.kernel_weights`: tiled, each byte format,
+    both), default tiles with the ptx decoding and with sub_k 64: fc1 (SwiGLU) and fc2 (plus bias) bit for
+    bit what it computes over the checkpoint's layout (the "pairs" format's PTX decoding relies on Triton
+    handing its inline assembly the 4 bytes of one word at a time: a wrong grouping fails here)."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
     g = torch.Generator(device="cuda").manual_seed(5)
     bias2 = torch.randn(EXPERTS, WIDTH, generator=g, device="cuda").bfloat16()
@@ -235,12 +236,19 @@ def test_relaid_weights_equal_the_row_major_kernel(tokens):
             ref = mxfp4_gemm._forward(
                 x, blocks, scales, b, None, bounds, gated, LIMIT, ALPHA, "portable", cfg
             )
-            for tiled, shuffled in ((True, False), (False, True), (True, True)):
+            formats = (
+                (True, "checkpoint"),
+                (False, "shuffled"),
+                (True, "shuffled"),
+                (False, "pairs"),
+                (True, "pairs"),
+            )
+            for tiled, byte_format in formats:
                 relaid = mxfp4_gemm.kernel_weights(
-                    blocks, scales, gated, cfg.block_n, cfg.block_k, tiled, shuffled
+                    blocks, scales, gated, cfg.block_n, cfg.block_k, tiled, byte_format
                 )
                 ours = mxfp4_gemm.forward_kernel_weights(x, relaid, b, bounds, LIMIT, ALPHA, cfg)
-                assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, shuffled)
+                assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
 
 
 def test_portable_path_with_pre_hopper_matrix_instructions():
