@@ -202,43 +202,54 @@ def _decode_tile(
 # 16 bits up), slot 3 takes the remaining bits (sign at 14, exponent at 11, 10, mantissa at 13). A code in
 # those bits reads as a bf16 of value 2 ** -126 times its FP4 value (code 1, 0.5, as the subnormal 2 ** -127),
 # so one exact bf16x2 fma by 2 ** (s - 1) (bf16 bits (s + 126) << 7 in both halves; scale bytes 2..128) gives
-# the weight; -0 is added, so signed zeros stay. $4: the word, $5: its factor; $0..$3: pairs 0..3.
+# the weight; -0 is added, so signed zeros stay. One word a call ($8, its factor $9; the decoding is not
+# elementwise in bytes, so no bytes of two words may share a call); $0..$7: values 0..7 (pair i: $2i, $2i+1).
 _PAIRS_BF16_PTX = tl.constexpr(
     """
 {
 .reg .b32 w0, w1, w2, w3, t1, t2, t3, nz;
 mov.b32 nz, 0x80008000;
-and.b32 w0, $4, 0x81C081C0;
-shl.b32 w1, $4, 3;
+and.b32 w0, $8, 0x81C081C0;
+shl.b32 w1, $8, 3;
 and.b32 w1, w1, 0x81C081C0;
-shl.b32 w2, $4, 6;
+shl.b32 w2, $8, 6;
 and.b32 w2, w2, 0x81C081C0;
-shl.b32 t1, $4, 1;
+shl.b32 t1, $8, 1;
 and.b32 t1, t1, 0x80008000;
-shr.b32 t2, $4, 3;
+shr.b32 t2, $8, 3;
 and.b32 t2, t2, 0x01800180;
-shr.b32 t3, $4, 7;
+shr.b32 t3, $8, 7;
 and.b32 t3, t3, 0x00400040;
 or.b32 w3, t1, t2;
 or.b32 w3, w3, t3;
-fma.rn.bf16x2 $0, w0, $5, nz;
-fma.rn.bf16x2 $1, w1, $5, nz;
-fma.rn.bf16x2 $2, w2, $5, nz;
-fma.rn.bf16x2 $3, w3, $5, nz;
+fma.rn.bf16x2 w0, w0, $9, nz;
+fma.rn.bf16x2 w1, w1, $9, nz;
+fma.rn.bf16x2 w2, w2, $9, nz;
+fma.rn.bf16x2 w3, w3, $9, nz;
+mov.b32 {$0, $1}, w0;
+mov.b32 {$2, $3}, w1;
+mov.b32 {$4, $5}, w2;
+mov.b32 {$6, $7}, w3;
 }
 """
 )
 
 
 @triton.jit
-def _pair_bits(word, v):
+def _pair_bits(word, v: tl.constexpr):
     """The bf16 bit pattern (int32, 0..65535) of value v (0..7: pair v // 2, its half v % 2) of byte format
     2's word (int64; `_PAIRS_BF16_PTX`'s decoding, without the factor)."""
-    i = v // 2
-    slot = (word << (3 * (i % 3))) & 0x81C081C0
-    fourth = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
-    bits = tl.where(i == 3, fourth, slot)
+    if v // 2 == 3:
+        bits = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+    else:
+        bits = (word << (3 * (v // 2))) & 0x81C081C0
     return ((bits >> (16 * (v % 2))) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _pair_value(word, factor, v: tl.constexpr, DTYPE: tl.constexpr):
+    """Value v of byte format 2's word in DTYPE, through fp32 (`_pair_bits` times the fp32 factor)."""
+    return ((_pair_bits(word, v) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
 
 
 @triton.jit
@@ -247,36 +258,34 @@ def _decode_pairs(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows at its K columns
-    k_in .. (the weight's kg .., masked from K up), read as 16-byte vectors viewed [N, g, a, 4 bytes], each
-    word decoded into its 4 bf16 pairs (PTX: `_PAIRS_BF16_PTX`, two outputs of 4 values a word: values 0..3
-    and 4..7; else the same bits by `_pair_bits` in fp32), then put in K's order (32 g + 8 i + 2 a + t)."""
+    k_in .. (the weight's kg .., masked from K up), read as 32-bit words [N, g, a] (a block's four words
+    side by side: 16-byte vectors), each decoded into its 8 values (PTX: `_PAIRS_BF16_PTX`, one word a call;
+    else the same bits by `_pair_value` in fp32), then put in K's order: 32 g + 8 i + 2 a + t."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
     scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
-    ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
-    byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
+    words = wb_tile.to(tl.pointer_type(tl.int32))  # the tile's byte offsets are multiples of 16
+    ptrs = words + local[:, None, None] * (wb_row // 4) + (k_in // 8) + (g * 4)[None, :, None]
+    word = tl.load(ptrs + tl.arange(0, 4)[None, None, :], mask=mask[:, :, None], other=0,
                    eviction_policy="evict_first")  # fmt: skip
-    byte = tl.reshape(byte, [BLOCK_N, GROUPS, 4, 4])  # [N, g, a, byte of the word]
-    exponent = scale.to(tl.int32) + 126  # 2 ** (s - 1): the bf16 exponent field s + 126
+    exponent = (scale.to(tl.int32) + 126)[:, :, None]  # 2 ** (s - 1): the bf16 exponent field s + 126
     if PTX:
-        factor = tl.broadcast_to(
-            ((exponent << 7) | (exponent << 23))[:, :, None, None], [BLOCK_N, GROUPS, 4, 4]
-        )
-        first, second = tl.inline_asm_elementwise(
-            _PAIRS_BF16_PTX, "=r,=r,=r,=r,r,r,r,r,r", [byte, factor], dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True, pack=4,
+        factor = tl.broadcast_to((exponent << 7) | (exponent << 23), [BLOCK_N, GROUPS, 4])
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PAIRS_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, factor], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        shifts = (tl.arange(0, 4) * 8)[None, None, None, :]
-        word = tl.sum(byte.to(tl.int64) << shifts, axis=3)[:, :, :, None]  # little-endian, 64-bit
-        factor = (exponent << 23).to(tl.float32, bitcast=True)[:, :, None, None]
-        v = tl.arange(0, 4)[None, None, None, :]
-        first = ((_pair_bits(word, v) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
-        second = ((_pair_bits(word, v + 4) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
-    # first[.., b] is value b (pair b // 2, half b % 2), second[.., b] value 4 + b: [N, g, a, i0, t, which]
-    w = tl.join(tl.reshape(first, [BLOCK_N, GROUPS, 4, 2, 2]), tl.reshape(second, [BLOCK_N, GROUPS, 4, 2, 2]))
-    w = tl.permute(w, (0, 1, 5, 3, 2, 4))  # [N, g, which, i0, a, t]: K 32 g + 8 (2 which + i0) + 2 a + t
+        wide = word.to(tl.int64) & 0xFFFFFFFF  # the word's bits, unsigned
+        factor = (exponent << 23).to(tl.float32, bitcast=True)
+        v0, v1 = _pair_value(wide, factor, 0, DTYPE), _pair_value(wide, factor, 1, DTYPE)
+        v2, v3 = _pair_value(wide, factor, 2, DTYPE), _pair_value(wide, factor, 3, DTYPE)
+        v4, v5 = _pair_value(wide, factor, 4, DTYPE), _pair_value(wide, factor, 5, DTYPE)
+        v6, v7 = _pair_value(wide, factor, 6, DTYPE), _pair_value(wide, factor, 7, DTYPE)
+    # pairs [N, g, a, t], then [N, g, a, t, i_lo, i_hi] with i = i_lo + 2 i_hi
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.permute(w, (0, 1, 5, 4, 2, 3))  # [N, g, i_hi, i_lo, a, t]: K 32 g + 8 i + 2 a + t
     return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
