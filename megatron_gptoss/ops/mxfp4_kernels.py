@@ -248,8 +248,11 @@ def _pair_bits(word, v: tl.constexpr):
 
 @triton.jit
 def _pair_value(word, factor, v: tl.constexpr, DTYPE: tl.constexpr):
-    """Value v of byte format 2's word in DTYPE, through fp32 (`_pair_bits` times the fp32 factor)."""
-    return ((_pair_bits(word, v) << 16).to(tl.float32, bitcast=True) * factor).to(DTYPE)
+    """Value v of byte format 2's word in DTYPE: its code read back from `_pair_bits` (sign at bit 15,
+    exponent and mantissa at 8..6) and decoded as the checkpoint's codes are (`_fp4_values` times the
+    `_scale_values` factor, exact; no fp32 subnormal is formed)."""
+    bits = _pair_bits(word, v)
+    return (_fp4_values(((bits >> 12) & 8) | ((bits >> 6) & 7)) * factor).to(DTYPE)
 
 
 @triton.jit
@@ -278,7 +281,7 @@ def _decode_pairs(
         )  # fmt: skip
     else:
         wide = word.to(tl.int64) & 0xFFFFFFFF  # the word's bits, unsigned
-        factor = (exponent << 23).to(tl.float32, bitcast=True)
+        factor = _scale_values(scale)[:, :, None]
         v0, v1 = _pair_value(wide, factor, 0, DTYPE), _pair_value(wide, factor, 1, DTYPE)
         v2, v3 = _pair_value(wide, factor, 2, DTYPE), _pair_value(wide, factor, 3, DTYPE)
         v4, v5 = _pair_value(wide, factor, 4, DTYPE), _pair_value(wide, factor, 5, DTYPE)
@@ -466,10 +469,13 @@ def mxfp4_fwd_kernel(
 def mxfp4_bwd_kernel(
     G, Wb, Ws, GX, bounds, N, K, stride_g, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_gx,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """GX[r, k] = sum_n G[r, n] W[e][n, k] for the rows r of expert e and the program's columns k (block
     c of BLOCK_K columns of K), G [M, N] with unit stride along N, accumulated in fp32 over N in BLOCK_R
-    steps from 0 up, rounded once to GX's dtype."""
+    steps from 0 up, rounded once to GX's dtype. BYTE_FORMAT 0: the checkpoint's bytes, the even and odd
+    columns decoded and multiplied apart; 2: byte format 2 ("pairs"), the tile decoded in K's order by
+    `_decode_pairs` (PTX: its inline assembly) and multiplied at once: the same sums over N."""
     HALF: tl.constexpr = BLOCK_K // 2
     e = tl.program_id(1)
     start = tl.load(bounds + e)
@@ -487,6 +493,7 @@ def mxfp4_bwd_kernel(
         row_ok = rows < end
         even = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         odd = even
+        both_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for n0 in range(0, N, BLOCK_R):
             ns = n0 + tl.arange(0, BLOCK_R)
             n_ok = ns < N
@@ -496,30 +503,57 @@ def mxfp4_bwd_kernel(
                 other=0.0,
                 eviction_policy="evict_last",
             )
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
-            s_ptrs = ws_base + ns[:, None] * stride_wsn + (kb // 16)[None, :]
-            w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
-            even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
-            odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
+            if BYTE_FORMAT == 2:
+                k0 = tl.program_id(0) * BLOCK_K
+                w = _decode_pairs(
+                    wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, tl.arange(0, BLOCK_R), n_ok, k0, k0,
+                    K, stride_wbn, stride_wsn, dtype, BLOCK_R, BLOCK_K, PTX,
+                )  # fmt: skip
+                both_acc = tl.dot(g, w, both_acc, input_precision=DOT_PRECISION)
+            else:
+                w_mask = n_ok[:, None] & k_ok[None, :]
+                b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
+                s_ptrs = ws_base + ns[:, None] * stride_wsn + (kb // 16)[None, :]
+                w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+                even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
+                odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
         ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        both = tl.reshape(tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K])  # columns interleaved
+        if BYTE_FORMAT == 2:
+            both = both_acc.to(dtype)
+        else:
+            both = tl.reshape(
+                tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K]
+            )  # columns interleaved
         mask = row_ok[:, None] & (ks < K)[None, :]
         tl.store(GX + rows[:, None] * stride_gx + ks[None, :], both, mask=mask)
 
 
 @triton.jit
-def mxfp4_dequant_kernel(blocks_ptr, scales_ptr, out_ptr, groups, BLOCK_G: tl.constexpr):
+def mxfp4_dequant_kernel(
+    blocks_ptr, scales_ptr, out_ptr, groups, BLOCK_G: tl.constexpr, BYTE_FORMAT: tl.constexpr
+):
     """`groups` blocks of 32 values (bytes [groups, 16], scales [groups], both contiguous) -> out [groups, 32]
     in out's dtype, exactly: value 2j of a block from the low nibble of byte j, 2j + 1 from the high one,
-    times the block's scale (`_decode`'s arithmetic). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G).
-    """
+    times the block's scale (`_decode`'s arithmetic); BYTE_FORMAT 2: the blocks in byte format 2 ("pairs"),
+    decoded by `_decode_pairs` without its assembly (each block a row of 32 values). Program p decodes blocks
+    [p BLOCK_G, (p + 1) BLOCK_G)."""
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     inside = g < groups
-    byte = tl.load(blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=inside[:, None], other=0)
-    scale = _scale_values(tl.load(scales_ptr + g, mask=inside, other=0))[:, None]
-    even = _fp4_values(byte.to(tl.int32) & 15) * scale
-    odd = _fp4_values(byte.to(tl.int32) >> 4) * scale
-    values = tl.reshape(tl.join(even, odd), (BLOCK_G, 32))  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
+    if BYTE_FORMAT == 2:
+        base = tl.program_id(0).to(tl.int64) * BLOCK_G
+        values = _decode_pairs(
+            blocks_ptr + base * 16, scales_ptr + base, tl.arange(0, BLOCK_G), inside, 0, 0, 32, 16, 1,
+            tl.float32, BLOCK_G, 32, False,
+        )  # fmt: skip
+    else:
+        byte = tl.load(
+            blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=inside[:, None], other=0
+        )
+        scale = _scale_values(tl.load(scales_ptr + g, mask=inside, other=0))[:, None]
+        even = _fp4_values(byte.to(tl.int32) & 15) * scale
+        odd = _fp4_values(byte.to(tl.int32) >> 4) * scale
+        values = tl.reshape(
+            tl.join(even, odd), (BLOCK_G, 32)
+        )  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
     offsets = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside[:, None])

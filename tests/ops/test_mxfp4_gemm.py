@@ -10,6 +10,7 @@ tensor are ||ours - ref|| / ||ref||."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -455,3 +456,42 @@ def test_pair_words_decode_to_the_weights():
     assert torch.equal(values, ref) and torch.equal(values.signbit(), ref.signbit())
     with pytest.raises(ValueError, match="blocks must end in 16 bytes a block"):
         mxfp4_gemm.pair_words(blocks[..., :8])
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_pairs_byte_format_through_every_path(gated):
+    """Weights held in byte format "pairs" (`pair_words`): the forward (portable kernel, each decoding), the
+    input gradient (the backward kernel decodes the pairs in K's order and multiplies once) and the reference
+    path give exactly what the checkpoint's bytes give, addend included; the whole-weight decoding
+    (`dequantize_kernel`, the dequantized path's) gives the same values; `unpair_words` gives the bytes
+    back."""
+    counts, out, k = [7, 0, 21], 48, 96
+    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=31)
+    scales = scales.clamp(max=128)
+    pairs = mxfp4_gemm.pair_words(blocks)
+    assert not torch.equal(pairs, blocks) and torch.equal(mxfp4_gemm.unpair_words(pairs), blocks)
+    x, bounds = rows(counts, k, seed=31)
+    addend = torch.randn(x.shape[0], blocks.shape[1], generator=torch.Generator().manual_seed(32))
+    for decode in ("groups", "ptx"):
+        tiles = dataclasses.replace(TILES, decode=decode)
+        if gated:
+            call = functools.partial(fc1_swiglu_mxfp4, x, bias=None, bounds=bounds, limit=LIMIT, alpha=ALPHA,
+                                     path="portable", config=tiles, addend=addend)  # fmt: skip
+            ours, ref = call(pairs, scales, byte_format="pairs"), call(blocks, scales)
+        else:
+            xs = [x.clone().requires_grad_(True) for _ in range(2)]
+            ours = grouped_linear_mxfp4(xs[0], pairs, scales, bounds, "portable", tiles, addend, "pairs")
+            ref = grouped_linear_mxfp4(xs[1], blocks, scales, bounds, "portable", tiles, addend)
+            g = torch.randn_like(ref)
+            ours.backward(g)
+            ref.backward(g)
+            assert xs[1].grad.abs().sum() > 0 and torch.equal(xs[0].grad, xs[1].grad), decode
+        assert ref.abs().sum() > 0 and torch.equal(ours, ref), decode
+    swiglu = (LIMIT, ALPHA) if gated else None
+    ours = reference_dequantized(x, pairs, scales, bounds, None, swiglu, addend, "pairs")
+    assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
+    decoded = mxfp4_gemm.dequantize_kernel(pairs, scales, torch.float32, "pairs")
+    assert torch.equal(decoded, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
+    with pytest.raises(ValueError, match="byte format 'checkpoint' or 'pairs', got 'shuffled'"):
+        grouped_linear_mxfp4(x, pairs, scales, bounds, "portable", TILES, None, "shuffled")

@@ -251,6 +251,26 @@ def test_relaid_weights_equal_the_row_major_kernel(tokens):
                 assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
 
 
+@pytest.mark.parametrize("tokens", [64, 256, 2048])
+def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens):
+    """Weights held in byte format "pairs" (`mxfp4_gemm.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
+    its range): fc1 + SwiGLU, fc2 and fc2's input gradient on the auto path (the portable kernel with the
+    pairs' inline assembly up to 1,024 rows, the dequantized path above) bit for bit what the checkpoint's
+    bytes give."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    p1, p2 = mxfp4_gemm.pair_words(b1), mxfp4_gemm.pair_words(b2)
+    h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
+    assert torch.equal(fc1_swiglu_mxfp4(x, p1, s1, bias, bounds, LIMIT, ALPHA, byte_format="pairs"), h)
+    hs = [h.clone().requires_grad_(True) for _ in range(2)]
+    y = grouped_linear_mxfp4(hs[0], b2, s2, bounds)
+    y_pairs = grouped_linear_mxfp4(hs[1], p2, s2, bounds, byte_format="pairs")
+    assert torch.equal(y_pairs, y)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_pairs.backward(g)
+    assert hs[0].grad.abs().sum() > 0 and torch.equal(hs[1].grad, hs[0].grad)
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
