@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-m", type=int, default=16, help="rows a tile (16: 64 decode slots at top-4)")
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--sub-k", type=int, default=0, help="K values decoded at once (0: block_k)")
+    parser.add_argument("--warps", type=int, default=0, help="warps a program (0: `default_config`'s)")
+    parser.add_argument("--stages", type=int, default=3)
     parser.add_argument(
         "--tiled", action="store_true", help="the tile-contiguous layout (same code, other strides)"
     )
@@ -173,15 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pieces = f" in pieces of {args.sub_k}" if args.sub_k else ""
     print(f"Triton {triton.__version__}, sm_90, gpt-oss-20b width, {args.block_m} rows a tile, K step "
-          f"{args.block_k}{pieces}, one K step of one program:")  # fmt: skip
+          f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, one K step of one "
+          "program:")  # fmt: skip
     print("| layer | bytes | registers | instructions | " + " | ".join(COUNTED) + " |")
     print("|---|---|---|---|" + "---|" * len(COUNTED))
     for gated in (True, False):
         for byte_format in args.formats.split(","):
-            warps = 8 if gated and args.block_m >= 128 else 4  # `default_config`'s
+            warps = args.warps or (8 if gated and args.block_m >= 128 else 4)  # `default_config`'s
             cfg = mxfp4_gemm.Mxfp4Config(
-                block_m=args.block_m, block_n=64, block_k=args.block_k, warps=warps, stages=3, decode="ptx",
-                sub_k=args.sub_k,
+                block_m=args.block_m, block_n=64, block_k=args.block_k, warps=warps, stages=args.stages,
+                decode="ptx", sub_k=args.sub_k,
             )  # fmt: skip
             loop = innermost_loop(compile_forward(gated, args.tiled, byte_format, cfg).asm["cubin"])
             counts = " | ".join(str(loop.count(name)) for name in COUNTED)
