@@ -116,6 +116,41 @@ def compile_forward(gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.
     return triton.compile(source, target=TARGET, options={"num_warps": cfg.warps, "num_stages": cfg.stages})
 
 
+def _compile(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...], target: GPUTarget):
+    """`fn` compiled for `target` with these argument types, constants and 16-divisible arguments."""
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in constants else types[n] for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    constexprs = {(names.index(k),): v for k, v in constants.items()}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options={"num_warps": 4, "num_stages": 2})
+
+
+def compile_others(byte_format: str, capability: int) -> None:
+    """The input-gradient and whole-weight decoding kernels for `byte_format` compiled for sm_`capability`
+    (bf16, their assembly where it applies): a compiler failure raises (the interpreter never compiles)."""
+    target = GPUTarget("cuda", capability, 32)
+    fmt, ptx = mxfp4_gemm.BYTE_FORMATS.index(byte_format), byte_format != "checkpoint"
+    ints = {n: "i32" for n in ("N", "K", "stride_g", "stride_wbn", "stride_wsn", "stride_gx", "groups")}
+    types = {**ints, "G": "*bf16", "Wb": "*u8", "Ws": "*u8", "GX": "*bf16", "bounds": "*i32",
+             "stride_wbe": "i64", "stride_wse": "i64", "blocks_ptr": "*u8", "scales_ptr": "*u8",
+             "out_ptr": "*bf16"}  # fmt: skip
+    backward = {
+        "BLOCK_M": 64,
+        "BLOCK_R": 64,
+        "BLOCK_K": 64,
+        "DOT_PRECISION": "tf32",
+        "BYTE_FORMAT": fmt,
+        "PTX": ptx,
+    }
+    aligned = ("G", "Wb", "Ws", "GX", "bounds", "N", "K", "stride_g", "stride_wbn", "stride_gx", "stride_wbe")
+    _compile(mxfp4_kernels.mxfp4_bwd_kernel, types, backward, aligned, target)
+    dequant = {"BLOCK_G": 64, "BYTE_FORMAT": fmt, "PTX": ptx}
+    _compile(
+        mxfp4_kernels.mxfp4_dequant_kernel, types, dequant, ("blocks_ptr", "scales_ptr", "out_ptr"), target
+    )
+
+
 def innermost_loop(cubin: bytes) -> LoopCount:
     """The registers of the kernel and the opcodes of its shortest loop (a backward branch's body)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sub-k", type=int, default=0, help="K values decoded at once (0: block_k)")
     parser.add_argument("--warps", type=int, default=0, help="warps a program (0: `default_config`'s)")
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument("--compile-others", action="store_true", help="also compile the input-gradient and "
+                        "decoding kernels per format, for sm_80 and sm_90")  # fmt: skip
     parser.add_argument(
         "--tiled", action="store_true", help="the tile-contiguous layout (same code, other strides)"
     )
@@ -190,6 +227,11 @@ def main(argv: list[str] | None = None) -> int:
             counts = " | ".join(str(loop.count(name)) for name in COUNTED)
             print(f"| {'fc1' if gated else 'fc2'} | {byte_format} | {loop.registers} | {loop.instructions} | "
                   f"{counts} |")  # fmt: skip
+    if args.compile_others:
+        for byte_format in ("checkpoint", "pairs"):
+            for capability in (80, 90):
+                compile_others(byte_format, capability)
+                print(f"compiled: input gradient and decoding, {byte_format} bytes, sm_{capability}")
     return 0
 
 

@@ -338,14 +338,11 @@ def dequantize_kernel(
     groups = scales.numel()
     if groups:
         grid = (_cdiv(groups, _DEQUANTIZE_GROUPS),)
+        ptx = blocks.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None
         _kernels().mxfp4_dequant_kernel[grid](
-            blocks,
-            scales,
-            out,
-            groups,
-            BLOCK_G=_DEQUANTIZE_GROUPS,
-            BYTE_FORMAT=BYTE_FORMATS.index(byte_format),
-        )
+            blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS,
+            BYTE_FORMAT=BYTE_FORMATS.index(byte_format), PTX=ptx,
+        )  # fmt: skip
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 
 

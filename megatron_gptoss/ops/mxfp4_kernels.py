@@ -493,7 +493,7 @@ def mxfp4_bwd_kernel(
         row_ok = rows < end
         even = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         odd = even
-        both_acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        both_t = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)  # format 2: GX^T, the weight on the left
         for n0 in range(0, N, BLOCK_R):
             ns = n0 + tl.arange(0, BLOCK_R)
             n_ok = ns < N
@@ -509,7 +509,7 @@ def mxfp4_bwd_kernel(
                     wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, tl.arange(0, BLOCK_R), n_ok, k0, k0,
                     K, stride_wbn, stride_wsn, dtype, BLOCK_R, BLOCK_K, PTX,
                 )  # fmt: skip
-                both_acc = tl.dot(g, w, both_acc, input_precision=DOT_PRECISION)
+                both_t = tl.dot(tl.trans(w), tl.trans(g), both_t, input_precision=DOT_PRECISION)
             else:
                 w_mask = n_ok[:, None] & k_ok[None, :]
                 b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
@@ -519,7 +519,7 @@ def mxfp4_bwd_kernel(
                 odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
         ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
         if BYTE_FORMAT == 2:
-            both = both_acc.to(dtype)
+            both = tl.trans(both_t).to(dtype)
         else:
             both = tl.reshape(
                 tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K]
@@ -530,20 +530,26 @@ def mxfp4_bwd_kernel(
 
 @triton.jit
 def mxfp4_dequant_kernel(
-    blocks_ptr, scales_ptr, out_ptr, groups, BLOCK_G: tl.constexpr, BYTE_FORMAT: tl.constexpr
+    blocks_ptr,
+    scales_ptr,
+    out_ptr,
+    groups,
+    BLOCK_G: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """`groups` blocks of 32 values (bytes [groups, 16], scales [groups], both contiguous) -> out [groups, 32]
     in out's dtype, exactly: value 2j of a block from the low nibble of byte j, 2j + 1 from the high one,
     times the block's scale (`_decode`'s arithmetic); BYTE_FORMAT 2: the blocks in byte format 2 ("pairs"),
-    decoded by `_decode_pairs` without its assembly (each block a row of 32 values). Program p decodes blocks
-    [p BLOCK_G, (p + 1) BLOCK_G)."""
+    decoded by `_decode_pairs` (each block a row of 32 values; PTX, bf16 out on NVIDIA GPUs: its inline
+    assembly). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G)."""
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     inside = g < groups
     if BYTE_FORMAT == 2:
         base = tl.program_id(0).to(tl.int64) * BLOCK_G
         values = _decode_pairs(
             blocks_ptr + base * 16, scales_ptr + base, tl.arange(0, BLOCK_G), inside, 0, 0, 32, 16, 1,
-            tl.float32, BLOCK_G, 32, False,
+            out_ptr.dtype.element_ty if PTX else tl.float32, BLOCK_G, 32, PTX,
         )  # fmt: skip
     else:
         byte = tl.load(
