@@ -83,8 +83,10 @@ def _arguments(gated: bool, tiled: bool, cfg: mxfp4_gemm.Mxfp4Config) -> dict[st
     }  # fmt: skip
 
 
-def compile_forward(gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.Mxfp4Config):
-    """The forward kernel (ptx decoding, bias, no addend) compiled for sm_90 as a launch would compile it."""
+def compile_forward(
+    gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.Mxfp4Config, target: GPUTarget = TARGET
+):
+    """The forward kernel (ptx decoding, bias, no addend) compiled for `target` (sm_90) as a launch would."""
     pointers = {"X": "*bf16", "Wb": "*u8", "Ws": "*u8", "Bias": "*bf16", "Add": "*bf16", "Out": "*bf16",
                 "bounds": "*i32"}  # fmt: skip
     constants = {
@@ -113,7 +115,7 @@ def compile_forward(gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.
     source = ASTSource(
         fn=mxfp4_kernels.mxfp4_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
-    return triton.compile(source, target=TARGET, options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+    return triton.compile(source, target=target, options={"num_warps": cfg.warps, "num_stages": cfg.stages})
 
 
 def _compile(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...], target: GPUTarget):
@@ -127,9 +129,12 @@ def _compile(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...
 
 
 def compile_others(byte_format: str, capability: int) -> None:
-    """The input-gradient and whole-weight decoding kernels for `byte_format` compiled for sm_`capability`
-    (bf16, their assembly where it applies): a compiler failure raises (the interpreter never compiles)."""
+    """The forward (fc1 at 16 rows), input-gradient and whole-weight decoding kernels for `byte_format`
+    compiled for sm_`capability` (bf16, their assembly where it applies): a compiler failure raises (the
+    interpreter never compiles)."""
     target = GPUTarget("cuda", capability, 32)
+    cfg = mxfp4_gemm.Mxfp4Config(block_m=16, block_n=64, block_k=128, warps=4, stages=3, decode="ptx")
+    compile_forward(True, False, byte_format, cfg, target)
     fmt, ptx = mxfp4_gemm.BYTE_FORMATS.index(byte_format), byte_format != "checkpoint"
     ints = {n: "i32" for n in ("N", "K", "stride_g", "stride_wbn", "stride_wsn", "stride_gx", "groups")}
     types = {**ints, "G": "*bf16", "Wb": "*u8", "Ws": "*u8", "GX": "*bf16", "bounds": "*i32",
@@ -231,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         for byte_format in ("checkpoint", "pairs"):
             for capability in (80, 90):
                 compile_others(byte_format, capability)
-                print(f"compiled: input gradient and decoding, {byte_format} bytes, sm_{capability}")
+                print(f"compiled: forward, input gradient and decoding, {byte_format} bytes, sm_{capability}")
     return 0
 
 

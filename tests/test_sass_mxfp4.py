@@ -3,8 +3,8 @@
 The checkpoint's bytes are read from shared memory a byte at a time; the shuffled and the pairs byte
 formats read them as matrix-unit fragments, and the pairs format decodes with a fraction of the byte
 permutes and instructions. Guards the decoding's cost against a change that brings the byte reads or the
-permutes back; and the input-gradient and decoding kernels compile for sm_80 and sm_90 in both formats
-(a compiler failure there is invisible to the interpreter's tests)."""
+permutes back; and the forward, input-gradient and decoding kernels compile for sm_80 and sm_90 in both
+formats (a compiler failure there is invisible to the interpreter's tests)."""
 
 import os
 import subprocess
@@ -27,7 +27,8 @@ def test_byte_formats_in_the_compiled_loop():
                          env=env, capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
     for byte_format in ("checkpoint", "pairs"):  # the kernels the interpreter runs but never compiles
         for capability in (80, 90):
-            assert f"compiled: input gradient and decoding, {byte_format} bytes, sm_{capability}" in out
+            line = f"compiled: forward, input gradient and decoding, {byte_format} bytes, sm_{capability}"
+            assert line in out, out
     header = next(line for line in out.splitlines() if line.startswith("| layer |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     rows = {}
