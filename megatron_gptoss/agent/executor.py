@@ -131,7 +131,11 @@ class ToolExecutor:
         elif isinstance(box[0], BaseException):
             future.set_exception(box[0])
         else:
-            self._record(box[0], latency, abandoned=False)
+            # a user tool's worker killed at the timeout (by `run_call`, when its clock ran out a moment
+            # before this thread's) is abandoned as when this thread answers first: the count does not depend
+            # on which of the two timers fired; python's sandbox answers at its timeout itself
+            killed = box[0].status == "timeout" and call.recipient != "python"
+            self._record(box[0], latency, abandoned=killed)
             future.set_result(ToolOutcome(box[0].text, box[0].status, latency))
 
     def _work(

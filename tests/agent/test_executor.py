@@ -7,7 +7,7 @@ import pytest
 
 from megatron_gptoss.agent import ToolCall, ToolRegistry
 from megatron_gptoss.agent.executor import ToolExecutor
-from megatron_gptoss.agent.tools import Tool
+from megatron_gptoss.agent.tools import Tool, ToolTimeout
 from megatron_gptoss.config import AgentConfig, SandboxConfig
 from megatron_gptoss.errors import ToolError
 
@@ -102,3 +102,20 @@ def test_sandbox_failure_reaches_the_caller():
     )
     with pytest.raises(ToolError, match="landlock"):
         executor.run(_call("python", "print(1)", "analysis"))
+
+
+def test_a_tool_killed_at_its_own_timeout_counts_as_abandoned():
+    """The race of the two clocks: a user tool's worker killed by its own timeout (here a tool that reports
+    its start and times out at once, before the executor's 5 s) is counted abandoned, as when the executor
+    answers first; the count does not depend on which clock fired."""
+
+    def killed(arguments, timeout, started):
+        started()
+        raise ToolTimeout("error: functions.stuck timed out after 5 s")
+
+    stuck = Tool("functions.stuck", "times out at once", {"type": "object", "properties": {}}, killed, True)
+    executor = ToolExecutor(ToolRegistry([stuck]), timeout_s=5.0, max_concurrent=1, max_chars=1000)
+    outcome = executor.run(_call("functions.stuck", "{}"))
+    assert outcome.status == "timeout" and outcome.latency_s < 5.0
+    m = executor.metrics()
+    assert (m.calls, m.timeouts, m.abandoned) == (1, 1, 1)
