@@ -40,6 +40,12 @@ Two ways to form the products:
 the library's grouped GEMM then multiplies them). The input gradient (`mxfp4_bwd_kernel`) decodes the same
 byte tiles along the other axis: grad_x's even and odd columns are grad_y W_even and grad_y W_odd, joined
 (interleaved) before the store.
+
+Byte formats (BYTE_FORMAT; `mxfp4_gemm.BYTE_FORMATS`): 0 the checkpoint's bytes; 1 "shuffled" (each 16-byte
+block as its [4, 4] transpose, `_decode_groups`); 2 "pairs" (`_decode_pairs`: each block as four 32-bit words
+whose bits decode into bf16 pairs in K's order by a shift and a mask; one word an inline-assembly call), read
+by the forward kernel, the input gradient (the decoded tile in K's order, multiplied as W^T g^T) and the
+whole-weight decoding alike.
 """
 
 from __future__ import annotations
