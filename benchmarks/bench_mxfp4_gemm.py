@@ -7,7 +7,10 @@
                                     # the portable kernel's decodings, and DECODE_SWEEP's tiles with PTX
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
     python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding,
-                                    # also over the bytes re-laid tile by tile (`tile_layout`)
+                                    # also over the bytes re-laid tile by tile (`mxfp4_gemm.kernel_weights`)
+    python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --relaid --sweep pairs/ptx
+                                    # the portable kernel over the weights re-laid (RELAID), and the
+                                    # fastest of DECODE_SWEEP's tiles for one of them
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
 Shapes: 32 experts (`--experts`; gpt-oss-120b has 128), top-4 random routing of N tokens (N * 4 expert-sorted
@@ -15,6 +18,9 @@ rows), hidden = intermediate = 2880, bf16 rows, MXFP4 weights with every code an
 biases. One expert layer = fc1 + bias + clamped SwiGLU, then fc2 + bias:
     mxfp4 <path>   `fc1_swiglu_mxfp4`, then `grouped_linear_mxfp4` + `fused_moe.expert_bias`
     mxfp4 portable/<decode>  the same with the portable kernel's decoding `Mxfp4Config.decode` (`--decodes`)
+    mxfp4 <relaid>/<decode>  the portable kernel over the weights re-laid (`--relaid`: RELAID's layouts by
+                   `mxfp4_gemm.kernel_weights`, run by `forward_kernel_weights`; fc2's bias added in its
+                   epilogue)
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
                    `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
     bf16 decode    `moe_decode.decode_fc1` / `decode_fc2` on the dequantized weights (the engine's bf16 path;
@@ -65,6 +71,11 @@ DECODE_SWEEP = [
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
     (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64),
 ]  # fmt: skip
+# the weights re-laid for the forward kernel (`mxfp4_gemm.kernel_weights`): (tiled, byte format) by name
+RELAID = {
+    "tiled": (True, "checkpoint"), "shuffled": (False, "shuffled"), "tiled+shuffled": (True, "shuffled"),
+    "pairs": (False, "pairs"), "tiled+pairs": (True, "pairs"),
+}  # fmt: skip
 
 
 class Layers:
@@ -119,15 +130,15 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str =
     `decode` other than "bytes") at these rows: each config checked, then fc1 and fc2 timed alone; the three
     fastest of each printed. A config that does not compile or run is skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
-    h = mxfp4_layer(path)[0](x, layers, 0, bounds)
+    h = mxfp4_layer("portable" if path in RELAID else path)[0](x, layers, 0, bounds)
     for factor, block_n, block_k, warps, stages, swap, *sub_k in SWEEP if decode == "bytes" else DECODE_SWEEP:
-        if swap and mxfp4_gemm.kernel_for(x, path) != "scaled":
+        if swap and (path in RELAID or mxfp4_gemm.kernel_for(x, path) != "scaled"):
             continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
         cfg = Mxfp4Config(
             block_m, block_n, block_k, warps, stages, bool(swap), decode=decode, sub_k=sum(sub_k)
         )
-        fc1, fc2 = mxfp4_layer(path, cfg, cfg)
+        fc1, fc2 = relaid_layer(path, cfg, cfg) if path in RELAID else mxfp4_layer(path, cfg, cfg)
         try:
             if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
                 print(f"    {path} {describe(cfg)}: wrong results, skipped")
@@ -189,7 +200,7 @@ def _load_floor_kernel(
 ):  # fmt: skip
     """The forward kernel's grid, loads and matrix products without the decoding (a timing floor; the values
     mean nothing): each weight byte converted to x's dtype as an integer and multiplied by x's first K / 2
-    columns, the scale bytes summed into the products. TILED: the weights in `tile_layout`'s
+    columns, the scale bytes summed into the products. TILED: the weights in `mxfp4_gemm.kernel_weights`'s
     tile-contiguous layout (NB column blocks, KT K steps; the strides unused), where the [BLOCK_N,
     BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] scales one program reads at one K step are each one
     contiguous run, not BLOCK_N runs of BLOCK_K / 2 bytes a row apart."""
@@ -237,28 +248,47 @@ def _load_floor_kernel(
         tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
 
 
-def tile_layout(blocks: torch.Tensor, scales: torch.Tensor, gated: bool, block_n: int, block_k: int):
-    """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] -> (bytes, scales) tile-contiguous, zero-padded to
-    whole tiles: [E, halves, NB, KT, block_n, block_k / 2] and [E, halves, NB, KT, block_n, block_k / 32]
-    (halves = 2 for fc1's [gate; up], tiled apart so that a tile never mixes them), with NB and KT."""
-    e, r = blocks.shape[:2]
-    halves = 2 if gated else 1
-    n, k = r // halves, blocks.shape[2] * 32
-    nb, kt = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
+def tiles_of(cache: dict, blocks, scales, gated: bool, i: int, block_n: int, block_k: int, tiled: bool = True,
+             byte_format: str = "checkpoint"):  # fmt: skip
+    """Layer i's fc1 (`gated`) or fc2 weights re-laid by `mxfp4_gemm.kernel_weights` for (block_n, block_k)
+    tiles, once per benchmark (kept in `cache`)."""
+    key = (i, gated, block_n, block_k, tiled, byte_format)
+    if key not in cache:
+        cache[key] = mxfp4_gemm.kernel_weights(blocks, scales, gated, block_n, block_k, tiled, byte_format)
+    return cache[key]
 
-    def tiled(t: torch.Tensor, per_k: int) -> torch.Tensor:
-        t = t.reshape(e, halves, n, -1)
-        t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
-        return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
 
-    return tiled(blocks, block_k // 2), tiled(scales, block_k // 32), nb, kt
+def relaid_layer(
+    layout: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None, decode: str = "ptx"
+):  # fmt: skip
+    """(fc1, fc2) of the portable kernel over the weights re-laid as RELAID[layout] (`mxfp4_gemm.
+    forward_kernel_weights`; the tiles of cfg1 / cfg2, else `default_config`'s with `decode`): the time were
+    the experts stored that way."""
+    tiled, byte_format = RELAID[layout]
+    cache: dict[tuple, mxfp4_gemm.KernelWeights] = {}
+
+    def run(x, blocks, scales, bias, bounds, gated: bool, i: int, cfg: Mxfp4Config | None):
+        if cfg is None:
+            cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated)
+            cfg = dataclasses.replace(cfg, decode=decode)
+        weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, byte_format)
+        return mxfp4_gemm.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)
+
+    def fc1(x, layers: Layers, i: int, bounds):
+        return run(x, *layers.fc1[i], layers.b1[i], bounds, True, i, cfg1)
+
+    def fc2(h, layers: Layers, i: int, bounds):
+        return run(h, *layers.fc2[i], layers.b2[i], bounds, False, i, cfg2)
+
+    return fc1, fc2
 
 
 def floor_layer(block_k: int | None = None, tiled: bool = False):
     """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
     the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing; `tiled`: over every
-    layer's weights re-laid in tiles once (`tile_layout`: the time were they stored tile by tile)."""
-    cache: dict[tuple[int, bool, int, int], tuple] = {}
+    layer's weights re-laid in tiles once (`mxfp4_gemm.kernel_weights`: the time were they stored tile by
+    tile)."""
+    cache: dict[tuple, mxfp4_gemm.KernelWeights] = {}
 
     def launch(x, blocks, scales, bounds, gated: bool, i: int):
         e, rows_w = blocks.shape[:2]
@@ -268,10 +298,8 @@ def floor_layer(block_k: int | None = None, tiled: bool = False):
             cfg = dataclasses.replace(cfg, block_k=block_k)
         nb, kt = triton.cdiv(n, cfg.block_n), 0
         if tiled:
-            key = (i, gated, cfg.block_n, cfg.block_k)
-            if key not in cache:
-                cache[key] = tile_layout(blocks, scales, gated, cfg.block_n, cfg.block_k)
-            blocks, scales, nb, kt = cache[key]
+            weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k)
+            blocks, scales, nb, kt = weights.blocks, weights.scales, *weights.blocks.shape[2:4]
         out = x.new_empty(x.shape[0], n)
         _load_floor_kernel[(nb, e)](
             x, blocks, scales, out, bounds, n, x.shape[1], nb, kt, x.stride(0), blocks.stride(0),
@@ -310,7 +338,6 @@ def peak_bandwidth(device) -> tuple[float | None, str]:
     copy = copy_rate(device)
     assert copy is not None
     print(f"copy rate: {copy / 1e12:.2f} TB/s (2 x 1 GiB / time of a device-to-device copy)")
-    print(f"copy rate: {copy / 1e12:.2f} TB/s (2 x 1 GiB / time of a device-to-device copy)")
     for key, peak in PEAK_BYTES_PER_S.items():
         if key in name and "PCIe" not in name:
             return peak, f"{key} spec {peak / 1e12:.2f} TB/s"
@@ -339,8 +366,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", default="bytes", help=f"portable decodings timed ({decodes})")
     parser.add_argument("--sweep", nargs="?", const="", default=None,
                         help="also time the SWEEP tiles of each MXFP4 path; with a value, of these comma-"
-                        "separated paths or portable/<decode> (DECODE_SWEEP's tiles)")  # fmt: skip
+                        "separated paths, portable/<decode> or <RELAID name>/<decode> (DECODE_SWEEP's "
+                        "tiles)")  # fmt: skip
     parser.add_argument("--floor", action="store_true", help="also time the loads without decoding")
+    parser.add_argument("--relaid", action="store_true",
+                        help="also time the portable kernel over the weights re-laid (RELAID)")  # fmt: skip
     parser.add_argument("--experts", type=int, default=32, help="experts a layer (gpt-oss-120b: 128)")
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
@@ -390,8 +420,11 @@ def run(args: argparse.Namespace) -> int:
                 p, _, decode = item.partition("/")
                 cfg1, cfg2 = sweep(p, layers, x, bounds, max(reps // 2, 1), device, decode or "bytes")
                 if cfg1 is not None and cfg2 is not None:
-                    candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}",
-                                       *mxfp4_layer(p, cfg1, cfg2), 4.25))  # fmt: skip
+                    layer = relaid_layer(p, cfg1, cfg2) if p in RELAID else mxfp4_layer(p, cfg1, cfg2)
+                    candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}", *layer, 4.25))
+        if args.relaid:
+            decode = "ptx" if device.type == "cuda" else "groups"
+            candidates += [(f"mxfp4 {r}/{decode}", *relaid_layer(r, decode=decode), 4.25) for r in RELAID]
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
             ks = (64, 128, 256) if device.type == "cuda" else (32,)
@@ -407,7 +440,8 @@ def run(args: argparse.Namespace) -> int:
                 ok = False
                 continue
             if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
-                name = f"{name} ({mxfp4_gemm.kernel_for(x, name.split()[1].split('/')[0].rstrip(':'))})"
+                path = name.split()[1].split("/")[0].rstrip(":")
+                name = f"{name} ({mxfp4_gemm.kernel_for(x, 'portable' if path in RELAID else path)})"
             h = fc1(x, layers, 0, bounds)
 
             def one(f, rows_in, b=bounds):

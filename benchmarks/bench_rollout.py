@@ -42,9 +42,10 @@ engine of a LoRA run holds them beside the shared frozen base; the roofline then
 
 --expert-format bf16,mxfp4 runs the decode part once per format, one engine in memory at a time: bf16 holds
 the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
-(`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same. Each row's
-roofline counts the bytes that format reads: 4.25 bits per MXFP4 expert value (a 4-bit code and a shared
-8-bit scale per 32 values).
+(`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same; mxfp4-pairs
+the same bytes re-encoded for the kernels (`model.mxfp4_byte_format: pairs`). Each row's roofline counts
+the bytes that format reads: 4.25 bits per MXFP4 expert value (a 4-bit code and a shared 8-bit scale per 32
+values).
 
 Prints one markdown table per part; --json appends every result as a JSON line.
 """
@@ -95,6 +96,20 @@ class TimedEngine(EmbeddedEngine):
         prefill = sum(c.count for c in plan.chunks if c.count > 1)
         self.log.append((time.perf_counter() - start, len(decode), prefill, sum(c.start + 1 for c in decode)))
         return plan
+
+
+# --expert-format: the model fields each format sets
+FORMATS = {
+    "bf16": {"expert_format": "bf16"},
+    "mxfp4": {"expert_format": "mxfp4", "mxfp4_byte_format": "checkpoint"},
+    "mxfp4-pairs": {"expert_format": "mxfp4", "mxfp4_byte_format": "pairs"},
+}
+
+
+def format_name(config) -> str:
+    """The --expert-format name of how `config` holds its experts."""
+    pairs = config.expert_format == "mxfp4" and config.mxfp4_byte_format == "pairs"
+    return "mxfp4-pairs" if pairs else config.expert_format
 
 
 def sync(device: torch.device) -> None:
@@ -324,7 +339,7 @@ def part_decode(args, engine: TimedEngine, config: ModelConfig, device) -> list[
                     engine_options(args, slots, new=new, graphs=graphs, chunk=args.decode_chunk)
                 )
                 engine.log = []
-                head = {"part": "decode", "format": config.expert_format, "slots": slots, "experts": experts,
+                head = {"part": "decode", "format": format_name(config), "slots": slots, "experts": experts,
                         "graphs": graphs}  # fmt: skip
                 library = moe_decode.library_only() if experts == "library" else contextlib.nullcontext()
                 try:
@@ -532,13 +547,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         type=lambda s: s.split(","),
         default=["bf16"],
         help="decode part: how the engine holds the experts, comma-separated: bf16 (dequantized), mxfp4 (the "
-        "checkpoint's 4-bit bytes); one engine per format, in order",
+        "checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels); one engine per format, in "
+        "order",
     )
     args = parser.parse_args(argv)
     if not set(args.experts) <= {"decode", "library"}:
         parser.error(f"--experts takes decode and library, got {args.experts}")
-    if not set(args.expert_format) <= {"bf16", "mxfp4"}:
-        parser.error(f"--expert-format takes bf16 and mxfp4, got {args.expert_format}")
+    if not set(args.expert_format) <= set(FORMATS):
+        parser.error(f"--expert-format takes {', '.join(FORMATS)}, got {args.expert_format}")
     with batch_invariant.enabled(args.bitwise):
         return _run(args)
 
@@ -579,7 +595,7 @@ def _run(args) -> list[dict]:
             )
             engine = None  # one engine in memory at a time
             for expert_format in args.expert_format:
-                held = dataclasses.replace(config, expert_format=expert_format)
+                held = dataclasses.replace(config, **FORMATS[expert_format])
                 formatted = build_engine(held, args, device, path)
                 rows += part_decode(args, formatted, held, device)
                 del formatted

@@ -4,6 +4,9 @@ torch.profiler with its decode step eager (`cuda_graphs=off`: kernels attributed
 from a CUDA graph; prints the kernels by GPU time and the median time of the decode-only steps.
 
     python benchmarks/profile_decode.py --slots 256
+    python benchmarks/profile_decode.py --slots 256 --expert-format mxfp4-pairs --lora-rank 32
+                                    # the LoRA RL step's engine: MXFP4 experts (random codes at scale 2^-7)
+                                    # and rank-32 adapters on the recipe's targets (bench_rollout's)
     python benchmarks/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import math
 import pstats
@@ -28,7 +32,19 @@ from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import random_weights  # noqa: E402
+from bench_rollout import FORMATS, random_adapters, random_weights, with_adapters  # noqa: E402
+
+from megatron_gptoss.model.mxfp4_weight import mxfp4_weights  # noqa: E402
+
+
+def random_mxfp4(engine: EmbeddedEngine, seed: int = 2) -> None:
+    """Every MXFP4 expert weight: random FP4 codes at scale 2^-7 (values about 0.02), drawn on the device."""
+    gen = torch.Generator(device=engine.device).manual_seed(seed)
+    for weight in mxfp4_weights(engine.model).values():
+        shape = weight.blocks.shape
+        blocks = torch.randint(0, 256, shape, generator=gen, device=engine.device, dtype=torch.uint8)
+        weight.copy_packed_(blocks, torch.full(shape[:-1], 120, dtype=torch.uint8, device=engine.device))
+    engine.memory.weights_loaded()
 
 
 class ProfiledEngine(EmbeddedEngine):
@@ -105,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", action="store_true", help="also print the host functions by own time")
     ops_help = "also print the profiled step's ops by device time (eager steps attribute kernels to ops)"
     parser.add_argument("--ops", action="store_true", help=ops_help)
+    parser.add_argument(
+        "--expert-format", default="bf16", choices=sorted(FORMATS), help="how the experts are held"
+    )
+    parser.add_argument("--lora-rank", type=int, default=0, help="adapters of this rank (0: none)")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -116,8 +136,13 @@ def main(argv: list[str] | None = None) -> None:
         args.slots, args.prompt_len, args.decode_steps = min(args.slots, 4), min(args.prompt_len, 12), 10
     else:
         config = gpt_oss_20b()
+    config = dataclasses.replace(with_adapters(config, args.lora_rank), **FORMATS[args.expert_format])
     engine = ProfiledEngine(config, dtype, device)
     random_weights(engine)
+    if config.expert_format == "mxfp4":
+        random_mxfp4(engine)
+    if config.lora.enabled:
+        random_adapters(engine)
     chunk = 4096
     new = args.decode_steps + math.ceil(args.slots * args.prompt_len / chunk)
     prompts = torch.randint(0, config.vocab_size, (args.slots, args.prompt_len)).tolist()
@@ -137,7 +162,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
         step = statistics.median(engine.times) if engine.times else float("nan")
         print(f"\n## cuda_graphs={mode}: {args.slots} rows, {len(engine.times)} decode-only steps, "
-              f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s)")  # fmt: skip
+              f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s); experts {args.expert_format}, "
+              f"LoRA rank {args.lora_rank}")  # fmt: skip
         kernels = engine.kernels or {}
         total = sum(kernels.values())
         print(f"profiled step: {1e3 * total:.2f} ms of kernel time")

@@ -11,6 +11,7 @@ from megatron_gptoss.errors import ConfigError
 ATTENTION_BACKENDS = ("auto", "eager", "flex", "triton", "fa4")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
 EXPERT_FORMATS = ("bf16", "mxfp4")
+MXFP4_BYTE_FORMATS = ("checkpoint", "pairs")  # `ops.mxfp4_gemm`'s byte formats a model may hold
 # Values per MXFP4 block and bits per stored value (4-bit codes plus one 8-bit scale per 32 values).
 MXFP4_BLOCK = 32
 MXFP4_BITS = 4.25
@@ -81,6 +82,12 @@ class ModelConfig:
     # uint8 blocks and scales as the released checkpoints store them, 4.25 bits a value; biases, router and
     # every non-expert weight stay in the run's dtype). The learner needs a frozen base for mxfp4 (LoRA).
     expert_format: str = "bf16"
+    # How MXFP4 expert weights (the learner's with expert_format mxfp4, or a rollout engine's) hold their
+    # bytes in memory: "checkpoint" as the released checkpoints store them, or "pairs"
+    # (`ops.mxfp4_gemm.pair_words`: each block as four 32-bit words that decode into bf16 pairs with a shift,
+    # a mask and one multiply, about half the decode kernels' instructions; scale bytes 2..128 only, i.e.
+    # weights up to 12 in magnitude). Run checkpoints and exports hold the released bytes either way.
+    mxfp4_byte_format: str = "checkpoint"
     # Recompute each layer's activations in the backward pass.
     activation_checkpointing: bool = False
     # Special token ids written into the HF config.
@@ -155,6 +162,10 @@ class ModelConfig:
             raise ConfigError(f"model.expert_backend={self.expert_backend!r} not in {EXPERT_BACKENDS}")
         if self.expert_format not in EXPERT_FORMATS:
             raise ConfigError(f"model.expert_format={self.expert_format!r} not in {EXPERT_FORMATS}")
+        if self.mxfp4_byte_format not in MXFP4_BYTE_FORMATS:
+            raise ConfigError(
+                f"model.mxfp4_byte_format={self.mxfp4_byte_format!r} not in {MXFP4_BYTE_FORMATS}"
+            )
         if self.expert_format == "mxfp4":
             for name in ("hidden_size", "intermediate_size"):  # the experts' input widths
                 if getattr(self, name) % MXFP4_BLOCK:

@@ -144,7 +144,7 @@ class Experts(nn.Module):
         h, i = config.hidden_size, config.intermediate_size
         self.num_experts, self.limit, self.alpha = e, config.swiglu_limit, config.swiglu_alpha
         self.backend = config.expert_backend
-        packed = config.expert_format == "mxfp4"
+        packed = config.mxfp4_byte_format if config.expert_format == "mxfp4" else None
         self.linear_fc1 = _ExpertLinear(e, 2 * i, h, config.add_bias_linear, dtype, device, packed)
         self.linear_fc2 = _ExpertLinear(e, h, i, config.add_bias_linear, dtype, device, packed)
         self.linear_fc1.lora = make_adapter(config.lora, "linear_fc1", h, 2 * i, e, dtype, device)
@@ -195,11 +195,12 @@ class Experts(nn.Module):
             if isinstance(w1, MXFP4Weight) and isinstance(w2, MXFP4Weight):
                 h = mxfp4_gemm.fc1_swiglu_mxfp4(
                     x, w1.blocks, w1.scales, fc1.bias, bounds, self.limit, self.alpha,
-                    addend=fc1.update(x, bounds, gemm),
+                    addend=fc1.update(x, bounds, gemm), byte_format=w1.byte_format,
                 )  # fmt: skip
                 y = mxfp4_gemm.grouped_linear_mxfp4(
-                    h, w2.blocks, w2.scales, bounds, addend=fc2.update(h, bounds, gemm)
-                )
+                    h, w2.blocks, w2.scales, bounds, addend=fc2.update(h, bounds, gemm),
+                    byte_format=w2.byte_format,
+                )  # fmt: skip
                 return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
             assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)
             h = moe_decode.decode_fc1(
@@ -238,17 +239,18 @@ class Experts(nn.Module):
 
 
 class _ExpertLinear(nn.Module):
-    """`weight` [E, out, in] (a parameter, or an `MXFP4Weight` with `packed`), `bias` [E, out] (applied by
-    the caller) and an optional per-expert adapter `lora`. Called on rows sorted by expert: the grouped
-    product with `weight` plus the adapter's."""
+    """`weight` [E, out, in] (a parameter, or an `MXFP4Weight` holding its bytes in the byte format `packed`),
+    `bias` [E, out] (applied by the caller) and an optional per-expert adapter `lora`. Called on rows sorted
+    by expert: the grouped product with `weight` plus the adapter's."""
 
     def __init__(
-        self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device, packed=False
-    ):
+        self, experts: int, out_features: int, in_features: int, bias: bool, dtype, device,
+        packed: str | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.weight: nn.Parameter | MXFP4Weight
         if packed:
-            self.weight = MXFP4Weight(experts, out_features, in_features, dtype, device)
+            self.weight = MXFP4Weight(experts, out_features, in_features, dtype, device, packed)
         else:
             self.weight = nn.Parameter(
                 torch.empty(experts, out_features, in_features, dtype=dtype, device=device)
@@ -270,7 +272,9 @@ class _ExpertLinear(nn.Module):
         if not isinstance(weight, MXFP4Weight):
             y = grouped_linear(x, weight, bounds, gemm)
         elif packed and not batch_invariant.active():
-            y = mxfp4_gemm.grouped_linear_mxfp4(x, weight.blocks, weight.scales, bounds)
+            y = mxfp4_gemm.grouped_linear_mxfp4(
+                x, weight.blocks, weight.scales, bounds, byte_format=weight.byte_format
+            )
         else:
             y = grouped_linear(x, weight.dequantize(x.dtype), bounds, gemm)
         update = self.update(x, bounds, gemm)

@@ -9,6 +9,12 @@ HF's interleaved gate/up to our [gate; up], a permutation of whole rows), 4.25 b
 buffers, not parameters: they never train, never enter an optimizer, and the expert GEMMs read them as they
 are (`ops.mxfp4_gemm`). `dequantize` gives the logical weight, exactly (every MXFP4 value is exact in fp32 and
 bf16); `parallel.loading` fills the buffers from a checkpoint or quantizes a random initialisation.
+
+`byte_format` "pairs" (`model.mxfp4_byte_format`) holds each block's bytes re-encoded by
+`ops.mxfp4_gemm.pair_words` (same shapes and size; decoded with about half the kernels' instructions): every
+writer goes through `copy_packed_` / `copy_experts_`, which take the released bytes and re-encode them, and
+every reader passes the format on (`dequantize`, the expert GEMMs), so checkpoints, exports and weight syncs
+keep the released bytes.
 """
 
 from __future__ import annotations
@@ -17,18 +23,27 @@ import torch
 from torch import nn
 
 from megatron_gptoss.model.lora import is_adapter_param
-from megatron_gptoss.ops.mxfp4_gemm import BLOCK, BLOCK_BYTES, dequantize
+from megatron_gptoss.ops.mxfp4_gemm import BLOCK, BLOCK_BYTES, dequantize, pair_words
+
+PAIRS_SCALES = (2, 128)  # scale bytes the "pairs" format decodes exactly (`ops.mxfp4_gemm.kernel_weights`)
 
 
 class MXFP4Weight(nn.Module):
     """Expert weights [experts, out_features, in_features] as MXFP4 buffers `blocks` and `scales` (zero until
-    filled). `dtype`: the dtype the weight is used in (the run's dtype: the experts' inputs and biases)."""
+    filled). `dtype`: the dtype the weight is used in (the run's dtype: the experts' inputs and biases);
+    `byte_format`: how `blocks` holds the bytes ("checkpoint" or "pairs", module doc)."""
 
     blocks: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, experts: int, out_features: int, in_features: int, dtype=None, device=None):
+    def __init__(
+        self, experts: int, out_features: int, in_features: int, dtype=None, device=None,
+        byte_format: str = "checkpoint",
+    ):  # fmt: skip
         super().__init__()
+        if byte_format not in ("checkpoint", "pairs"):
+            raise ValueError(f"MXFP4 byte_format must be 'checkpoint' or 'pairs', got {byte_format!r}")
+        self.byte_format = byte_format
         if in_features % BLOCK:
             raise ValueError(f"an MXFP4 weight needs in_features divisible by {BLOCK}, got {in_features}")
         groups = in_features // BLOCK
@@ -59,21 +74,43 @@ class MXFP4Weight(nn.Module):
         return self.blocks.device
 
     def extra_repr(self) -> str:
-        return f"experts={self.shape[0]}, out={self.shape[1]}, in={self.shape[2]}, dtype={self.dtype}"
+        return (f"experts={self.shape[0]}, out={self.shape[1]}, in={self.shape[2]}, dtype={self.dtype}, "
+                f"bytes={self.byte_format}")  # fmt: skip
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The logical weight [E, out, in] in `dtype` (default `self.dtype`); exact in fp32 and bf16."""
-        return dequantize(self.blocks, self.scales, dtype or self.dtype)
+        return dequantize(self.blocks, self.scales, dtype or self.dtype, self.byte_format)
 
     @torch.no_grad()
     def copy_packed_(self, blocks: torch.Tensor, scales: torch.Tensor) -> None:
-        """Write the buffers from packed bytes of the same shapes (uint8)."""
+        """Write the buffers from the released bytes of the same shapes (uint8), re-encoded into
+        `byte_format`."""
         for name, src, dst in (("blocks", blocks, self.blocks), ("scales", scales, self.scales)):
             if src.dtype != torch.uint8 or tuple(src.shape) != tuple(dst.shape):
                 raise ValueError(
                     f"MXFP4 {name} must be uint8 {tuple(dst.shape)}, got {src.dtype} {tuple(src.shape)}"
                 )
-            dst.copy_(src)
+        self.copy_experts_(0, blocks, scales)
+
+    @torch.no_grad()
+    def copy_experts_(self, first: int, blocks: torch.Tensor | None, scales: torch.Tensor | None) -> None:
+        """Write experts [first, first + n) from the released bytes: blocks [n, out, in / 32, 16] and / or
+        scales [n, out, in / 32] (None: left as they are), blocks re-encoded into `byte_format`. The "pairs"
+        format refuses scales outside 2..128 (weights beyond 12 in magnitude) with an error naming the
+        range."""
+        if scales is not None:
+            low, high = PAIRS_SCALES
+            if self.byte_format == "pairs" and scales.numel():
+                found = (int(scales.min()), int(scales.max()))
+                if found[0] < low or found[1] > high:
+                    raise ValueError(
+                        f"MXFP4 byte format 'pairs' decodes scale bytes {low}..{high} exactly; these "
+                        f"experts' scales span {found[0]}..{found[1]}: use model.mxfp4_byte_format=checkpoint"
+                    )
+            self.scales[first : first + scales.shape[0]].copy_(scales)
+        if blocks is not None:
+            blocks = pair_words(blocks) if self.byte_format == "pairs" else blocks
+            self.blocks[first : first + blocks.shape[0]].copy_(blocks)
 
 
 def mxfp4_weights(model: nn.Module) -> dict[str, MXFP4Weight]:

@@ -85,10 +85,14 @@ def _check_weights(blocks: Tensor, scales: Tensor) -> None:
 
 def _check(
     x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tensor | None = None,
-    addend: Tensor | None = None,
+    addend: Tensor | None = None, byte_format: str = "checkpoint",
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of the grouped GEMM's inputs, with errors naming the tensor."""
     _check_weights(blocks, scales)
+    if byte_format not in ("checkpoint", "pairs"):
+        raise ValueError(
+            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
+        )
     e, out, groups = blocks.shape[:3]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"x must be a floating-point tensor (fp32, bf16, fp16 or fp64), got {x.dtype}")
@@ -137,10 +141,17 @@ def kernels_can_run(x: Tensor) -> bool:
 
 # ------------------------------------------------------------------------------------------------
 # Reference (PyTorch)
-def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: str = "checkpoint") -> Tensor:
     """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> values [..., G * 32] in `dtype`: value 2j of a
     block from the low nibble of byte j, 2j + 1 from the high nibble, times 2 ** (s - 127); decoded in fp32,
-    then rounded to `dtype` (exact in bf16 and fp32). The same values as `hf.mxfp4.dequantize_mxfp4`."""
+    then rounded to `dtype` (exact in bf16 and fp32). The same values as `hf.mxfp4.dequantize_mxfp4`. Blocks
+    in `byte_format` "pairs" (`pair_words`) are read back to the checkpoint's bytes first."""
+    if byte_format == "pairs":
+        blocks = unpair_words(blocks)
+    elif byte_format != "checkpoint":
+        raise ValueError(
+            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
+        )
     magnitudes = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32)
     values = torch.cat([magnitudes, -magnitudes])
     codes = torch.arange(256)
@@ -161,16 +172,16 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
 
 def reference_dequantized(
     x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, bias: Tensor | None = None,
-    swiglu: tuple[float, float] | None = None, addend: Tensor | None = None,
+    swiglu: tuple[float, float] | None = None, addend: Tensor | None = None, byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
-    """The dequantize-then-compute path: W = dequantize(blocks, scales) in x's dtype, then per expert
-    x_e W[e]^T (the library's grouped product: fp32 accumulation, one rounding to x's dtype), plus `addend`
-    [M, out] in x's dtype (a tensor addition: one more rounding). With `swiglu` = (limit, alpha):
+    """The dequantize-then-compute path: W = dequantize(blocks, scales, byte_format) in x's dtype, then per
+    expert x_e W[e]^T (the library's grouped product: fp32 accumulation, one rounding to x's dtype), plus
+    `addend` [M, out] in x's dtype (a tensor addition: one more rounding). With `swiglu` = (limit, alpha):
     `fused_moe.swiglu_reference` of it (bias [E, 2I] added in fp32 to the rounded products, clamped SwiGLU
     in fp32, one rounding) -> [M, I]; else the products plus bias[e] (added in fp32 to the rounded products,
     one rounding) -> [M, out]. Differentiable in x and addend through autograd."""
     _check(x, blocks, scales, bounds, bias, addend)
-    weight = dequantize(blocks, scales, x.dtype)  # [E, out, in]
+    weight = dequantize(blocks, scales, x.dtype, byte_format)  # [E, out, in]
     counts = (bounds[1:] - bounds[:-1]).tolist()
     pieces = [chunk @ weight[e].t() for e, chunk in enumerate(x.split(counts)) if chunk.shape[0]]
     y = torch.cat(pieces) if pieces else x @ weight[0].t()  # no rows: an empty product, still tied to x
@@ -220,6 +231,11 @@ class Mxfp4Config:
 
 
 DECODES = ("bytes", "groups", "ptx")
+BYTE_FORMATS = (
+    "checkpoint",
+    "shuffled",
+    "pairs",
+)  # `kernel_weights`' byte formats, in the kernels' numbering
 
 
 # Interpreter tiles (the CPU): small, few numpy calls.
@@ -288,7 +304,7 @@ def scaled_failures() -> dict[tuple[str, Mxfp4Config, bool], str]:
     return dict(_SCALED_FAILED)
 
 
-def kernel_for(x: Tensor, path: str | None = None) -> str:
+def kernel_for(x: Tensor, path: str | None = None, byte_format: str = "checkpoint") -> str:
     """Which implementation a call on x runs: "reference", "portable", "scaled" (`tl.dot_scaled`; tiles it
     fails on run the portable kernel, `scaled_failures`) or "dequantized" (the module doc's paths). The
     interpreter (CPU) runs the kernels on fp32 rows only: its `tl.dot` does not model 16-bit floats and its
@@ -305,11 +321,15 @@ def kernel_for(x: Tensor, path: str | None = None) -> str:
     if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS:
         return "portable"
     if path == "scaled" or x.dtype != torch.bfloat16:
-        return "scaled"
+        return (
+            "portable" if byte_format == "pairs" else "scaled"
+        )  # tl.dot_scaled reads the checkpoint's bytes
     return "dequantized"
 
 
-def dequantize_kernel(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
+def dequantize_kernel(
+    blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: str = "checkpoint"
+) -> Tensor:
     """`dequantize` by one Triton launch (CUDA, or the CPU under TRITON_INTERPRET=1): the same values in
     `dtype` (bf16, fp16 or fp32), scales up to 240 (2 ** 113; the kernels' range)."""
     _check_weights(blocks, scales)
@@ -318,12 +338,16 @@ def dequantize_kernel(blocks: Tensor, scales: Tensor, dtype: torch.dtype) -> Ten
     groups = scales.numel()
     if groups:
         grid = (_cdiv(groups, _DEQUANTIZE_GROUPS),)
-        _kernels().mxfp4_dequant_kernel[grid](blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS)
+        ptx = blocks.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None
+        _kernels().mxfp4_dequant_kernel[grid](
+            blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS,
+            BYTE_FORMAT=BYTE_FORMATS.index(byte_format), PTX=ptx,
+        )  # fmt: skip
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 
 
 def _dequantized_product(
-    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, transposed: bool
+    x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, transposed: bool, byte_format: str
 ) -> Tensor:
     """x [M, in] times each expert's W[e]^T ([M, out]), or with `transposed` x [M, out] times W[e] ([M, in]):
     the weights decoded to x's dtype `DEQUANTIZE_CHUNK_BYTES` at a most at a time (one expert at least;
@@ -334,7 +358,7 @@ def _dequantized_product(
     step = max(1, DEQUANTIZE_CHUNK_BYTES // per_expert)
 
     def product(rows: Tensor, first: int, stop: int, offs: Tensor) -> Tensor:
-        w = dequantize_kernel(blocks[first:stop], scales[first:stop], x.dtype)
+        w = dequantize_kernel(blocks[first:stop], scales[first:stop], x.dtype, byte_format)
         return torch._grouped_mm(rows, w if transposed else w.transpose(1, 2), offs=offs)
 
     if step >= experts:
@@ -354,16 +378,17 @@ class _DequantizedLinear(torch.autograd.Function):
     weights again."""
 
     @staticmethod
-    def forward(ctx, x, blocks, scales, bounds):
+    def forward(ctx, x, blocks, scales, bounds, byte_format):
         ctx.save_for_backward(blocks, scales, bounds)
-        ctx.dtype = x.dtype
-        return _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, transposed=False)
+        ctx.dtype, ctx.byte_format = x.dtype, byte_format
+        return _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, False, byte_format)
 
     @staticmethod
     def backward(ctx, grad):
         blocks, scales, bounds = ctx.saved_tensors
         grad = _contiguous_rows(grad.to(ctx.dtype))
-        return _dequantized_product(grad, blocks, scales, bounds, transposed=True), None, None, None
+        grad_x = _dequantized_product(grad, blocks, scales, bounds, True, ctx.byte_format)
+        return grad_x, None, None, None, None
 
 
 def _contiguous_rows(t: Tensor) -> Tensor:
@@ -378,25 +403,60 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
 
 
+def _row_major_layout(blocks: Tensor, scales: Tensor, n: int, cfg: Mxfp4Config) -> tuple[int, ...]:
+    """The forward kernel's tile addressing (wb_half, wb_col, wb_step, wb_row, then the same for the
+    scales; the kernels' module doc) of row-major blocks [E, R, K / 32, 16] and scales [E, R, K / 32]."""
+    sb, ss = blocks.stride(1), scales.stride(1)
+    return n * sb, cfg.block_n * sb, cfg.block_k // 2, sb, n * ss, cfg.block_n * ss, cfg.block_k // 32, ss
+
+
 def _forward(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor,
     gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
-    """One launch of the forward kernel; the output in x's dtype (`out_dtype`: another, which the products
-    and their sums with the addend are rounded to instead: the tests' fp32 view of the bf16 kernels under the
-    interpreter)."""
-    x = _contiguous_rows(x)
+    """One launch of the forward kernel over row-major weights (bytes in `byte_format`); the output in x's
+    dtype (`out_dtype`: another, which the products and their sums with the addend are rounded to instead:
+    the tests' fp32 view of the bf16 kernels under the interpreter)."""
     blocks, scales = _kernel_layout(blocks, scales)
+    e, rows_w = blocks.shape[:2]
+    n = rows_w // 2 if gated else rows_w
+    cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
+    layout = _row_major_layout(blocks, scales, n, cfg)
+    return _launch_forward(
+        x,
+        blocks,
+        scales,
+        layout,
+        n,
+        bias,
+        addend,
+        bounds,
+        gated,
+        limit,
+        alpha,
+        kernel,
+        cfg,
+        out_dtype,
+        BYTE_FORMATS.index(byte_format),
+    )
+
+
+def _launch_forward(
+    x: Tensor, wb: Tensor, ws: Tensor, layout: tuple[int, ...], n: int, bias: Tensor | None,
+    addend: Tensor | None, bounds: Tensor, gated: bool, limit: float, alpha: float, kernel: str,
+    cfg: Mxfp4Config, out_dtype: torch.dtype | None, byte_format: int,
+) -> Tensor:  # fmt: skip
+    """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
+    (`_row_major_layout`'s, or a `KernelWeights`'s), their bytes in BYTE_FORMATS[byte_format]."""
+    x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
     m, k = x.shape
-    e, rows_w = blocks.shape[:2]
-    n = rows_w // 2 if gated else rows_w
+    e = wb.shape[0]
     out = x.new_empty(m, n, dtype=out_dtype)
     if m == 0 or n == 0:
         return out
-    cfg = default_config(m, e, x.device, gated) if config is None else config
     if cfg.decode not in DECODES:
         raise ValueError(f"Mxfp4Config.decode must be one of {DECODES}, got {cfg.decode!r}")
     decode = DECODES.index(cfg.decode)
@@ -404,6 +464,9 @@ def _forward(
     if sub_k % BLOCK or cfg.block_k % sub_k:
         raise ValueError(f"Mxfp4Config.sub_k must be a multiple of {BLOCK} dividing block_k {cfg.block_k}, "
                          f"got {cfg.sub_k}")  # fmt: skip
+    if byte_format and decode == 0:
+        raise ValueError(f"byte format {BYTE_FORMATS[byte_format]!r} needs the 'groups' or 'ptx' decoding, "
+                         f"got {cfg}")  # fmt: skip
     if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
         decode = DECODES.index("groups")
     has_bias, has_add = bias is not None, addend is not None
@@ -411,13 +474,14 @@ def _forward(
     add_arg = x if addend is None else addend
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
     _kernels().mxfp4_fwd_kernel[grid](
-        x, blocks, scales, bias_arg, add_arg, out, bounds, n, k, x.stride(0), blocks.stride(0),
-        blocks.stride(1), scales.stride(0), scales.stride(1), bias_arg.stride(0) if has_bias else 0,
-        add_arg.stride(0) if has_add else 0, out.stride(0), float(limit), float(alpha),
+        x, wb, ws, bias_arg, add_arg, out, bounds, n, k, x.stride(0), wb.stride(0), *layout[:4], ws.stride(0),
+        *layout[4:], bias_arg.stride(0) if has_bias else 0, add_arg.stride(0) if has_add else 0,
+        out.stride(0), float(limit), float(alpha),
         GATED=gated, HAS_BIAS=has_bias, HAS_ADD=has_add, SCALED=kernel == "scaled", SWAP=cfg.swap,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
-        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, num_warps=cfg.warps, num_stages=cfg.stages,
+        X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
+        num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 
@@ -425,12 +489,13 @@ def _forward(
 def _forward_any(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, addend: Tensor | None, bounds: Tensor,
     gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
+    byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
     """`_forward`; where the scaled kernel fails to compile or launch on a GPU with these tiles, warns once
     and runs the portable kernel from then on for them (`scaled_failures`)."""
     args = (x, blocks, scales, bias, addend, bounds, gated, limit, alpha)
     if kernel != "scaled" or not x.is_cuda:
-        return _forward(*args, kernel, config)
+        return _forward(*args, kernel, config, None, byte_format)
     cfg = default_config(x.shape[0], blocks.shape[0], x.device, gated) if config is None else config
     key = (torch.cuda.get_device_name(x.device), cfg, gated)
     if key in _SCALED_FAILED:
@@ -446,7 +511,7 @@ def _forward_any(
 
 
 def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
-                config: Mxfp4Config | None) -> Tensor:  # fmt: skip
+                config: Mxfp4Config | None, byte_format: str = "checkpoint") -> Tensor:  # fmt: skip
     grad = _contiguous_rows(grad.to(dtype))
     blocks, scales = _kernel_layout(blocks, scales)
     m, n = grad.shape
@@ -461,7 +526,8 @@ def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dt
         grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), blocks.stride(1),
         scales.stride(0), scales.stride(1), grad_x.stride(0),
         BLOCK_M=cfg.bwd_block_m, BLOCK_R=cfg.bwd_block_r, BLOCK_K=cfg.bwd_block_k,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else None, num_warps=cfg.bwd_warps,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None, BYTE_FORMAT=BYTE_FORMATS.index(byte_format),
+        PTX=grad.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None, num_warps=cfg.bwd_warps,
     )  # fmt: skip
     return grad_x
 
@@ -470,49 +536,53 @@ class _GroupedLinear(torch.autograd.Function):
     """x W[e]^T (+ addend) by the forward kernel; the gradients: grad_y W[e] for x, grad_y for the addend."""
 
     @staticmethod
-    def forward(ctx, x, blocks, scales, bounds, addend, kernel, config):
+    def forward(ctx, x, blocks, scales, bounds, addend, kernel, config, byte_format):
         ctx.save_for_backward(blocks, scales, bounds)
-        ctx.dtype, ctx.config = x.dtype, config
-        return _forward_any(x, blocks, scales, None, addend, bounds, False, 0.0, 0.0, kernel, config)
+        ctx.dtype, ctx.config, ctx.byte_format = x.dtype, config, byte_format
+        args = (x, blocks, scales, None, addend, bounds, False, 0.0, 0.0, kernel, config, byte_format)
+        return _forward_any(*args)
 
     @staticmethod
     def backward(ctx, grad):
         blocks, scales, bounds = ctx.saved_tensors
-        grad_x = _input_grad(grad, blocks, scales, bounds, ctx.dtype, ctx.config)
+        grad_x = _input_grad(grad, blocks, scales, bounds, ctx.dtype, ctx.config, ctx.byte_format)
         grad_addend = grad if ctx.needs_input_grad[4] else None
-        return grad_x, None, None, None, grad_addend, None, None
+        return grad_x, None, None, None, grad_addend, None, None, None
 
 
 # ------------------------------------------------------------------------------------------------
 # Public API
 def grouped_linear_mxfp4(
     x: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, path: str | None = None,
-    config: Mxfp4Config | None = None, addend: Tensor | None = None,
+    config: Mxfp4Config | None = None, addend: Tensor | None = None, byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, blocks [E, out, in / 32, 16] / scales [E, out, in / 32] uint8, bounds int32
     [E + 1], addend [M, out] in x's dtype or None -> x W[e]^T (+ addend) [M, out] in x's dtype (module doc).
     Differentiable in x: grad_x = grad_y W[e], decoded in registers along the other axis (the portable kernel
-    on every path but "reference"); and in the addend: grad_y."""
-    _check(x, blocks, scales, bounds, addend=addend)
-    kernel = kernel_for(x, path)
+    on every path but "reference"); and in the addend: grad_y. `byte_format`: the blocks' bytes as the
+    checkpoint holds them or as `pair_words` re-encodes them (every path reads both; "scaled" runs the
+    portable kernel on pairs)."""
+    _check(x, blocks, scales, bounds, addend=addend, byte_format=byte_format)
+    kernel = kernel_for(x, path, byte_format)
     if kernel == "reference":
-        return reference_dequantized(x, blocks, scales, bounds, addend=addend)
+        return reference_dequantized(x, blocks, scales, bounds, addend=addend, byte_format=byte_format)
     if kernel == "dequantized":
-        y = _DequantizedLinear.apply(x, blocks, scales, bounds)
+        y = _DequantizedLinear.apply(x, blocks, scales, bounds, byte_format)
         return y if addend is None else y + addend
-    return _GroupedLinear.apply(x, blocks, scales, bounds, addend, kernel, config)
+    return _GroupedLinear.apply(x, blocks, scales, bounds, addend, kernel, config, byte_format)
 
 
 def fc1_swiglu_mxfp4(
     x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor,
     limit: float, alpha: float, path: str | None = None, config: Mxfp4Config | None = None,
-    addend: Tensor | None = None,
+    addend: Tensor | None = None, byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
     """x [M, in] sorted by expert, fc1 blocks [E, 2I, in / 32, 16] / scales [E, 2I, in / 32] ([gate; up]
     rows), bias [E, 2I] or None, addend [M, 2I] ([gate; up]) in x's dtype or None -> the clamped SwiGLU
     [M, I] of x W[e]^T (+ addend) + bias[e] in x's dtype (module doc). Forward only: refused where autograd
-    would record it (the learner composes `grouped_linear_mxfp4` and `fused_moe.swiglu_bias`)."""
-    _check(x, blocks, scales, bounds, bias, addend)
+    would record it (the learner composes `grouped_linear_mxfp4` and `fused_moe.swiglu_bias`). `byte_format`:
+    `grouped_linear_mxfp4`'s."""
+    _check(x, blocks, scales, bounds, bias, addend, byte_format)
     if blocks.shape[1] % 2:
         raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, addend)):
@@ -520,13 +590,186 @@ def fc1_swiglu_mxfp4(
             "fc1_swiglu_mxfp4 is forward only and autograd would record it (x, bias or addend requires "
             "grad): compose grouped_linear_mxfp4 and fused_moe.swiglu_bias, or call it under torch.no_grad()"
         )
-    kernel = kernel_for(x, path)
+    kernel = kernel_for(x, path, byte_format)
     with torch.no_grad():
         if kernel == "reference":
             swiglu = (float(limit), float(alpha))
-            return reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend)
+            return reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend, byte_format)
         if kernel == "dequantized":
-            y = _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, transposed=False)
+            y = _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, False, byte_format)
             y = y if addend is None else y + addend
             return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
-        return _forward_any(x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config)
+        args = (x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config, byte_format)
+        return _forward_any(*args)
+
+
+# ------------------------------------------------------------------------------------------------
+# Weights re-laid for the forward kernel
+@dataclass(frozen=True)
+class KernelWeights:
+    """An expert weight's MXFP4 bytes and scales re-laid for the forward kernel's (block_n, block_k) tiles
+    (`kernel_weights`): `tiled`, stored tile by tile, so that the [block_n, block_k / 2] bytes and [block_n,
+    block_k / 32] scales one program reads at one K step are each one contiguous run, not block_n runs a row
+    stride apart; `byte_format` (BYTE_FORMATS): "checkpoint" the released bytes, "shuffled" each 16-byte
+    block's bytes in `shuffle_bytes`' order, so that the bytes one thread of the matrix unit's operand decodes
+    are side by side (one vector read from shared memory instead of one read a byte), "pairs" each block as
+    `pair_words`' four 32-bit words, decoded into bf16 pairs in K's order by masks and one fma a pair."""
+
+    blocks: (
+        Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded; else [E, R, K / 32, 16]
+    )
+    scales: Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 32] uint8; else [E, R, K / 32]
+    n: int  # output columns (of each half: fc1's gate and up are tiled apart)
+    k: int  # input columns
+    gated: bool
+    block_n: int
+    block_k: int
+    tiled: bool
+    byte_format: str
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """The forward kernel's tile addressing (`_row_major_layout`'s order)."""
+        b, s = self.blocks, self.scales
+        if not self.tiled:
+            sb, ss = b.stride(1), s.stride(1)
+            return (self.n * sb, self.block_n * sb, self.block_k // 2, sb, self.n * ss, self.block_n * ss,
+                    self.block_k // BLOCK, ss)  # fmt: skip
+        return (
+            b.stride(1),
+            b.stride(2),
+            b.stride(3),
+            b.stride(4),
+            s.stride(1),
+            s.stride(2),
+            s.stride(3),
+            s.stride(4),
+        )
+
+
+def kernel_weights(
+    blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int, tiled: bool = True,
+    byte_format: str = "checkpoint",
+) -> KernelWeights:  # fmt: skip
+    """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] (R = 2N as [gate; up] when `gated`, else N) re-laid
+    for the forward kernel's (block_n, block_k) tiles (`KernelWeights`): a copy, zero-padded to whole tiles
+    when `tiled`. "pairs" holds scale bytes 2..128 only (weights up to 12 in magnitude): others are
+    refused."""
+    _check_weights(blocks, scales)
+    if byte_format not in BYTE_FORMATS:
+        raise ValueError(f"byte_format must be one of {BYTE_FORMATS}, got {byte_format!r}")
+    if byte_format == "pairs" and scales.numel() and not bool(((scales >= 2) & (scales <= 128)).all()):
+        low, high = int(scales.min()), int(scales.max())
+        raise ValueError(
+            f"byte format 'pairs' decodes scale bytes 2..128 exactly; these scales span {low}..{high}"
+        )
+    if block_k % BLOCK or block_n <= 0:
+        raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
+                         f"{block_k}")  # fmt: skip
+    e, r = blocks.shape[:2]
+    halves = 2 if gated else 1
+    if r % halves:
+        raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
+    n, k = r // halves, blocks.shape[2] * BLOCK
+    nb, kt = _cdiv(n, block_n), _cdiv(k, block_k)
+
+    def tiled_copy(t: Tensor, per_k: int) -> Tensor:
+        t = t.reshape(e, halves, n, -1)
+        t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
+        return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
+
+    if byte_format == "shuffled":
+        blocks = shuffle_bytes(blocks)
+    elif byte_format == "pairs":
+        blocks = pair_words(blocks)
+    if tiled:
+        blocks, scales = tiled_copy(blocks, block_k // 2), tiled_copy(scales, block_k // BLOCK)
+    else:
+        blocks, scales = _kernel_layout(blocks.contiguous(), scales)
+    return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, byte_format)
+
+
+def shuffle_bytes(blocks: Tensor) -> Tensor:
+    """MXFP4 bytes [..., 16] (blocks in K's order) -> each block stored as the transpose of its [4, 4] view:
+    byte 4 b + a at 4 a + b, so that the bytes one thread of the matrix unit's operand decodes (every fourth:
+    the K pairs of bytes a, a + 4, a + 8, a + 12 at lane a of each quad) are side by side. Its own inverse.
+    A copy."""
+    if blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
+    return blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).reshape(blocks.shape).contiguous()
+
+
+def pair_words(blocks: Tensor) -> Tensor:
+    """MXFP4 bytes [..., 16] (blocks in K's order) -> byte format "pairs": each block as four little-endian
+    32-bit words, word a holding the codes of bytes a, a + 4, a + 8, a + 12 (the K pairs 2 (a + 4 i), + 1)
+    with pair i's two codes in slot i: slots 0..2 the sign at bits 15 - 3 i and 31 - 3 i, exponent and
+    mantissa at 8 - 3 i .. 6 - 3 i and 24 - 3 i .. 22 - 3 i; slot 3 the sign at 14 / 30, the exponent at
+    11, 10 / 27, 26, the mantissa at 13 / 29 (the kernels' `_PAIRS_BF16_PTX` reads them). A copy."""
+    if blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
+    b = (
+        blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).to(torch.int64)
+    )  # [..., a, i]: byte 4 i + a
+    word = torch.zeros(b.shape[:-1], dtype=torch.int64, device=blocks.device)
+    for i in range(4):
+        for half, code in ((0, b[..., i] & 15), (16, b[..., i] >> 4)):
+            sign, e1, e0, m = (code >> 3) & 1, (code >> 2) & 1, (code >> 1) & 1, code & 1
+            if i < 3:
+                at = (15 - 3 * i, 8 - 3 * i, 7 - 3 * i, 6 - 3 * i)
+            else:
+                at = (14, 11, 10, 13)
+            for bit, pos in zip((sign, e1, e0, m), at):
+                word |= bit << (pos + half)
+    out = torch.stack([(word >> (8 * j)) & 255 for j in range(4)], dim=-1)  # little-endian bytes of word a
+    return out.to(torch.uint8).reshape(blocks.shape).contiguous()
+
+
+def unpair_words(blocks: Tensor) -> Tensor:
+    """`pair_words`' inverse: byte format "pairs" [..., 16] -> the checkpoint's bytes (a copy)."""
+    if blocks.shape[-1] != BLOCK_BYTES:
+        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
+    w = blocks.reshape(*blocks.shape[:-1], 4, 4).to(torch.int64)
+    word = w[..., 0] | w[..., 1] << 8 | w[..., 2] << 16 | w[..., 3] << 24  # [..., a]
+    natural = torch.zeros(*blocks.shape[:-1], 4, 4, dtype=torch.int64, device=blocks.device)  # [..., i, a]
+    for i in range(4):
+        at = (15 - 3 * i, 8 - 3 * i, 7 - 3 * i, 6 - 3 * i) if i < 3 else (14, 11, 10, 13)
+        for half in (0, 16):
+            code = sum(((word >> (pos + half)) & 1) << bit for bit, pos in zip((3, 2, 1, 0), at))
+            natural[..., i, :] |= code << (4 if half else 0)
+    return natural.reshape(blocks.shape).to(torch.uint8).contiguous()  # byte 4 i + a
+
+
+def forward_kernel_weights(
+    x: Tensor, weights: KernelWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
+    alpha: float = 0.0, config: Mxfp4Config | None = None, addend: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """`fc1_swiglu_mxfp4` (weights.gated: the clamped SwiGLU [M, N]) or `grouped_linear_mxfp4`'s forward plus
+    bias[e] ([M, N]) over re-laid weights, by the portable kernel at the weights' block_n and block_k: the
+    same products in the same K order as over the checkpoint's layout. Forward only; x [M, K] sorted by
+    expert, on CUDA, or fp32 on the CPU under TRITON_INTERPRET=1."""
+    e = weights.blocks.shape[0]
+    if x.dim() != 2 or x.shape[1] != weights.k:
+        raise ValueError(f"x must be [M, {weights.k}] (the weights' input width), got {tuple(x.shape)}")
+    if bounds.dtype != torch.int32 or tuple(bounds.shape) != (e + 1,):
+        raise ValueError(
+            f"bounds must be int32 [E + 1] = [{e + 1}], got {bounds.dtype} {tuple(bounds.shape)}"
+        )
+    if kernel_for(x, "portable") != "portable":
+        raise ValueError(f"re-laid MXFP4 weights need the Triton kernels: {x.dtype} rows on {x.device} "
+                         "cannot run them (CUDA, or fp32 rows on the CPU under the interpreter)")  # fmt: skip
+    out = (2 if weights.gated else 1) * weights.n
+    if bias is not None and tuple(bias.shape) != (e, out):
+        raise ValueError(f"bias must be [E, out] = [{e}, {out}], got {tuple(bias.shape)}")
+    if addend is not None and tuple(addend.shape) != (x.shape[0], out):
+        raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
+    cfg = default_config(x.shape[0], e, x.device, weights.gated) if config is None else config
+    if config is None:
+        cfg = dataclasses.replace(cfg, block_n=weights.block_n, block_k=weights.block_k, sub_k=0)
+    if (cfg.block_n, cfg.block_k) != (weights.block_n, weights.block_k):
+        raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "
+                         f"{weights.block_n} x {weights.block_k}")  # fmt: skip
+    with torch.no_grad():
+        return _launch_forward(
+            x, weights.blocks, weights.scales, weights.layout, weights.n, bias, addend, bounds, weights.gated,
+            limit, alpha, "portable", cfg, None, BYTE_FORMATS.index(weights.byte_format),
+        )  # fmt: skip

@@ -5,6 +5,13 @@ Weights: expert e's W[e] [N, K] is `Wb` [E, N, K / 2] bytes (value k of row n in
 the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) for values 32 g .. 32 g + 31).
 Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
 
+The forward kernel addresses the weights tile by tile, so that they may be stored row-major or
+tile-contiguous (`mxfp4_gemm.kernel_weights`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
+block c and K step t, in half h (fc1's [gate; up]), sits at Wb + e stride_wbe + h wb_half + c wb_col +
+t wb_step + n wb_row + j (the scales likewise with ws_*, j < BLOCK_K / 32). Row-major: wb_half = N S,
+wb_col = BLOCK_N S, wb_step = BLOCK_K / 2, wb_row = S (S the row stride); tile-contiguous: each tile's
+[BLOCK_N, BLOCK_K / 2] bytes one contiguous run, wb_row = BLOCK_K / 2.
+
 Grid (column blocks, E, SPLIT), static: program (c, e, s) owns output columns block c of expert e and that
 expert's row tiles s, s + SPLIT, ...; an expert without rows returns at once (its weight is never read),
 and with one row tile per expert every weight byte is read once. Products are accumulated in fp32 over K in
@@ -33,6 +40,12 @@ Two ways to form the products:
 the library's grouped GEMM then multiplies them). The input gradient (`mxfp4_bwd_kernel`) decodes the same
 byte tiles along the other axis: grad_x's even and odd columns are grad_y W_even and grad_y W_odd, joined
 (interleaved) before the store.
+
+Byte formats (BYTE_FORMAT; `mxfp4_gemm.BYTE_FORMATS`): 0 the checkpoint's bytes; 1 "shuffled" (each 16-byte
+block as its [4, 4] transpose, `_decode_groups`); 2 "pairs" (`_decode_pairs`: each block as four 32-bit words
+whose bits decode into bf16 pairs in K's order by a shift and a mask; one word an inline-assembly call), read
+by the forward kernel, the input gradient (the decoded tile in K's order, multiplied as W^T g^T) and the
+whole-weight decoding alike.
 """
 
 from __future__ import annotations
@@ -122,39 +135,167 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 
 @triton.jit
 def _decode_groups(
-    wb_base, ws_base, cols, col_ok, k0, K, stride_wbn, stride_wsn, DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
-    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of rows `cols` at K columns k0 + 2 j
-    and k0 + 2 j + 1 (`_decode`'s), the bytes read as [BLOCK_N, BLOCK_K / 32, 16] tiles (16-byte vectors)
-    and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by
-    `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else
-    by `_fp4_values` and `_scale_values`."""
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
+    columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
+    the bytes read as 16-byte vectors and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on
+    NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
+    113: normal bf16); else by `_fp4_values` and `_scale_values`. BYTE_FORMAT 0: the checkpoint's bytes; 1:
+    each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_gemm.shuffle_bytes`: byte 4 b + a
+    at 4 a + b), so that the bytes one thread of the matrix unit's operand needs (every fourth) come from
+    shared memory as one vector. (Format 2: `_decode_pairs`.)"""
     GROUPS: tl.constexpr = BLOCK_K // 32
-    g = k0 // 32 + tl.arange(0, GROUPS)
-    mask = col_ok[:, None] & (g < K // 32)[None, :]
-    byte_ptrs = wb_base + cols[:, None, None] * stride_wbn + (g * 16)[None, :, None]
-    byte = tl.load(
-        byte_ptrs + tl.arange(0, 16)[None, None, :],
-        mask=mask[:, :, None],
-        other=0,
-        eviction_policy="evict_first",
-    )
-    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps: left to L2's default policy (the
-    # weight bytes, read once, are evicted first)
-    scale = tl.load(ws_base + cols[:, None] * stride_wsn + g[None, :], mask=mask, other=0)
-    if PTX:
+    g = tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
+    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
+    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
+    # default policy (the weight bytes, read once, are evicted first)
+    ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
+    byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
+                   eviction_policy="evict_first")  # fmt: skip
+    if BYTE_FORMAT == 1:  # the 16-byte runs viewed as [4, 4]: [N, g, a, b] = stored byte 16 g + 4 a + b
+        byte = tl.reshape(byte, [BLOCK_N, GROUPS, 4, 4])
+        scale = tl.broadcast_to(scale[:, :, None, None], [BLOCK_N, GROUPS, 4, 4])
+    else:
         scale = tl.broadcast_to(scale[:, :, None], [BLOCK_N, GROUPS, 16])
+    if PTX:
         even, odd = tl.inline_asm_elementwise(
             _E2M1_BF16_PTX, "=r,=r,=r,=r,r,r", [byte, scale], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
             pack=4,
         )  # fmt: skip
     else:
         codes = byte.to(tl.int32)
-        factor = _scale_values(scale)[:, :, None]
+        factor = _scale_values(scale)
         even = (_fp4_values(codes & 15) * factor).to(DTYPE)
         odd = (_fp4_values(codes >> 4) * factor).to(DTYPE)
+    if BYTE_FORMAT == 1:  # [N, g, a, b] holds byte 16 g + 4 b + a: -> [N, g, b, a]
+        even, odd = tl.permute(even, (0, 1, 3, 2)), tl.permute(odd, (0, 1, 3, 2))
     return tl.reshape(even, [BLOCK_N, BLOCK_K // 2]), tl.reshape(odd, [BLOCK_N, BLOCK_K // 2])
+
+
+@triton.jit
+def _decode_tile(
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SUB_K: tl.constexpr, DECODE: tl.constexpr, BYTE_FORMAT: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
+    SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, 1 `_decode_groups`, 2 the same through
+    PTX) from bytes in BYTE_FORMAT (0 and 1: `_decode_groups`', 2: `_decode_pairs`')."""
+    if BYTE_FORMAT == 2:
+        return _decode_pairs(
+            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
+        )
+    if DECODE == 0:
+        jj = tl.arange(0, SUB_K // 2)
+        mask = col_ok[:, None] & ((kg // 2 + jj) < K // 2)[None, :]
+        b_ptrs = wb_tile + local[:, None] * wb_row + (k_in // 2 + jj)[None, :]
+        s_ptrs = ws_tile + local[:, None] * ws_row + ((k_in // 2 + jj) // 16)[None, :]
+        even, odd = _decode(b_ptrs, s_ptrs, mask, DTYPE)
+    else:
+        even, odd = _decode_groups(
+            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
+            BYTE_FORMAT,
+        )  # fmt: skip
+    return _interleave(even, odd, BLOCK_N, SUB_K)
+
+
+# Byte format 2 ("pairs", `mxfp4_gemm.pair_words`): each 16-byte block as four 32-bit words, word a holding
+# the 8 values at K 2 (a + 4 i) + t (i = 0..3, t = 0, 1: the K pairs one thread of the matrix unit's operand
+# takes at lane a of its quad), their codes' bits placed so that pair i is a bf16x2 word by one mask: slots
+# 0, 1, 2 are (word << 3 i) & 0x81C081C0 (sign to bit 15, exponent and mantissa bits to 8..6, the second value
+# 16 bits up), slot 3 takes the remaining bits (sign at 14, exponent at 11, 10, mantissa at 13). A code in
+# those bits reads as a bf16 of value 2 ** -126 times its FP4 value (code 1, 0.5, as the subnormal 2 ** -127),
+# so one exact bf16x2 fma by 2 ** (s - 1) (bf16 bits (s + 126) << 7 in both halves; scale bytes 2..128) gives
+# the weight; -0 is added, so signed zeros stay. One word a call ($8, its factor $9; the decoding is not
+# elementwise in bytes, so no bytes of two words may share a call); $0..$7: values 0..7 (pair i: $2i, $2i+1).
+_PAIRS_BF16_PTX = tl.constexpr(
+    """
+{
+.reg .b32 w0, w1, w2, w3, t1, t2, t3, nz;
+mov.b32 nz, 0x80008000;
+and.b32 w0, $8, 0x81C081C0;
+shl.b32 w1, $8, 3;
+and.b32 w1, w1, 0x81C081C0;
+shl.b32 w2, $8, 6;
+and.b32 w2, w2, 0x81C081C0;
+shl.b32 t1, $8, 1;
+and.b32 t1, t1, 0x80008000;
+shr.b32 t2, $8, 3;
+and.b32 t2, t2, 0x01800180;
+shr.b32 t3, $8, 7;
+and.b32 t3, t3, 0x00400040;
+or.b32 w3, t1, t2;
+or.b32 w3, w3, t3;
+fma.rn.bf16x2 w0, w0, $9, nz;
+fma.rn.bf16x2 w1, w1, $9, nz;
+fma.rn.bf16x2 w2, w2, $9, nz;
+fma.rn.bf16x2 w3, w3, $9, nz;
+mov.b32 {$0, $1}, w0;
+mov.b32 {$2, $3}, w1;
+mov.b32 {$4, $5}, w2;
+mov.b32 {$6, $7}, w3;
+}
+"""
+)
+
+
+@triton.jit
+def _pair_bits(word, v: tl.constexpr):
+    """The bf16 bit pattern (int32, 0..65535) of value v (0..7: pair v // 2, its half v % 2) of byte format
+    2's word (int64; `_PAIRS_BF16_PTX`'s decoding, without the factor)."""
+    if v // 2 == 3:
+        bits = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+    else:
+        bits = (word << (3 * (v // 2))) & 0x81C081C0
+    return ((bits >> (16 * (v % 2))) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
+def _pair_value(word, factor, v: tl.constexpr, DTYPE: tl.constexpr):
+    """Value v of byte format 2's word in DTYPE: its code read back from `_pair_bits` (sign at bit 15,
+    exponent and mantissa at 8..6) and decoded as the checkpoint's codes are (`_fp4_values` times the
+    `_scale_values` factor, exact; no fp32 subnormal is formed)."""
+    bits = _pair_bits(word, v)
+    return (_fp4_values(((bits >> 12) & 8) | ((bits >> 6) & 7)) * factor).to(DTYPE)
+
+
+@triton.jit
+def _decode_pairs(
+    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows at its K columns
+    k_in .. (the weight's kg .., masked from K up), read as 32-bit words [N, g, a] (a block's four words
+    side by side: 16-byte vectors), each decoded into its 8 values (PTX: `_PAIRS_BF16_PTX`, one word a call;
+    else the same bits by `_pair_value` in fp32), then put in K's order: 32 g + 8 i + 2 a + t."""
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    g = tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
+    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
+    words = wb_tile.to(tl.pointer_type(tl.int32))  # the tile's byte offsets are multiples of 16
+    ptrs = words + local[:, None, None] * (wb_row // 4) + (k_in // 8) + (g * 4)[None, :, None]
+    word = tl.load(ptrs + tl.arange(0, 4)[None, None, :], mask=mask[:, :, None], other=0,
+                   eviction_policy="evict_first")  # fmt: skip
+    exponent = (scale.to(tl.int32) + 126)[:, :, None]  # 2 ** (s - 1): the bf16 exponent field s + 126
+    if PTX:
+        factor = tl.broadcast_to((exponent << 7) | (exponent << 23), [BLOCK_N, GROUPS, 4])
+        v0, v1, v2, v3, v4, v5, v6, v7 = tl.inline_asm_elementwise(
+            _PAIRS_BF16_PTX, "=h,=h,=h,=h,=h,=h,=h,=h,r,r", [word, factor], dtype=(tl.bfloat16,) * 8,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        wide = word.to(tl.int64) & 0xFFFFFFFF  # the word's bits, unsigned
+        factor = _scale_values(scale)[:, :, None]
+        v0, v1 = _pair_value(wide, factor, 0, DTYPE), _pair_value(wide, factor, 1, DTYPE)
+        v2, v3 = _pair_value(wide, factor, 2, DTYPE), _pair_value(wide, factor, 3, DTYPE)
+        v4, v5 = _pair_value(wide, factor, 4, DTYPE), _pair_value(wide, factor, 5, DTYPE)
+        v6, v7 = _pair_value(wide, factor, 6, DTYPE), _pair_value(wide, factor, 7, DTYPE)
+    # pairs [N, g, a, t], then [N, g, a, t, i_lo, i_hi] with i = i_lo + 2 i_hi
+    w = tl.join(tl.join(tl.join(v0, v1), tl.join(v2, v3)), tl.join(tl.join(v4, v5), tl.join(v6, v7)))
+    w = tl.permute(w, (0, 1, 5, 4, 2, 3))  # [N, g, i_hi, i_lo, a, t]: K 32 g + 8 i + 2 a + t
+    return tl.reshape(w, [BLOCK_N, BLOCK_K])
 
 
 @triton.jit
@@ -166,24 +307,26 @@ def _interleave(even, odd, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _portable_products(
-    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-    GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
+    ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
-    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T. DECODE: 0
-    `_decode` (a scale load per byte), 1 `_decode_groups`, 2 `_decode_groups` through PTX. Each BLOCK_K
-    step is decoded and multiplied in SUB_K pieces (BLOCK_K with DECODE 0), from k0 up: the step's loads
-    are issued together (runs of BLOCK_K / 2 bytes per weight row), its decoded values held SUB_K at a
-    time, interleaved back into K's order before their `tl.dot`."""
-    HALF: tl.constexpr = SUB_K // 2
+    """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
+    columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
+    multiplied in SUB_K pieces (`_decode_tile`; BLOCK_K with DECODE 0), from k0 up: the step's loads are
+    issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`."""
+    local = tl.arange(0, BLOCK_N)
+    col_ok = c * BLOCK_N + local < N
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
-    jj = tl.arange(0, HALF)
     dtype = X.dtype.element_ty
+    wb_c = wb_e + c * wb_col
+    ws_c = ws_e + c * ws_col
     for k0 in range(0, K, BLOCK_K):
+        wb_t = wb_c + (k0 // BLOCK_K) * wb_step
+        ws_t = ws_c + (k0 // BLOCK_K) * ws_step
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):
-            kb = (k0 + k1) // 2 + jj  # byte column of the weight rows
-            k_ok = kb < K // 2
             ks = k0 + k1 + tl.arange(0, SUB_K)
             xt = tl.load(
                 X + rows[None, :] * stride_x + ks[:, None],
@@ -191,33 +334,23 @@ def _portable_products(
                 other=0.0,
                 eviction_policy="evict_last",
             )  # [SUB_K, BLOCK_M]
-            w_mask = col_ok[:, None] & k_ok[None, :]
-            b_ptrs = wb_base + cols[:, None] * stride_wbn + kb[None, :]
-            s_ptrs = ws_base + cols[:, None] * stride_wsn + (kb // 16)[None, :]
-            if DECODE == 0:
-                w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
-            else:
-                w_even, w_odd = _decode_groups(
-                    wb_base, ws_base, cols, col_ok, k0 + k1, K, stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K,
-                    DECODE == 2,
-                )  # fmt: skip
-            lo = tl.dot(_interleave(w_even, w_odd, BLOCK_N, SUB_K), xt, lo, input_precision=DOT_PRECISION)
+            w = _decode_tile(
+                wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE,
+                BYTE_FORMAT,
+            )  # fmt: skip
+            lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
-                if DECODE == 0:
-                    w_even, w_odd = _decode(b_ptrs + N * stride_wbn, s_ptrs + N * stride_wsn, w_mask, dtype)
-                else:
-                    w_even, w_odd = _decode_groups(
-                        wb_base + N * stride_wbn, ws_base + N * stride_wsn, cols, col_ok, k0 + k1, K,
-                        stride_wbn, stride_wsn, dtype, BLOCK_N, SUB_K, DECODE == 2,
-                    )  # fmt: skip
-                w = _interleave(w_even, w_odd, BLOCK_N, SUB_K)
+                w = _decode_tile(
+                    wb_t + wb_half, ws_t + ws_half, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype,
+                    BLOCK_N, SUB_K, DECODE, BYTE_FORMAT,
+                )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
 
 
 @triton.jit
 def _scaled_products(
-    X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
+    X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, stride_wbn, stride_wsn, wb_half, ws_half,
     GATED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, X_FORMAT: tl.constexpr,
 ):  # fmt: skip
@@ -262,8 +395,8 @@ def _scaled_products(
         else:
             lo = tl.dot_scaled(x, None, X_FORMAT, w, s, "e2m1", acc=lo)
         if GATED:
-            w = tl.load(b_ptrs + N * stride_wbn, mask=b_mask, other=0, eviction_policy="evict_first")
-            s = tl.load(s_ptrs + N * stride_wsn, mask=s_mask, other=0, eviction_policy="evict_first")
+            w = tl.load(b_ptrs + wb_half, mask=b_mask, other=0, eviction_policy="evict_first")
+            s = tl.load(s_ptrs + ws_half, mask=s_mask, other=0, eviction_policy="evict_first")
             if SWAP:
                 hi = tl.dot_scaled(w, s, "e2m1", xt, None, X_FORMAT, acc=hi)
             else:
@@ -276,19 +409,21 @@ def _scaled_products(
 
 @triton.jit
 def mxfp4_fwd_kernel(
-    X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, stride_wbn, stride_wse, stride_wsn,
-    stride_be, stride_add, stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_ADD: tl.constexpr, SCALED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr,
-    DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, wb_half, wb_col, wb_step, wb_row,
+    stride_wse, ws_half, ws_col, ws_step, ws_row, stride_be, stride_add, stride_out, limit, alpha,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
+    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
     sigmoid(alpha gate) with gate = min(g, limit), up = clamp(u, -limit, limit) of g, u = the rounded
     products with W[e, c] and W[e, N + c] (HAS_ADD: plus Add[r, c] and Add[r, N + c], rounded again) plus the
     bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
-    (+ bias). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module doc; DECODE
-    and SUB_K: `_portable_products`)."""
+    (+ bias). The weights addressed tile by tile (wb_*, ws_*: module doc; the scaled kernel reads the
+    row-major layout only). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module
+    doc; DECODE and SUB_K: `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -308,13 +443,14 @@ def mxfp4_fwd_kernel(
         row_ok = rows < end
         if SCALED:
             lo, hi = _scaled_products(
-                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+                X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, wb_row, ws_row, wb_half,
+                ws_half, GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
             )  # fmt: skip
         else:
             lo, hi = _portable_products(
-                X, wb_base, ws_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wbn, stride_wsn,
-                GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE, SUB_K,
+                X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
+                wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                DECODE, SUB_K, BYTE_FORMAT,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
         # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
@@ -339,10 +475,13 @@ def mxfp4_fwd_kernel(
 def mxfp4_bwd_kernel(
     G, Wb, Ws, GX, bounds, N, K, stride_g, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_gx,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """GX[r, k] = sum_n G[r, n] W[e][n, k] for the rows r of expert e and the program's columns k (block
     c of BLOCK_K columns of K), G [M, N] with unit stride along N, accumulated in fp32 over N in BLOCK_R
-    steps from 0 up, rounded once to GX's dtype."""
+    steps from 0 up, rounded once to GX's dtype. BYTE_FORMAT 0: the checkpoint's bytes, the even and odd
+    columns decoded and multiplied apart; 2: byte format 2 ("pairs"), the tile decoded in K's order by
+    `_decode_pairs` (PTX: its inline assembly) and multiplied at once: the same sums over N."""
     HALF: tl.constexpr = BLOCK_K // 2
     e = tl.program_id(1)
     start = tl.load(bounds + e)
@@ -360,6 +499,7 @@ def mxfp4_bwd_kernel(
         row_ok = rows < end
         even = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
         odd = even
+        both_t = tl.zeros([BLOCK_K, BLOCK_M], dtype=tl.float32)  # format 2: GX^T, the weight on the left
         for n0 in range(0, N, BLOCK_R):
             ns = n0 + tl.arange(0, BLOCK_R)
             n_ok = ns < N
@@ -369,30 +509,63 @@ def mxfp4_bwd_kernel(
                 other=0.0,
                 eviction_policy="evict_last",
             )
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
-            s_ptrs = ws_base + ns[:, None] * stride_wsn + (kb // 16)[None, :]
-            w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
-            even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
-            odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
+            if BYTE_FORMAT == 2:
+                k0 = tl.program_id(0) * BLOCK_K
+                w = _decode_pairs(
+                    wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, tl.arange(0, BLOCK_R), n_ok, k0, k0,
+                    K, stride_wbn, stride_wsn, dtype, BLOCK_R, BLOCK_K, PTX,
+                )  # fmt: skip
+                both_t = tl.dot(tl.trans(w), tl.trans(g), both_t, input_precision=DOT_PRECISION)
+            else:
+                w_mask = n_ok[:, None] & k_ok[None, :]
+                b_ptrs = wb_base + ns[:, None] * stride_wbn + kb[None, :]
+                s_ptrs = ws_base + ns[:, None] * stride_wsn + (kb // 16)[None, :]
+                w_even, w_odd = _decode(b_ptrs, s_ptrs, w_mask, dtype)
+                even = tl.dot(g, w_even, even, input_precision=DOT_PRECISION)
+                odd = tl.dot(g, w_odd, odd, input_precision=DOT_PRECISION)
         ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-        both = tl.reshape(tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K])  # columns interleaved
+        if BYTE_FORMAT == 2:
+            both = tl.trans(both_t).to(dtype)
+        else:
+            both = tl.reshape(
+                tl.join(even.to(dtype), odd.to(dtype)), [BLOCK_M, BLOCK_K]
+            )  # columns interleaved
         mask = row_ok[:, None] & (ks < K)[None, :]
         tl.store(GX + rows[:, None] * stride_gx + ks[None, :], both, mask=mask)
 
 
 @triton.jit
-def mxfp4_dequant_kernel(blocks_ptr, scales_ptr, out_ptr, groups, BLOCK_G: tl.constexpr):
+def mxfp4_dequant_kernel(
+    blocks_ptr,
+    scales_ptr,
+    out_ptr,
+    groups,
+    BLOCK_G: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr,
+    PTX: tl.constexpr,
+):
     """`groups` blocks of 32 values (bytes [groups, 16], scales [groups], both contiguous) -> out [groups, 32]
     in out's dtype, exactly: value 2j of a block from the low nibble of byte j, 2j + 1 from the high one,
-    times the block's scale (`_decode`'s arithmetic). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G).
-    """
+    times the block's scale (`_decode`'s arithmetic); BYTE_FORMAT 2: the blocks in byte format 2 ("pairs"),
+    decoded by `_decode_pairs` (each block a row of 32 values; PTX, bf16 out on NVIDIA GPUs: its inline
+    assembly). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G)."""
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     inside = g < groups
-    byte = tl.load(blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=inside[:, None], other=0)
-    scale = _scale_values(tl.load(scales_ptr + g, mask=inside, other=0))[:, None]
-    even = _fp4_values(byte.to(tl.int32) & 15) * scale
-    odd = _fp4_values(byte.to(tl.int32) >> 4) * scale
-    values = tl.reshape(tl.join(even, odd), (BLOCK_G, 32))  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
+    if BYTE_FORMAT == 2:
+        base = tl.program_id(0).to(tl.int64) * BLOCK_G
+        values = _decode_pairs(
+            blocks_ptr + base * 16, scales_ptr + base, tl.arange(0, BLOCK_G), inside, 0, 0, 32, 16, 1,
+            out_ptr.dtype.element_ty if PTX else tl.float32, BLOCK_G, 32, PTX,
+        )  # fmt: skip
+    else:
+        byte = tl.load(
+            blocks_ptr + g[:, None] * 16 + tl.arange(0, 16)[None, :], mask=inside[:, None], other=0
+        )
+        scale = _scale_values(tl.load(scales_ptr + g, mask=inside, other=0))[:, None]
+        even = _fp4_values(byte.to(tl.int32) & 15) * scale
+        odd = _fp4_values(byte.to(tl.int32) >> 4) * scale
+        values = tl.reshape(
+            tl.join(even, odd), (BLOCK_G, 32)
+        )  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
     offsets = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside[:, None])

@@ -314,8 +314,7 @@ def init_parallel(
                     weight.shape[1:], generator=_generator(seed, name, device, e), device=device
                 )
                 blocks, scales = quantize_mxfp4(values.mul_(std))
-                weight.blocks[i].copy_(blocks)
-                weight.scales[i].copy_(scales)
+                weight.copy_experts_(i, blocks[None], scales[None])
         for name, param in model.named_parameters():
             if adapters_only and not is_adapter_param(name):
                 continue

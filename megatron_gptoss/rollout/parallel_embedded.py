@@ -221,7 +221,8 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         self, weight: MXFP4Weight, ours: str, part: str, tensor: torch.Tensor, start: int, stop: int, got
     ) -> None:
         """Experts [start, stop) of an MXFP4 weight's blocks or scales (HF row order, uint8) -> the ones this
-        rank holds, into its buffer (fc1's rows de-interleaved to our [gate; up])."""
+        rank holds, into its buffer (fc1's rows de-interleaved to our [gate; up]; `MXFP4Weight.copy_experts_`
+        re-encodes them into the weight's byte format)."""
         buffer = getattr(weight, part)
         full = (self.config.num_experts, *buffer.shape[1:])
         if tensor.dtype != torch.uint8 or stop > full[0] or tuple(tensor.shape) != (stop - start, *full[1:]):
@@ -233,7 +234,8 @@ class ParallelEmbeddedEngine(EmbeddedEngine):
         lo, hi = max(start, first), min(stop, first + buffer.shape[0])
         if lo < hi:
             rows = tensor[lo - start : hi - start]
-            buffer[lo - first : hi - first].copy_(fc1_rows_from_hf(rows) if ".linear_fc1." in ours else rows)
+            rows = fc1_rows_from_hf(rows) if ".linear_fc1." in ours else rows
+            weight.copy_experts_(lo - first, *((rows, None) if part == "blocks" else (None, rows)))
             got[lo - first : hi - first] = True
 
     # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.hf.mxfp4 import pack_expert_weight, quantize_mxfp4
 from megatron_gptoss.model import build_model
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
+from megatron_gptoss.ops.mxfp4_gemm import pair_words
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.rollout import SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
@@ -142,8 +143,10 @@ def fanout_on_ranks(state, engines):
     chunks, dims = _stages(config, state, {"expert_model_parallel_size": 2})
     out = {}
     for key, parallel in engines.items():
+        byte_format = parallel.pop("byte_format", "checkpoint")
         edims = ParallelDims.build(ParallelConfig(**parallel), config)
-        engine = ParallelEmbeddedEngine(dataclasses.replace(config, expert_format="mxfp4"), edims)
+        engine_config = dataclasses.replace(config, expert_format="mxfp4", mxfp4_byte_format=byte_format)
+        engine = ParallelEmbeddedEngine(engine_config, edims)
         target = EngineLayout(dims.layout.world, edims.ep, True, "mxfp4")
         exporter = FanoutExporter(chunks, config, dims, target, BUCKET)
         received = list(exporter.pairs())
@@ -153,6 +156,7 @@ def fanout_on_ranks(state, engines):
             local = weight.shape[0]
             first = edims.coord("ep") * local
             blocks, scales = quantize_mxfp4(state[name][first : first + local])  # our [gate; up] rows
+            blocks = pair_words(blocks) if byte_format == "pairs" else blocks  # the engine's re-encoding
             if not (torch.equal(weight.blocks, blocks) and torch.equal(weight.scales, scales)):
                 wrong.append(name)
         for name, param in engine.model.named_parameters():
@@ -177,9 +181,11 @@ def fanout_on_ranks(state, engines):
 def test_fanout_fills_the_engine_blocks_with_the_quantized_learner_weights():
     model = learner_model()
     state = {n: p.detach().clone() for n, p in model.named_parameters()}
-    per_rank = pool(2).run(
-        fanout_on_ranks, state, {"ep2": dict(expert_model_parallel_size=2), "tp1": {}}, timeout=TIMEOUT
-    )
+    engines = {
+        "ep2": dict(expert_model_parallel_size=2), "tp1": {},
+        "ep2-pairs": dict(expert_model_parallel_size=2, byte_format="pairs"),  # `model.mxfp4_byte_format`
+    }  # fmt: skip
+    per_rank = pool(2).run(fanout_on_ranks, state, engines, timeout=TIMEOUT)
     for rank, result in enumerate(per_rank):
         for key, got in result.items():
             assert got["mxfp4"] == 2 * CONFIG.num_layers and not got["wrong"], (rank, key, got["wrong"])
@@ -188,6 +194,6 @@ def test_fanout_fills_the_engine_blocks_with_the_quantized_learner_weights():
             values = (
                 CONFIG.num_layers * 3 * CONFIG.intermediate_size * CONFIG.hidden_size * CONFIG.num_experts
             )
-            share = values // 2 if key == "ep2" else values
+            share = values // 2 if key.startswith("ep2") else values
             assert got["packed_bytes"] == share * 17 // 32, (key, got["packed_bytes"])
             assert len(got["logprobs"]) == 4 and all(lp <= 0 for lp in got["logprobs"])

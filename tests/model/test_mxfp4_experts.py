@@ -19,6 +19,7 @@ from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, frozen_base, mxfp4_weights
+from megatron_gptoss.ops.mxfp4_gemm import pair_words
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel
 
@@ -196,3 +197,46 @@ def test_module_conversions_keep_the_bytes_and_move_the_dtype():
         assert weight.dtype == torch.bfloat16 and weight.dequantize().dtype == torch.bfloat16
     experts = packed.decoder.layers["0"].mlp.experts
     assert experts.linear_fc1.dtype == experts.linear_fc1.bias.dtype == torch.bfloat16
+
+
+def test_pairs_byte_format_loads_computes_and_exports_as_the_released_bytes(tmp_path):
+    """`model.mxfp4_byte_format: pairs`: a released-layout checkpoint loads into `pair_words`' re-encoding of
+    its bytes (the same scales), the random initialisation likewise, and the model computes, and exports,
+    exactly what the released bytes give; scales beyond the format's range and unknown formats are refused."""
+    ref = reference_model(1, tiny_config())
+    path = write_mxfp4_checkpoint(ref, tmp_path / "mxfp4")
+    config = dataclasses.replace(ref.config, lora=LORA, expert_format="mxfp4")
+    models = {
+        fmt: GPTOSSModel(dataclasses.replace(config, mxfp4_byte_format=fmt))
+        for fmt in ("checkpoint", "pairs")
+    }
+    for model in models.values():
+        load_hf_parallel([model], path, ONE, model.config)
+    plain, pairs = (mxfp4_weights(models[fmt]) for fmt in ("checkpoint", "pairs"))
+    for name, weight in pairs.items():
+        assert weight.byte_format == "pairs" and plain[name].byte_format == "checkpoint"
+        assert torch.equal(weight.blocks, pair_words(plain[name].blocks)), name
+        assert not torch.equal(weight.blocks, plain[name].blocks) and torch.equal(
+            weight.scales, plain[name].scales
+        )
+        assert torch.equal(weight.dequantize(torch.float32), plain[name].dequantize(torch.float32)), name
+    with torch.no_grad():
+        for (name, p), q in zip(models["pairs"].named_parameters(), models["checkpoint"].parameters()):
+            if is_adapter_param(name):  # the same adapters on both
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+                q.copy_(p)
+        tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(models["pairs"](tokens), models["checkpoint"](tokens))
+        exported = load_hf(save_hf(models["pairs"], tmp_path / "export", dtype=torch.float32))
+        assert rel_err(exported(tokens), models["checkpoint"](tokens)) <= 1e-5
+    init = GPTOSSModel(dataclasses.replace(config, mxfp4_byte_format="pairs"))
+    init_parallel([init], init.config, ONE, seed=5)
+    drawn = GPTOSSModel(config)
+    init_parallel([drawn], config, ONE, seed=5)
+    for name, weight in mxfp4_weights(init).items():
+        assert torch.equal(weight.blocks, pair_words(mxfp4_weights(drawn)[name].blocks)), name
+    weight = next(iter(pairs.values()))
+    with pytest.raises(ValueError, match="decodes scale bytes 2..128 exactly; these experts' scales span"):
+        weight.copy_packed_(plain[next(iter(plain))].blocks, torch.full_like(weight.scales, 129))
+    with pytest.raises(ConfigError, match="model.mxfp4_byte_format='nibbles'"):
+        dataclasses.replace(config, mxfp4_byte_format="nibbles")

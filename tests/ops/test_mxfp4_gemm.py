@@ -10,6 +10,7 @@ tensor are ||ours - ref|| / ||ref||."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -338,3 +339,159 @@ def test_tiles_fit_the_shared_memory():
     small = mxfp4_gemm.fit_shared_memory(cfg, 99 * 1024, gated=True)
     assert (small.stages, small.block_k) == (2, 64)
     assert mxfp4_gemm.fit_shared_memory(cfg, 227 * 1024, gated=True) == cfg
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_relaid_weights_give_the_row_major_products(gated):
+    """Weights re-laid for the forward kernel (`kernel_weights`): tile by tile (partial column and K tiles
+    zero-padded, fc1's halves tiled apart), each block's bytes shuffled or re-encoded as bf16 pairs, or
+    both. The kernel reading
+    them gives exactly what it gives over the checkpoint's layout, bias and addend included, with each
+    decoding and over several row tiles of an expert; within 1e-6 of the reference; and clear errors for
+    tiles that do not match the kernel's, rows of another width, a decoding that cannot read the format or
+    scales beyond the pairs' range."""
+    counts, n, k = [5, 0, 37], 40, 96
+    blocks, scales = weights(len(counts), 2 * n if gated else n, k, seed=21)  # scales 120..130
+    scales = scales.clamp(max=128)  # within the pairs' range
+    x, bounds = rows(counts, k, seed=21)
+    g = torch.Generator().manual_seed(22)
+    bias = torch.randn(len(counts), blocks.shape[1], generator=g)
+    addend = torch.randn(x.shape[0], blocks.shape[1], generator=g)
+    swiglu = (LIMIT, ALPHA) if gated else None
+    ref = reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend)
+    tiled = mxfp4_gemm.kernel_weights(blocks, scales, gated, TILES.block_n, TILES.block_k)
+    assert tiled.blocks.shape == (len(counts), 2 if gated else 1, 3, 2, 16, 32)
+    assert tiled.blocks.is_contiguous() and tiled.blocks.stride(4) == TILES.block_k // 2
+    decodes = [("bytes", 0), ("groups", 0), ("groups", 32), ("ptx", 0)]
+    formats = [
+        (True, "checkpoint"),
+        (False, "shuffled"),
+        (True, "shuffled"),
+        (False, "pairs"),
+        (True, "pairs"),
+    ]
+    for is_tiled, byte_format in formats:
+        relaid = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, is_tiled, byte_format)
+        for decode, sub_k in decodes[1:] if byte_format != "checkpoint" else decodes:
+            tiles = dataclasses.replace(TILES, decode=decode, sub_k=sub_k)
+            ours = mxfp4_gemm.forward_kernel_weights(x, relaid, bias, bounds, LIMIT, ALPHA, tiles, addend)
+            row_major = mxfp4_gemm._forward(
+                x, blocks, scales, bias, addend, bounds, gated, LIMIT, ALPHA, "portable", tiles
+            )
+            assert ours.abs().sum() > 0 and torch.equal(ours, row_major), (
+                is_tiled,
+                byte_format,
+                decode,
+                sub_k,
+            )
+            assert rel_err(ours, ref) <= 1e-6, decode
+    pairs = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, False, "pairs")
+    with pytest.raises(ValueError, match="byte format 'pairs' needs the 'groups' or 'ptx' decoding"):
+        mxfp4_gemm.forward_kernel_weights(x, pairs, bias, bounds, config=TILES)
+    with pytest.raises(ValueError, match="scale bytes 2..128 exactly; these scales span 121..129"):
+        mxfp4_gemm.kernel_weights(blocks, scales + 1, gated, 16, 64, False, "pairs")
+    with pytest.raises(ValueError, match="byte_format must be one of"):
+        mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, False, "nibbles")
+    with pytest.raises(ValueError, match="the kernel's tiles 16 x 32 must be the weights' 16 x 64"):
+        mxfp4_gemm.forward_kernel_weights(
+            x, tiled, bias, bounds, config=dataclasses.replace(TILES, block_k=32)
+        )
+    with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
+        mxfp4_gemm.forward_kernel_weights(x[:, :64], tiled, bias, bounds)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 48)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_kernel_weights_keep_every_byte(gated):
+    """The tiled bytes and scales hold every byte and scale of the weights where the kernel's tile
+    addressing looks for them, and zeros in the padding; shuffled bytes are each block's [4, 4] transpose,
+    which shuffling again undoes."""
+    g = torch.Generator().manual_seed(0)
+    experts, rows_, width = 2, 2 * 24 if gated else 24, 96  # 24 rows: not a whole number of 16-row tiles
+    blocks = torch.randint(0, 256, (experts, rows_, width // 32, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(100, 130, (experts, rows_, width // 32), generator=g, dtype=torch.uint8)
+    tiles = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64)
+    tiled, tiled_scales, nb, kt = tiles.blocks, tiles.scales, *tiles.blocks.shape[2:4]
+    halves, n = (2, rows_ // 2) if gated else (1, rows_)
+    assert (nb, kt) == (2, 2) and tiled.shape == (experts, halves, nb, kt, 16, 32)
+    # byte j of row r of half h sits in tile (r // 16, j // 32) at (r % 16, j % 32); the padding is zero
+    untiled = tiled.permute(0, 1, 2, 4, 3, 5).reshape(experts, halves, nb * 16, kt * 32)
+    assert torch.equal(
+        untiled[:, :, :n, : width // 2].reshape(experts, rows_, -1), blocks.reshape(experts, rows_, -1)
+    )
+    assert untiled[:, :, n:].eq(0).all() and untiled[..., width // 2 :].eq(0).all()
+    scales_back = tiled_scales.permute(0, 1, 2, 4, 3, 5).reshape(experts, halves, nb * 16, kt * 2)
+    assert torch.equal(scales_back[:, :, :n, : width // 32].reshape(experts, rows_, -1), scales)
+    shuffled = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, tiled=False, byte_format="shuffled")
+    assert torch.equal(shuffled.blocks[..., 1], blocks[..., 4]) and torch.equal(
+        shuffled.blocks[..., 4], blocks[..., 1]
+    )
+    assert torch.equal(mxfp4_gemm.shuffle_bytes(shuffled.blocks), blocks)
+    assert torch.equal(shuffled.scales, scales)
+
+
+def test_pair_words_decode_to_the_weights():
+    """Byte format "pairs" (`pair_words`) read back by the kernels' rule (word a of a block: pair i from slot
+    i's bits, as a bf16 of 2 ** -126 times the FP4 value) gives every code of every byte at K 2 (a + 4 i) + t,
+    signed zeros included."""
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every byte, in every position
+    blocks = torch.cat([blocks, blocks.roll(7, dims=1)]).reshape(2, 16, 1, 16)
+    words = mxfp4_gemm.pair_words(blocks).reshape(-1, 4, 4).to(torch.int64)
+    word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [blocks, a]
+    values = torch.empty(word.shape[0], 32)
+    for i in range(4):
+        if i < 3:
+            bits = (word << (3 * i)) & 0x81C081C0
+        else:
+            bits = ((word << 1) & 0x80008000) | ((word >> 3) & 0x01800180) | ((word >> 7) & 0x00400040)
+        for t in range(2):
+            half = ((bits >> (16 * t)) & 0xFFFF).to(torch.int32) << 16
+            decoded = half.view(torch.float32) * 2.0**126  # [blocks, a]
+            for a in range(4):
+                values[:, 2 * (a + 4 * i) + t] = decoded[:, a]
+    ref = mxfp4_gemm.dequantize(blocks, torch.full(blocks.shape[:3], 127, dtype=torch.uint8), torch.float32)
+    ref = ref.reshape(-1, 32)
+    assert torch.equal(values, ref) and torch.equal(values.signbit(), ref.signbit())
+    with pytest.raises(ValueError, match="blocks must end in 16 bytes a block"):
+        mxfp4_gemm.pair_words(blocks[..., :8])
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_pairs_byte_format_through_every_path(gated):
+    """Weights held in byte format "pairs" (`pair_words`): the forward (portable kernel, each decoding), the
+    input gradient (the backward kernel decodes the pairs in K's order and multiplies once) and the reference
+    path give exactly what the checkpoint's bytes give, addend included; the whole-weight decoding
+    (`dequantize_kernel`, the dequantized path's) gives the same values; `unpair_words` gives the bytes
+    back."""
+    counts, out, k = [7, 0, 21], 48, 96
+    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=31)
+    scales = scales.clamp(max=128)
+    pairs = mxfp4_gemm.pair_words(blocks)
+    assert not torch.equal(pairs, blocks) and torch.equal(mxfp4_gemm.unpair_words(pairs), blocks)
+    x, bounds = rows(counts, k, seed=31)
+    addend = torch.randn(x.shape[0], blocks.shape[1], generator=torch.Generator().manual_seed(32))
+    for decode in ("groups", "ptx"):
+        tiles = dataclasses.replace(TILES, decode=decode)
+        if gated:
+            call = functools.partial(fc1_swiglu_mxfp4, x, bias=None, bounds=bounds, limit=LIMIT, alpha=ALPHA,
+                                     path="portable", config=tiles, addend=addend)  # fmt: skip
+            ours, ref = call(pairs, scales, byte_format="pairs"), call(blocks, scales)
+        else:
+            xs = [x.clone().requires_grad_(True) for _ in range(2)]
+            ours = grouped_linear_mxfp4(xs[0], pairs, scales, bounds, "portable", tiles, addend, "pairs")
+            ref = grouped_linear_mxfp4(xs[1], blocks, scales, bounds, "portable", tiles, addend)
+            g = torch.randn_like(ref)
+            ours.backward(g)
+            ref.backward(g)
+            assert xs[1].grad.abs().sum() > 0 and torch.equal(xs[0].grad, xs[1].grad), decode
+        assert ref.abs().sum() > 0 and torch.equal(ours, ref), decode
+    swiglu = (LIMIT, ALPHA) if gated else None
+    ours = reference_dequantized(x, pairs, scales, bounds, None, swiglu, addend, "pairs")
+    assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
+    decoded = mxfp4_gemm.dequantize_kernel(pairs, scales, torch.float32, "pairs")
+    assert torch.equal(decoded, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
+    with pytest.raises(ValueError, match="byte format 'checkpoint' or 'pairs', got 'shuffled'"):
+        grouped_linear_mxfp4(x, pairs, scales, bounds, "portable", TILES, None, "shuffled")

@@ -221,6 +221,56 @@ def test_portable_decodings_equal_the_dequantized_path(decode, tokens):
         assert torch.equal(y, grouped_linear_mxfp4(h, b2, s2, bounds, path="dequantized"))
 
 
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_relaid_weights_equal_the_row_major_kernel(tokens):
+    """The forward kernel over the weights re-laid (`mxfp4_gemm.kernel_weights`: tiled, each byte format,
+    both), default tiles with the ptx decoding and with sub_k 64: fc1 (SwiGLU) and fc2 (plus bias) bit for
+    bit what it computes over the checkpoint's layout (the "pairs" format's PTX decoding relies on Triton
+    handing its inline assembly the 4 bytes of one word at a time: a wrong grouping fails here)."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    bias2 = torch.randn(EXPERTS, WIDTH, generator=g, device="cuda").bfloat16()
+    for (blocks, scales), b, gated in (((b1, s1), bias, True), ((b2, s2), bias2, False)):
+        default = mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated)
+        for cfg in (default, dataclasses.replace(default, sub_k=64)):
+            ref = mxfp4_gemm._forward(
+                x, blocks, scales, b, None, bounds, gated, LIMIT, ALPHA, "portable", cfg
+            )
+            formats = (
+                (True, "checkpoint"),
+                (False, "shuffled"),
+                (True, "shuffled"),
+                (False, "pairs"),
+                (True, "pairs"),
+            )
+            for tiled, byte_format in formats:
+                relaid = mxfp4_gemm.kernel_weights(
+                    blocks, scales, gated, cfg.block_n, cfg.block_k, tiled, byte_format
+                )
+                ours = mxfp4_gemm.forward_kernel_weights(x, relaid, b, bounds, LIMIT, ALPHA, cfg)
+                assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
+
+
+@pytest.mark.parametrize("tokens", [64, 256, 2048])
+def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens):
+    """Weights held in byte format "pairs" (`mxfp4_gemm.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
+    its range): fc1 + SwiGLU, fc2 and fc2's input gradient on the auto path (the portable kernel with the
+    pairs' inline assembly up to 1,024 rows, the dequantized path above) bit for bit what the checkpoint's
+    bytes give."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    p1, p2 = mxfp4_gemm.pair_words(b1), mxfp4_gemm.pair_words(b2)
+    h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
+    assert torch.equal(fc1_swiglu_mxfp4(x, p1, s1, bias, bounds, LIMIT, ALPHA, byte_format="pairs"), h)
+    hs = [h.clone().requires_grad_(True) for _ in range(2)]
+    y = grouped_linear_mxfp4(hs[0], b2, s2, bounds)
+    y_pairs = grouped_linear_mxfp4(hs[1], p2, s2, bounds, byte_format="pairs")
+    assert torch.equal(y_pairs, y)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_pairs.backward(g)
+    assert hs[0].grad.abs().sum() > 0 and torch.equal(hs[1].grad, hs[0].grad)
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,

@@ -20,3 +20,17 @@ def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| kernel")]
     assert 1 <= len(rows) <= 5 and all(float(row.split("|")[2]) >= 0 for row in rows)
     assert "ops of the profiled step:" in out and "aten::" in out
+
+
+def test_profile_decode_of_the_lora_step_engine(capsys):
+    """--expert-format mxfp4-pairs --lora-rank 4 (the LoRA RL step's engine at toy size) decodes and names
+    what it profiled."""
+    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(
+        ["--tiny", "--modes", "off", "--top", "3", "--expert-format", "mxfp4-pairs", "--lora-rank", "4"]
+    )
+    out = capsys.readouterr().out
+    assert "experts mxfp4-pairs, LoRA rank 4" in out and "decode-only steps, median" in out

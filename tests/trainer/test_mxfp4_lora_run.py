@@ -1,6 +1,7 @@
-"""Two RL steps of the demo (configs/demo_cpu.yaml) with LoRA over MXFP4 experts: the random experts are
-quantized once, the embedded engine shares the learner's 4-bit base, every step logs finite metrics (the
-engine/learner mismatch among them), the checkpoint stores the adapters alone, the final HF export loads."""
+"""Two RL steps of the demo (configs/demo_cpu.yaml) with LoRA over MXFP4 experts, held as the checkpoints
+store them and in the pairs byte format: the random experts are quantized once, the embedded engine shares
+the learner's 4-bit base, every step logs finite metrics (the engine/learner mismatch among them), the
+checkpoint stores the adapters alone, the final HF export loads."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 from pathlib import Path
 
+import pytest
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_gptoss.config import load_config
@@ -19,8 +21,10 @@ from megatron_gptoss.trainer import loop
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_two_demo_steps_with_lora_over_mxfp4_experts(tmp_path):
+@pytest.mark.parametrize("byte_format", ["checkpoint", "pairs"])
+def test_two_demo_steps_with_lora_over_mxfp4_experts(tmp_path, byte_format):
     overrides = ["model.expert_format=mxfp4", "model.lora.rank=4", "model.num_layers=2",
+                 f"model.mxfp4_byte_format={byte_format}",
                  "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=2", "run.steps=2",
                  "run.eval_every=0", "run.save_every=2", "run.tensorboard=false",
                  "run.progress=false", f"run.output_dir={tmp_path}"]  # fmt: skip

@@ -1,0 +1,48 @@
+"""benchmarks/sass_mxfp4.py on the CPU: the MXFP4 forward kernel compiled for sm_90 by the installed Triton
+(in a child process: the tests' interpreter mode would hand it interpreted functions), its K loop counted.
+The checkpoint's bytes are read from shared memory a byte at a time; the shuffled and the pairs byte
+formats read them as matrix-unit fragments, and the pairs format decodes with a fraction of the byte
+permutes and instructions. Guards the decoding's cost against a change that brings the byte reads or the
+permutes back; and the forward, input-gradient and decoding kernels compile for sm_80 and sm_90 in both
+formats (a compiler failure there is invisible to the interpreter's tests)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import sass_mxfp4  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not sass_mxfp4.tools_present(), reason="Triton without its CUDA tools")
+
+
+def test_byte_formats_in_the_compiled_loop():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_mxfp4.py"), "--compile-others"],
+                         env=env, capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
+    for byte_format in ("checkpoint", "pairs"):  # the kernels the interpreter runs but never compiles
+        for capability in (80, 90):
+            line = f"compiled: forward, input gradient and decoding, {byte_format} bytes, sm_{capability}"
+            assert line in out, out
+    header = next(line for line in out.splitlines() if line.startswith("| layer |"))
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    rows = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == len(columns) and cells[0] in ("fc1", "fc2"):
+            rows[cells[0], cells[1]] = dict(zip(columns[2:], map(int, cells[2:])))
+    assert len(rows) == 6, out
+    for layer, steps in (("fc1", 16), ("fc2", 8)):  # wgmma's K of 16 over a step of 128, fc1's two halves
+        checkpoint, shuffled, pairs = (rows[layer, f] for f in ("checkpoint", "shuffled", "pairs"))
+        assert all(r["HGMMA"] == steps for r in (checkpoint, shuffled, pairs))
+        assert checkpoint["LDS.U8"] == 4 * steps  # each byte a thread decodes, one shared-memory read
+        assert shuffled["LDS.U8"] == 0 and shuffled["LDSM"] == steps // 4
+        assert pairs["LDS.U8"] == 0 and pairs["LDSM"] == steps // 4
+        assert pairs["PRMT"] <= checkpoint["PRMT"] // 8
+        assert pairs["instructions"] <= 0.7 * checkpoint["instructions"]
+        assert shuffled["instructions"] < checkpoint["instructions"]
