@@ -188,9 +188,9 @@ class Experts(nn.Module):
         """Rows x [M, H] sorted by expert (this instance's expert e: rows [bounds[e], bounds[e + 1]),
         bounds int32 [E + 1] on x's device) -> the experts' outputs [M, H], not yet weighted."""
         fc1, fc2 = self.linear_fc1, self.linear_fc2
-        # the fused path's grouped GEMM; the decode path's adapters take it too, as the fused path's do
-        gemm = "grouped_mm" if x.is_cuda else "loop"
+        gemm = "grouped_mm" if x.is_cuda else "loop"  # the fused path's grouped GEMM
         if self.decode_kernels(x):
+            gemm = "decode"  # the adapters' factors by the decode kernel too (`_ExpertLinear.update`)
             w1, w2 = fc1.weight, fc2.weight
             if isinstance(w1, MXFP4Weight) and isinstance(w2, MXFP4Weight):
                 h = mxfp4_gemm.fc1_swiglu_mxfp4(
@@ -282,10 +282,14 @@ class _ExpertLinear(nn.Module):
 
     def update(self, x: torch.Tensor, bounds: torch.Tensor, gemm: str) -> torch.Tensor | None:
         """The active adapter's update [M, out] of rows x sorted by expert (`LoRA.grouped` by `grouped_linear`
-        with `gemm`), or None without an active adapter."""
+        with `gemm`, or by `moe_decode.decode_grouped` with gemm "decode": the decode path's, where the
+        library's grouped GEMM spends most of its time preparing the groups of so few rows), or None without
+        an active adapter."""
         lora = active(self.lora)
         if lora is None:
             return None
+        if gemm == "decode":
+            return lora.grouped(x, bounds, lambda rows, w, b: moe_decode.decode_grouped(rows, w, b))
         return lora.grouped(x, bounds, lambda rows, w, b: grouped_linear(rows, w, b, gemm))
 
 

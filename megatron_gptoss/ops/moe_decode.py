@@ -233,6 +233,31 @@ def decode_fc2(
     return _launch(h, weight, bias, addend, bounds, out_width, False, 0.0, 0.0, config)
 
 
+def narrow_config(
+    rows: int, experts: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> DecodeConfig:
+    """Tiles for a product of `n` output columns over a reduction of `k` (an expert adapter's factor: A
+    [E, r, in] has few columns, B [E, out, r] a short K): `default_config`'s, not gated, with the column
+    tile cut to half of n (so that a narrow A runs two programs an expert) and the K step to k, each as a
+    power of two of at least 16 (the matrix unit's smallest)."""
+    cfg = default_config(rows, experts, device, dtype, gated=False)
+    if device.type != "cuda":
+        return cfg
+    block_n = max(16, min(cfg.block_n, _pow2(n) // 2))
+    return dataclasses.replace(cfg, block_n=block_n, block_k=max(16, min(cfg.block_k, _pow2(k))))
+
+
+def decode_grouped(x: Tensor, weight: Tensor, bounds: Tensor, config: DecodeConfig | None = None) -> Tensor:
+    """x [M, K] sorted by expert, weight [E, N, K] -> x w[e]^T: [M, N] in x's dtype, products rounded as
+    `decode_fc2`'s (the library GEMM's output): an expert adapter's factor at decode (`model.lora`: x A[e]^T,
+    then that times B[e]^T), on tiles fitted to its narrow shapes (`narrow_config`)."""
+    out_width = weight.shape[1] if weight.dim() == 3 else 0
+    _check(x, weight, None, None, bounds, out_width, x.shape[-1])
+    if config is None:
+        config = narrow_config(x.shape[0], weight.shape[0], out_width, x.shape[-1], x.device, x.dtype)
+    return _launch(x, weight, None, None, bounds, out_width, False, 0.0, 0.0, config)
+
+
 # ------------------------------------------------------------------------------------------------
 # References (PyTorch): per-expert loop, computed in fp32 (float64 for float64 inputs); the products rounded
 # to the inputs' dtype before the epilogue, as the kernels and the library path do, and so is their sum with

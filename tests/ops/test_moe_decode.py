@@ -146,6 +146,38 @@ def test_bad_shapes_are_named():
         moe_decode.decode_fc2(torch.zeros(6, 32), w2, b2, bounds, addend=torch.zeros(6, 48).double())
 
 
+@interpreted
+@pytest.mark.parametrize(
+    "counts,n,k", [([5, 0, 19, 3], 8, 40), ([5, 0, 19, 3], 40, 8), ([0, 17, 0, 2], 24, 24), ([0, 0], 8, 16)]
+)
+def test_decode_grouped_matches_float64_for_adapter_shapes(counts, n, k):
+    """`decode_grouped` (an adapter's factor at decode: A with fewer columns than a tile, B with a K shorter
+    than a step) within 1e-6 of float64, fp32, on its own tiles and on `narrow_config`'s."""
+    g = torch.Generator().manual_seed(5)
+    bounds = bounds_of(counts)
+    x = torch.randn(sum(counts), k, generator=g)
+    w = torch.randn(len(counts), n, k, generator=g)
+    ref = moe_decode._grouped_reference(x.double(), w.double(), bounds)
+    for cfg in (None, TILES["swap"]):
+        out = moe_decode.decode_grouped(x, w, bounds, cfg)
+        assert out.shape == (sum(counts), n) and out.dtype == x.dtype
+        if sum(counts):
+            assert rel_err(out, ref) <= 1e-6
+
+
+def test_narrow_config_fits_the_adapter_shapes():
+    """On CUDA the column tile is half the columns (>= 16, <= the default's) and the K step the reduction
+    (>= 16, <= the default's); on the CPU the interpreter's tiles."""
+    cuda = torch.device("cuda")
+    base = moe_decode.default_config(1024, 32, cuda, torch.bfloat16, gated=False)
+    a = moe_decode.narrow_config(1024, 32, 32, 2880, cuda)
+    b = moe_decode.narrow_config(1024, 32, 5760, 32, cuda)
+    assert (a.block_n, a.block_k, a.block_m) == (16, base.block_k, base.block_m)
+    assert (b.block_n, b.block_k) == (base.block_n, 32)
+    assert moe_decode.narrow_config(1024, 32, 8, 8, cuda).block_k == 16
+    assert moe_decode.narrow_config(1024, 32, 8, 8, torch.device("cpu")) == moe_decode.CPU_CONFIG
+
+
 def experts_pair(bias: bool, lora: LoRAConfig | None = None, expert_format: str = "bf16"):
     """Experts of the tiny config on the fused path, every parameter N(0, 0.25) (adapters' B too); MXFP4
     weights quantized from such values."""
@@ -384,6 +416,36 @@ def test_kernels_with_an_addend_round_as_the_library_gpt_oss_width_gpu():
     y_lib = fused_moe.expert_bias(grouped_linear(h, w2, bounds, "grouped_mm") + a2, b2, bounds)
     checks = [("fc1 vs float64", h, h_ref), ("fc2 vs float64", y, y_ref)]
     checks += [("fc1 vs library", h, h_lib), ("fc2 vs library", y, y_lib)]
+    for name, ours, expected in checks:
+        differ, rel = row_mismatch(ours, expected)
+        print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
+              f"max {rel.max():.2e}")  # fmt: skip
+        assert differ.max() <= 0.01, (name, differ.max().item())
+        assert rel.max() <= 2e-3, (name, rel.max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_adapter_factors_round_as_the_library_gpt_oss_width_gpu():
+    """bf16 rank-32 adapter factors at gpt-oss-20b width (A [E, 32, 2880], then B [E, 5760, 32]) by
+    `decode_grouped` against `torch._grouped_mm` on the same operands (B on the kernel's own x A^T) and
+    against float64 rounded to bf16: against the library at most 1% of a row's values differ; against
+    float64 (x A^T's rows are 32 values: one rounding flip is 3% of a row) at most 1% of all values and
+    ||ours - ref|| / ||ref|| <= 2e-3 over the tensor."""
+    x, w1, *_, bounds = gpt_oss_width_decode_inputs()
+    g = torch.Generator(device="cuda").manual_seed(12)
+    a = (torch.randn(32, 32, x.shape[1], generator=g, device="cuda") / x.shape[1] ** 0.5).bfloat16()
+    b = torch.randn(32, w1.shape[1], 32, generator=g, device="cuda").bfloat16()
+    xa = moe_decode.decode_grouped(x, a, bounds)
+    xab = moe_decode.decode_grouped(xa, b, bounds)
+    exact = moe_decode._grouped_reference(x.double(), a.double(), bounds).bfloat16()
+    differ = (xa != exact).double().mean().item()
+    print(f"x A^T vs float64: values differing {differ:.2e}, error {rel_err(xa, exact):.2e}")
+    assert differ <= 0.01 and rel_err(xa, exact) <= 2e-3
+    checks = [
+        ("x A^T vs library", xa, grouped_linear(x, a, bounds, "grouped_mm")),
+        ("(x A^T) B^T vs library", xab, grouped_linear(xa, b, bounds, "grouped_mm")),
+    ]
     for name, ours, expected in checks:
         differ, rel = row_mismatch(ours, expected)
         print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
