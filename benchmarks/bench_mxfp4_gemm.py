@@ -65,11 +65,13 @@ SWEEP = [
     (2, 64, 128, 4, 2, 0), (2, 64, 128, 4, 5, 0), (1, 64, 128, 4, 3, 0), (2, 32, 256, 4, 4, 0),
 ]  # fmt: skip
 # the same fields and `Mxfp4Config.sub_k`, tried by --sweep portable/<decode> for the block-vector decodings
-# (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64)
+# (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64).
+# The last two are for 64-row tiles of the pairs bytes (`benchmarks/sass_mxfp4.py --block-m 64`): fc1 at K
+# step 64 holds 167 registers, 3 programs an SM against 2 at 128; fc2 with 2 stages 128 registers, 4 an SM.
 DECODE_SWEEP = [
     (2, 64, 64, 4, 4, 0, 0), (2, 64, 128, 4, 4, 0, 64), (2, 64, 256, 4, 3, 0, 64), (2, 64, 256, 4, 3, 0, 128),
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
-    (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64),
+    (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64), (2, 64, 64, 4, 3, 0, 0), (2, 64, 128, 4, 2, 0, 0),
 ]  # fmt: skip
 # the weights re-laid for the forward kernel (`mxfp4_gemm.kernel_weights`): (tiled, byte format) by name
 RELAID = {

@@ -9,8 +9,12 @@ holds. A static view of the decoding's cost, to weigh a layout before a GPU time
 
 Arguments as a launch at gpt-oss-20b width would pass them (32 experts, hidden = intermediate = 2880, bf16
 rows), with Triton's specialization of integers divisible by 16 and 16-byte aligned pointers. Columns:
-registers a thread, instructions in the loop, the loop's shared-memory reads of the weight bytes (`LDS.U8`
-one byte, `LDSM` a matrix-unit fragment), byte permutes (`PRMT`) and the decoding's bf16x2 arithmetic.
+registers a thread, bytes a thread spilled to local memory, shared memory a program, programs that fit an
+SM at once (its registers, shared memory and warps: how many warps hide each other's latency), instructions
+in the loop, the loop's shared-memory reads of the weight bytes (`LDS.U8` one byte, `LDSM` a matrix-unit
+fragment), byte permutes (`PRMT`) and the decoding's bf16x2 arithmetic.
+
+    python benchmarks/sass_mxfp4.py --formats pairs --block-m 64 --block-k 64 --stages 4   # 256 slots' tiles
 """
 
 from __future__ import annotations
@@ -36,13 +40,19 @@ TARGET = GPUTarget("cuda", 90, 32)
 COUNTED = ("LDS.U8", "LDSM", "PRMT", "HFMA2", "HMUL2", "HGMMA")
 
 
+# An SM of sm_90 (H100, H200): registers, shared memory a program may be given, warps
+SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64
+
+
 @dataclasses.dataclass
 class LoopCount:
-    """One compiled kernel's innermost loop: instructions by opcode (with modifiers, e.g. LDS.U8)."""
+    """One compiled kernel's innermost loop: instructions by opcode (with modifiers, e.g. LDS.U8), with the
+    kernel's registers a thread and spilled bytes a thread (its stack)."""
 
     registers: int
     instructions: int
     ops: collections.Counter
+    stack: int = 0
 
     def count(self, name: str) -> int:
         """Instructions whose opcode is `name` or starts with `name.` (LDSM counts LDSM.16.M88.4)."""
@@ -168,6 +178,7 @@ def innermost_loop(cubin: bytes) -> LoopCount:
             [_tool("nvdisasm"), "-c", path], capture_output=True, text=True, check=True
         ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     code, labels, label = [], {}, None
     for line in sass.splitlines():
         found = re.match(r"\s*\.L_x_(\d+):", line)
@@ -191,7 +202,14 @@ def innermost_loop(cubin: bytes) -> LoopCount:
         found = re.match(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text)
         if found:
             ops[found.group(1)] += 1
-    return LoopCount(registers, len(body), ops)
+    return LoopCount(registers, len(body), ops, stack)
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Programs of `warps` warps that fit one sm_90 SM at once: registers allocated 256 a warp at a time,
+    1 KiB of shared memory reserved a program."""
+    per_warp = -(-registers * 32 // 256) * 256
+    return min(SM_REGISTERS // (per_warp * warps), SM_SHARED // (shared + 1024), SM_WARPS // warps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "--formats", default="checkpoint,shuffled,pairs", help="byte formats, comma-separated"
     )
     parser.add_argument("--block-m", type=int, default=16, help="rows a tile (16: 64 decode slots at top-4)")
+    parser.add_argument("--block-n", type=int, default=64, help="output columns a program (of each half)")
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--sub-k", type=int, default=0, help="K values decoded at once (0: block_k)")
     parser.add_argument("--warps", type=int, default=0, help="warps a program (0: `default_config`'s)")
@@ -219,19 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Triton {triton.__version__}, sm_90, gpt-oss-20b width, {args.block_m} rows a tile, K step "
           f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, one K step of one "
           "program:")  # fmt: skip
-    print("| layer | bytes | registers | instructions | " + " | ".join(COUNTED) + " |")
-    print("|---|---|---|---|" + "---|" * len(COUNTED))
+    print("| layer | bytes | registers | spilled bytes | shared KiB | programs an SM | instructions | "
+          + " | ".join(COUNTED) + " |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|" + "---|" * len(COUNTED))
     for gated in (True, False):
         for byte_format in args.formats.split(","):
             warps = args.warps or (8 if gated and args.block_m >= 128 else 4)  # `default_config`'s
             cfg = mxfp4_gemm.Mxfp4Config(
-                block_m=args.block_m, block_n=64, block_k=args.block_k, warps=warps, stages=args.stages,
-                decode="ptx", sub_k=args.sub_k,
+                block_m=args.block_m, block_n=args.block_n, block_k=args.block_k, warps=warps,
+                stages=args.stages, decode="ptx", sub_k=args.sub_k,
             )  # fmt: skip
-            loop = innermost_loop(compile_forward(gated, args.tiled, byte_format, cfg).asm["cubin"])
+            kernel = compile_forward(gated, args.tiled, byte_format, cfg)
+            loop = innermost_loop(kernel.asm["cubin"])
+            shared = kernel.metadata.shared
+            programs = programs_per_sm(loop.registers, shared, warps)
             counts = " | ".join(str(loop.count(name)) for name in COUNTED)
-            print(f"| {'fc1' if gated else 'fc2'} | {byte_format} | {loop.registers} | {loop.instructions} | "
-                  f"{counts} |")  # fmt: skip
+            print(f"| {'fc1' if gated else 'fc2'} | {byte_format} | {loop.registers} | {loop.stack} | "
+                  f"{shared // 1024} | {programs} | {loop.instructions} | {counts} |")  # fmt: skip
     if args.compile_others:
         for byte_format in ("checkpoint", "pairs"):
             for capability in (80, 90):

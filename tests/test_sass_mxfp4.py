@@ -2,9 +2,10 @@
 (in a child process: the tests' interpreter mode would hand it interpreted functions), its K loop counted.
 The checkpoint's bytes are read from shared memory a byte at a time; the shuffled and the pairs byte
 formats read them as matrix-unit fragments, and the pairs format decodes with a fraction of the byte
-permutes and instructions. Guards the decoding's cost against a change that brings the byte reads or the
-permutes back; and the forward, input-gradient and decoding kernels compile for sm_80 and sm_90 in both
-formats (a compiler failure there is invisible to the interpreter's tests)."""
+permutes and instructions; at 16 rows a tile nothing spills and several programs share an SM. Guards the
+decoding's cost against a change that brings the byte reads or the permutes back; and the forward,
+input-gradient and decoding kernels compile for sm_80 and sm_90 in both formats (a compiler failure there
+is invisible to the interpreter's tests)."""
 
 import os
 import subprocess
@@ -46,3 +47,13 @@ def test_byte_formats_in_the_compiled_loop():
         assert pairs["PRMT"] <= checkpoint["PRMT"] // 8
         assert pairs["instructions"] <= 0.7 * checkpoint["instructions"]
         assert shuffled["instructions"] < checkpoint["instructions"]
+        for row in (checkpoint, shuffled, pairs):  # 16 rows a tile: nothing spilled, several programs an SM
+            assert row["spilled bytes"] == 0 and row["programs an SM"] >= 2
+
+
+def test_programs_per_sm_counts_each_limit():
+    """Registers (allocated 256 a warp), shared memory (plus 1 KiB a program) and warps each bound it."""
+    assert sass_mxfp4.programs_per_sm(224, 64 * 1024, 4) == 2  # 7,168 registers a warp: 2 x 4 warps fit
+    assert sass_mxfp4.programs_per_sm(128, 36 * 1024, 4) == 4  # 4,096 a warp: 4 programs of 4 warps
+    assert sass_mxfp4.programs_per_sm(40, 100 * 1024, 4) == 2  # shared memory: 2 x 101 KiB of 228
+    assert sass_mxfp4.programs_per_sm(32, 1024, 8) == 8  # warps: 64 an SM
