@@ -231,11 +231,8 @@ class Mxfp4Config:
 
 
 DECODES = ("bytes", "groups", "ptx")
-BYTE_FORMATS = (
-    "checkpoint",
-    "shuffled",
-    "pairs",
-)  # `kernel_weights`' byte formats, in the kernels' numbering
+# `kernel_weights`' byte formats, in the kernels' numbering
+BYTE_FORMATS = ("checkpoint", "shuffled", "pairs")
 
 
 # Interpreter tiles (the CPU): small, few numpy calls.
@@ -321,9 +318,7 @@ def kernel_for(x: Tensor, path: str | None = None, byte_format: str = "checkpoin
     if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS:
         return "portable"
     if path == "scaled" or x.dtype != torch.bfloat16:
-        return (
-            "portable" if byte_format == "pairs" else "scaled"
-        )  # tl.dot_scaled reads the checkpoint's bytes
+        return "portable" if byte_format == "pairs" else "scaled"  # tl.dot_scaled reads the released bytes
     return "dequantized"
 
 
@@ -424,22 +419,9 @@ def _forward(
     cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
     layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
-        x,
-        blocks,
-        scales,
-        layout,
-        n,
-        bias,
-        addend,
-        bounds,
-        gated,
-        limit,
-        alpha,
-        kernel,
-        cfg,
-        out_dtype,
+        x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype,
         BYTE_FORMATS.index(byte_format),
-    )
+    )  # fmt: skip
 
 
 def _launch_forward(
@@ -615,9 +597,8 @@ class KernelWeights:
     are side by side (one vector read from shared memory instead of one read a byte), "pairs" each block as
     `pair_words`' four 32-bit words, decoded into bf16 pairs in K's order by masks and one fma a pair."""
 
-    blocks: (
-        Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8, zero-padded; else [E, R, K / 32, 16]
-    )
+    # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8 (zero-padded); else [E, R, K / 32, 16]
+    blocks: Tensor
     scales: Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 32] uint8; else [E, R, K / 32]
     n: int  # output columns (of each half: fc1's gate and up are tiled apart)
     k: int  # input columns
