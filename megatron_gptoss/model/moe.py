@@ -289,7 +289,7 @@ class _ExpertLinear(nn.Module):
         if lora is None:
             return None
         if gemm == "decode":
-            return lora.grouped(x, bounds, lambda rows, w, b: moe_decode.decode_grouped(rows, w, b))
+            return lora.grouped(x, bounds, moe_decode.decode_grouped)
         return lora.grouped(x, bounds, lambda rows, w, b: grouped_linear(rows, w, b, gemm))
 
 

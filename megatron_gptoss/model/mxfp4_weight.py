@@ -23,10 +23,14 @@ import torch
 from torch import nn
 
 from megatron_gptoss.model.lora import is_adapter_param
-from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, pair_words
+from megatron_gptoss.ops.mxfp4_bytes import (
+    BLOCK,
+    BLOCK_BYTES,
+    check_held_format,
+    check_pairs_scales,
+    pair_words,
+)
 from megatron_gptoss.ops.mxfp4_gemm import dequantize
-
-PAIRS_SCALES = (2, 128)  # scale bytes the "pairs" format decodes exactly (`ops.mxfp4_relaid.kernel_weights`)
 
 
 class MXFP4Weight(nn.Module):
@@ -42,8 +46,7 @@ class MXFP4Weight(nn.Module):
         byte_format: str = "checkpoint",
     ):  # fmt: skip
         super().__init__()
-        if byte_format not in ("checkpoint", "pairs"):
-            raise ValueError(f"MXFP4 byte_format must be 'checkpoint' or 'pairs', got {byte_format!r}")
+        check_held_format(byte_format)
         self.byte_format = byte_format
         if in_features % BLOCK:
             raise ValueError(f"an MXFP4 weight needs in_features divisible by {BLOCK}, got {in_features}")
@@ -100,14 +103,9 @@ class MXFP4Weight(nn.Module):
         format refuses scales outside 2..128 (weights beyond 12 in magnitude) with an error naming the
         range."""
         if scales is not None:
-            low, high = PAIRS_SCALES
-            if self.byte_format == "pairs" and scales.numel():
-                found = (int(scales.min()), int(scales.max()))
-                if found[0] < low or found[1] > high:
-                    raise ValueError(
-                        f"MXFP4 byte format 'pairs' decodes scale bytes {low}..{high} exactly; these "
-                        f"experts' scales span {found[0]}..{found[1]}: use model.mxfp4_byte_format=checkpoint"
-                    )
+            if self.byte_format == "pairs":
+                remedy = ": use model.mxfp4_byte_format=checkpoint"
+                check_pairs_scales(scales, "these experts' scales", remedy)
             self.scales[first : first + scales.shape[0]].copy_(scales)
         if blocks is not None:
             blocks = pair_words(blocks) if self.byte_format == "pairs" else blocks

@@ -15,6 +15,28 @@ from torch import Tensor
 
 BLOCK = 32  # values per MXFP4 block
 BLOCK_BYTES = BLOCK // 2
+HELD_FORMATS = ("checkpoint", "pairs")  # the byte formats a model's MXFP4 weights may hold
+PAIRS_SCALES = (2, 128)  # the scale bytes "pairs" decodes exactly (weights up to 12 in magnitude)
+
+
+def check_held_format(byte_format: str) -> None:
+    """Refuses a byte format a model's MXFP4 weights cannot be held in (HELD_FORMATS)."""
+    if byte_format not in HELD_FORMATS:
+        raise ValueError(
+            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
+        )
+
+
+def check_pairs_scales(scales: Tensor, what: str = "these scales", remedy: str = "") -> None:
+    """Refuses scale bytes outside PAIRS_SCALES, naming the range found (`what`: whose scales; `remedy`:
+    appended to the message)."""
+    if not scales.numel():
+        return
+    low, high = PAIRS_SCALES
+    found = (int(scales.min()), int(scales.max()))
+    if found[0] < low or found[1] > high:
+        raise ValueError(f"byte format 'pairs' decodes scale bytes {low}..{high} exactly; {what} span "
+                         f"{found[0]}..{found[1]}{remedy}")  # fmt: skip
 
 
 def shuffle_bytes(blocks: Tensor) -> Tensor:

@@ -57,7 +57,7 @@ from torch import Tensor
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.ops.fused_moe import _cdiv, expert_of_rows
 from megatron_gptoss.ops.moe_decode import row_tile
-from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, unpair_words
+from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, check_held_format, unpair_words
 
 PATHS = ("auto", "portable", "scaled", "dequantized", "reference")
 PORTABLE_MAX_ROWS = 1024  # auto: the portable kernel up to this many rows (256 decode slots at top-4)
@@ -88,10 +88,7 @@ def _check(
 ) -> None:  # fmt: skip
     """Shapes, dtypes and devices of the grouped GEMM's inputs, with errors naming the tensor."""
     _check_weights(blocks, scales)
-    if byte_format not in ("checkpoint", "pairs"):
-        raise ValueError(
-            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
-        )
+    check_held_format(byte_format)
     e, out, groups = blocks.shape[:3]
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise TypeError(f"x must be a floating-point tensor (fp32, bf16, fp16 or fp64), got {x.dtype}")
@@ -130,6 +127,12 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _ptx_decodes(t: Tensor, dtype: torch.dtype) -> bool:
+    """Whether the kernels' inline-assembly decodings run for `dtype` values on t's device: bf16 on NVIDIA
+    GPUs."""
+    return t.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None
+
+
 def kernels_can_run(x: Tensor) -> bool:
     """Whether the Triton kernels can run on x's device: CUDA with Triton, or the CPU under
     TRITON_INTERPRET=1."""
@@ -145,12 +148,9 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: 
     block from the low nibble of byte j, 2j + 1 from the high nibble, times 2 ** (s - 127); decoded in fp32,
     then rounded to `dtype` (exact in bf16 and fp32). The same values as `hf.mxfp4.dequantize_mxfp4`. Blocks
     in `byte_format` "pairs" (`mxfp4_bytes.pair_words`) are read back to the checkpoint's bytes first."""
+    check_held_format(byte_format)
     if byte_format == "pairs":
         blocks = unpair_words(blocks)
-    elif byte_format != "checkpoint":
-        raise ValueError(
-            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
-        )
     magnitudes = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32)
     values = torch.cat([magnitudes, -magnitudes])
     codes = torch.arange(256)
@@ -332,10 +332,9 @@ def dequantize_kernel(
     groups = scales.numel()
     if groups:
         grid = (_cdiv(groups, _DEQUANTIZE_GROUPS),)
-        ptx = blocks.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None
         _kernels().mxfp4_dequant_kernel[grid](
             blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS,
-            BYTE_FORMAT=BYTE_FORMATS.index(byte_format), PTX=ptx,
+            BYTE_FORMAT=BYTE_FORMATS.index(byte_format), PTX=_ptx_decodes(blocks, dtype),
         )  # fmt: skip
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 
@@ -449,7 +448,7 @@ def _launch_forward(
     if byte_format and decode == 0:
         raise ValueError(f"byte format {BYTE_FORMATS[byte_format]!r} needs the 'groups' or 'ptx' decoding, "
                          f"got {cfg}")  # fmt: skip
-    if cfg.decode == "ptx" and not (x.is_cuda and x.dtype == torch.bfloat16 and torch.version.hip is None):
+    if cfg.decode == "ptx" and not _ptx_decodes(x, x.dtype):
         decode = DECODES.index("groups")
     has_bias, has_add = bias is not None, addend is not None
     bias_arg = x if bias is None else bias
@@ -509,7 +508,7 @@ def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dt
         scales.stride(0), scales.stride(1), grad_x.stride(0),
         BLOCK_M=cfg.bwd_block_m, BLOCK_R=cfg.bwd_block_r, BLOCK_K=cfg.bwd_block_k,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None, BYTE_FORMAT=BYTE_FORMATS.index(byte_format),
-        PTX=grad.is_cuda and dtype == torch.bfloat16 and torch.version.hip is None, num_warps=cfg.bwd_warps,
+        PTX=_ptx_decodes(grad, dtype), num_warps=cfg.bwd_warps,
     )  # fmt: skip
     return grad_x
 

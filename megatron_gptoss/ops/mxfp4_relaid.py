@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from megatron_gptoss.ops.fused_moe import _cdiv
-from megatron_gptoss.ops.mxfp4_bytes import BLOCK, pair_words, shuffle_bytes
+from megatron_gptoss.ops.mxfp4_bytes import BLOCK, check_pairs_scales, pair_words, shuffle_bytes
 from megatron_gptoss.ops.mxfp4_gemm import (
     BYTE_FORMATS,
     Mxfp4Config,
@@ -76,11 +76,8 @@ def kernel_weights(
     _check_weights(blocks, scales)
     if byte_format not in BYTE_FORMATS:
         raise ValueError(f"byte_format must be one of {BYTE_FORMATS}, got {byte_format!r}")
-    if byte_format == "pairs" and scales.numel() and not bool(((scales >= 2) & (scales <= 128)).all()):
-        low, high = int(scales.min()), int(scales.max())
-        raise ValueError(
-            f"byte format 'pairs' decodes scale bytes 2..128 exactly; these scales span {low}..{high}"
-        )
+    if byte_format == "pairs":
+        check_pairs_scales(scales)
     if block_k % BLOCK or block_n <= 0:
         raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
                          f"{block_k}")  # fmt: skip
