@@ -7,7 +7,7 @@
                                     # the portable kernel's decodings, and DECODE_SWEEP's tiles with PTX
     DISABLE_MMA_V3=1 python benchmarks/bench_mxfp4_gemm.py --paths portable   # Ampere/Ada instructions
     python benchmarks/bench_mxfp4_gemm.py --floor   # and the same loads and products without the decoding,
-                                    # also over the bytes re-laid tile by tile (`mxfp4_gemm.kernel_weights`)
+                                    # also over the bytes re-laid tile by tile (`mxfp4_relaid.kernel_weights`)
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --relaid --sweep pairs/ptx
                                     # the portable kernel over the weights re-laid (RELAID), and the
                                     # fastest of DECODE_SWEEP's tiles for one of them
@@ -19,7 +19,7 @@ biases. One expert layer = fc1 + bias + clamped SwiGLU, then fc2 + bias:
     mxfp4 <path>   `fc1_swiglu_mxfp4`, then `grouped_linear_mxfp4` + `fused_moe.expert_bias`
     mxfp4 portable/<decode>  the same with the portable kernel's decoding `Mxfp4Config.decode` (`--decodes`)
     mxfp4 <relaid>/<decode>  the portable kernel over the weights re-laid (`--relaid`: RELAID's layouts by
-                   `mxfp4_gemm.kernel_weights`, run by `forward_kernel_weights`; fc2's bias added in its
+                   `mxfp4_relaid.kernel_weights`, run by `forward_kernel_weights`; fc2's bias added in its
                    epilogue)
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
                    `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 from bench_moe_decode import copy_rate, rel_err, time_per_layer
 
-from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm
+from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm, mxfp4_relaid
 from megatron_gptoss.ops.mxfp4_gemm import Mxfp4Config
 
 LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
@@ -73,7 +73,7 @@ DECODE_SWEEP = [
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
     (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64), (2, 64, 64, 4, 3, 0, 0), (2, 64, 128, 4, 2, 0, 0),
 ]  # fmt: skip
-# the weights re-laid for the forward kernel (`mxfp4_gemm.kernel_weights`): (tiled, byte format) by name
+# the weights re-laid for the forward kernel (`mxfp4_relaid.kernel_weights`): (tiled, byte format) by name
 RELAID = {
     "tiled": (True, "checkpoint"), "shuffled": (False, "shuffled"), "tiled+shuffled": (True, "shuffled"),
     "pairs": (False, "pairs"), "tiled+pairs": (True, "pairs"),
@@ -202,7 +202,7 @@ def _load_floor_kernel(
 ):  # fmt: skip
     """The forward kernel's grid, loads and matrix products without the decoding (a timing floor; the values
     mean nothing): each weight byte converted to x's dtype as an integer and multiplied by x's first K / 2
-    columns, the scale bytes summed into the products. TILED: the weights in `mxfp4_gemm.kernel_weights`'s
+    columns, the scale bytes summed into the products. TILED: the weights in `mxfp4_relaid.kernel_weights`'s
     tile-contiguous layout (NB column blocks, KT K steps; the strides unused), where the [BLOCK_N,
     BLOCK_K / 2] bytes and [BLOCK_N, BLOCK_K / 32] scales one program reads at one K step are each one
     contiguous run, not BLOCK_N runs of BLOCK_K / 2 bytes a row apart."""
@@ -252,11 +252,11 @@ def _load_floor_kernel(
 
 def tiles_of(cache: dict, blocks, scales, gated: bool, i: int, block_n: int, block_k: int, tiled: bool = True,
              byte_format: str = "checkpoint"):  # fmt: skip
-    """Layer i's fc1 (`gated`) or fc2 weights re-laid by `mxfp4_gemm.kernel_weights` for (block_n, block_k)
+    """Layer i's fc1 (`gated`) or fc2 weights re-laid by `mxfp4_relaid.kernel_weights` for (block_n, block_k)
     tiles, once per benchmark (kept in `cache`)."""
     key = (i, gated, block_n, block_k, tiled, byte_format)
     if key not in cache:
-        cache[key] = mxfp4_gemm.kernel_weights(blocks, scales, gated, block_n, block_k, tiled, byte_format)
+        cache[key] = mxfp4_relaid.kernel_weights(blocks, scales, gated, block_n, block_k, tiled, byte_format)
     return cache[key]
 
 
@@ -267,14 +267,14 @@ def relaid_layer(
     forward_kernel_weights`; the tiles of cfg1 / cfg2, else `default_config`'s with `decode`): the time were
     the experts stored that way."""
     tiled, byte_format = RELAID[layout]
-    cache: dict[tuple, mxfp4_gemm.KernelWeights] = {}
+    cache: dict[tuple, mxfp4_relaid.KernelWeights] = {}
 
     def run(x, blocks, scales, bias, bounds, gated: bool, i: int, cfg: Mxfp4Config | None):
         if cfg is None:
             cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated)
             cfg = dataclasses.replace(cfg, decode=decode)
         weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, byte_format)
-        return mxfp4_gemm.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)
+        return mxfp4_relaid.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)
 
     def fc1(x, layers: Layers, i: int, bounds):
         return run(x, *layers.fc1[i], layers.b1[i], bounds, True, i, cfg1)
@@ -288,9 +288,9 @@ def relaid_layer(
 def floor_layer(block_k: int | None = None, tiled: bool = False):
     """(fc1, fc2) of `_load_floor_kernel` at `default_config`'s tiles (with `block_k`): the time to stream
     the MXFP4 bytes with the kernels' grid and tiles when decoding costs nothing; `tiled`: over every
-    layer's weights re-laid in tiles once (`mxfp4_gemm.kernel_weights`: the time were they stored tile by
+    layer's weights re-laid in tiles once (`mxfp4_relaid.kernel_weights`: the time were they stored tile by
     tile)."""
-    cache: dict[tuple, mxfp4_gemm.KernelWeights] = {}
+    cache: dict[tuple, mxfp4_relaid.KernelWeights] = {}
 
     def launch(x, blocks, scales, bounds, gated: bool, i: int):
         e, rows_w = blocks.shape[:2]

@@ -1,5 +1,5 @@
 """The MXFP4 forward kernel's K loop as the GPU would run it, counted without a GPU: each byte layout of the
-weights (`mxfp4_gemm.kernel_weights`) compiled for sm_90 by the installed Triton (its bundled ptxas), the
+weights (`mxfp4_relaid.kernel_weights`) compiled for sm_90 by the installed Triton (its bundled ptxas), the
 SASS of the innermost loop (one K step of one program) counted by instruction, with the registers a thread
 holds. A static view of the decoding's cost, to weigh a layout before a GPU times it (`bench_mxfp4_gemm.py
 --relaid`), and to catch a change that brings back per-byte shared-memory reads.
@@ -33,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_gptoss.ops import mxfp4_gemm, mxfp4_kernels
+from megatron_gptoss.ops import mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
 
 EXPERTS, WIDTH = 32, 2880
 TARGET = GPUTarget("cuda", 90, 32)
@@ -78,7 +78,7 @@ def _arguments(gated: bool, tiled: bool, cfg: mxfp4_gemm.Mxfp4Config) -> dict[st
         shape = (EXPERTS, halves, nb, kt, cfg.block_n)
         blocks = torch.empty(*shape, cfg.block_k // 2, dtype=torch.uint8, device="meta")
         scales = torch.empty(*shape, cfg.block_k // 32, dtype=torch.uint8, device="meta")
-        weights = mxfp4_gemm.KernelWeights(
+        weights = mxfp4_relaid.KernelWeights(
             blocks, scales, WIDTH, WIDTH, gated, cfg.block_n, cfg.block_k, True, "checkpoint"
         )
         layout = weights.layout

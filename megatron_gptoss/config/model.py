@@ -84,7 +84,7 @@ class ModelConfig:
     expert_format: str = "bf16"
     # How MXFP4 expert weights (the learner's with expert_format mxfp4, or a rollout engine's) hold their
     # bytes in memory: "checkpoint" as the released checkpoints store them, or "pairs"
-    # (`ops.mxfp4_gemm.pair_words`: each block as four 32-bit words that decode into bf16 pairs with a shift,
+    # (`ops.mxfp4_bytes.pair_words`: each block as four 32-bit words that decode into bf16 pairs with a shift,
     # a mask and one multiply, about half the decode kernels' instructions; scale bytes 2..128 only, i.e.
     # weights up to 12 in magnitude). Run checkpoints and exports hold the released bytes either way.
     mxfp4_byte_format: str = "checkpoint"

@@ -11,7 +11,7 @@ are (`ops.mxfp4_gemm`). `dequantize` gives the logical weight, exactly (every MX
 bf16); `parallel.loading` fills the buffers from a checkpoint or quantizes a random initialisation.
 
 `byte_format` "pairs" (`model.mxfp4_byte_format`) holds each block's bytes re-encoded by
-`ops.mxfp4_gemm.pair_words` (same shapes and size; decoded with about half the kernels' instructions): every
+`ops.mxfp4_bytes.pair_words` (same shapes and size; decoded with about half the kernels' instructions): every
 writer goes through `copy_packed_` / `copy_experts_`, which take the released bytes and re-encode them, and
 every reader passes the format on (`dequantize`, the expert GEMMs), so checkpoints, exports and weight syncs
 keep the released bytes.
@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from megatron_gptoss.model.lora import is_adapter_param
-from megatron_gptoss.ops.mxfp4_gemm import BLOCK, BLOCK_BYTES, dequantize, pair_words
+from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, pair_words
+from megatron_gptoss.ops.mxfp4_gemm import dequantize
 
-PAIRS_SCALES = (2, 128)  # scale bytes the "pairs" format decodes exactly (`ops.mxfp4_gemm.kernel_weights`)
+PAIRS_SCALES = (2, 128)  # scale bytes the "pairs" format decodes exactly (`ops.mxfp4_relaid.kernel_weights`)
 
 
 class MXFP4Weight(nn.Module):

@@ -57,9 +57,8 @@ from torch import Tensor
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.ops.fused_moe import _cdiv, expert_of_rows
 from megatron_gptoss.ops.moe_decode import row_tile
+from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, unpair_words
 
-BLOCK = 32  # values per MXFP4 block
-BLOCK_BYTES = BLOCK // 2
 PATHS = ("auto", "portable", "scaled", "dequantized", "reference")
 PORTABLE_MAX_ROWS = 1024  # auto: the portable kernel up to this many rows (256 decode slots at top-4)
 DEQUANTIZE_CHUNK_BYTES = 1 << 31  # the dequantized path's transient weights, at most (one expert at least)
@@ -145,7 +144,7 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: 
     """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> values [..., G * 32] in `dtype`: value 2j of a
     block from the low nibble of byte j, 2j + 1 from the high nibble, times 2 ** (s - 127); decoded in fp32,
     then rounded to `dtype` (exact in bf16 and fp32). The same values as `hf.mxfp4.dequantize_mxfp4`. Blocks
-    in `byte_format` "pairs" (`pair_words`) are read back to the checkpoint's bytes first."""
+    in `byte_format` "pairs" (`mxfp4_bytes.pair_words`) are read back to the checkpoint's bytes first."""
     if byte_format == "pairs":
         blocks = unpair_words(blocks)
     elif byte_format != "checkpoint":
@@ -231,7 +230,7 @@ class Mxfp4Config:
 
 
 DECODES = ("bytes", "groups", "ptx")
-# `kernel_weights`' byte formats, in the kernels' numbering
+# the byte formats (`ops.mxfp4_bytes`, `ops.mxfp4_relaid.kernel_weights`), in the kernels' numbering
 BYTE_FORMATS = ("checkpoint", "shuffled", "pairs")
 
 
@@ -430,7 +429,8 @@ def _launch_forward(
     cfg: Mxfp4Config, out_dtype: torch.dtype | None, byte_format: int,
 ) -> Tensor:  # fmt: skip
     """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
-    (`_row_major_layout`'s, or a `KernelWeights`'s), their bytes in BYTE_FORMATS[byte_format]."""
+    (`_row_major_layout`'s, or an `mxfp4_relaid.KernelWeights`'s), their bytes in
+    BYTE_FORMATS[byte_format]."""
     x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
@@ -542,8 +542,8 @@ def grouped_linear_mxfp4(
     [E + 1], addend [M, out] in x's dtype or None -> x W[e]^T (+ addend) [M, out] in x's dtype (module doc).
     Differentiable in x: grad_x = grad_y W[e], decoded in registers along the other axis (the portable kernel
     on every path but "reference"); and in the addend: grad_y. `byte_format`: the blocks' bytes as the
-    checkpoint holds them or as `pair_words` re-encodes them (every path reads both; "scaled" runs the
-    portable kernel on pairs)."""
+    checkpoint holds them or as `mxfp4_bytes.pair_words` re-encodes them (every path reads both; "scaled"
+    runs the portable kernel on pairs)."""
     _check(x, blocks, scales, bounds, addend=addend, byte_format=byte_format)
     kernel = kernel_for(x, path, byte_format)
     if kernel == "reference":
@@ -583,174 +583,3 @@ def fc1_swiglu_mxfp4(
             return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
         args = (x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config, byte_format)
         return _forward_any(*args)
-
-
-# ------------------------------------------------------------------------------------------------
-# Weights re-laid for the forward kernel
-@dataclass(frozen=True)
-class KernelWeights:
-    """An expert weight's MXFP4 bytes and scales re-laid for the forward kernel's (block_n, block_k) tiles
-    (`kernel_weights`): `tiled`, stored tile by tile, so that the [block_n, block_k / 2] bytes and [block_n,
-    block_k / 32] scales one program reads at one K step are each one contiguous run, not block_n runs a row
-    stride apart; `byte_format` (BYTE_FORMATS): "checkpoint" the released bytes, "shuffled" each 16-byte
-    block's bytes in `shuffle_bytes`' order, so that the bytes one thread of the matrix unit's operand decodes
-    are side by side (one vector read from shared memory instead of one read a byte), "pairs" each block as
-    `pair_words`' four 32-bit words, decoded into bf16 pairs in K's order by masks and one fma a pair."""
-
-    # tiled: [E, halves, NB, KT, block_n, block_k / 2] uint8 (zero-padded); else [E, R, K / 32, 16]
-    blocks: Tensor
-    scales: Tensor  # tiled: [E, halves, NB, KT, block_n, block_k / 32] uint8; else [E, R, K / 32]
-    n: int  # output columns (of each half: fc1's gate and up are tiled apart)
-    k: int  # input columns
-    gated: bool
-    block_n: int
-    block_k: int
-    tiled: bool
-    byte_format: str
-
-    @property
-    def layout(self) -> tuple[int, ...]:
-        """The forward kernel's tile addressing (`_row_major_layout`'s order)."""
-        b, s = self.blocks, self.scales
-        if not self.tiled:
-            sb, ss = b.stride(1), s.stride(1)
-            return (self.n * sb, self.block_n * sb, self.block_k // 2, sb, self.n * ss, self.block_n * ss,
-                    self.block_k // BLOCK, ss)  # fmt: skip
-        return (
-            b.stride(1),
-            b.stride(2),
-            b.stride(3),
-            b.stride(4),
-            s.stride(1),
-            s.stride(2),
-            s.stride(3),
-            s.stride(4),
-        )
-
-
-def kernel_weights(
-    blocks: Tensor, scales: Tensor, gated: bool, block_n: int, block_k: int, tiled: bool = True,
-    byte_format: str = "checkpoint",
-) -> KernelWeights:  # fmt: skip
-    """blocks [E, R, K / 32, 16] / scales [E, R, K / 32] (R = 2N as [gate; up] when `gated`, else N) re-laid
-    for the forward kernel's (block_n, block_k) tiles (`KernelWeights`): a copy, zero-padded to whole tiles
-    when `tiled`. "pairs" holds scale bytes 2..128 only (weights up to 12 in magnitude): others are
-    refused."""
-    _check_weights(blocks, scales)
-    if byte_format not in BYTE_FORMATS:
-        raise ValueError(f"byte_format must be one of {BYTE_FORMATS}, got {byte_format!r}")
-    if byte_format == "pairs" and scales.numel() and not bool(((scales >= 2) & (scales <= 128)).all()):
-        low, high = int(scales.min()), int(scales.max())
-        raise ValueError(
-            f"byte format 'pairs' decodes scale bytes 2..128 exactly; these scales span {low}..{high}"
-        )
-    if block_k % BLOCK or block_n <= 0:
-        raise ValueError(f"tiles must be block_n > 0 rows by a multiple of {BLOCK} columns, got {block_n} x "
-                         f"{block_k}")  # fmt: skip
-    e, r = blocks.shape[:2]
-    halves = 2 if gated else 1
-    if r % halves:
-        raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
-    n, k = r // halves, blocks.shape[2] * BLOCK
-    nb, kt = _cdiv(n, block_n), _cdiv(k, block_k)
-
-    def tiled_copy(t: Tensor, per_k: int) -> Tensor:
-        t = t.reshape(e, halves, n, -1)
-        t = torch.nn.functional.pad(t, (0, kt * per_k - t.shape[-1], 0, nb * block_n - n))
-        return t.reshape(e, halves, nb, block_n, kt, per_k).permute(0, 1, 2, 4, 3, 5).contiguous()
-
-    if byte_format == "shuffled":
-        blocks = shuffle_bytes(blocks)
-    elif byte_format == "pairs":
-        blocks = pair_words(blocks)
-    if tiled:
-        blocks, scales = tiled_copy(blocks, block_k // 2), tiled_copy(scales, block_k // BLOCK)
-    else:
-        blocks, scales = _kernel_layout(blocks.contiguous(), scales)
-    return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, byte_format)
-
-
-def shuffle_bytes(blocks: Tensor) -> Tensor:
-    """MXFP4 bytes [..., 16] (blocks in K's order) -> each block stored as the transpose of its [4, 4] view:
-    byte 4 b + a at 4 a + b, so that the bytes one thread of the matrix unit's operand decodes (every fourth:
-    the K pairs of bytes a, a + 4, a + 8, a + 12 at lane a of each quad) are side by side. Its own inverse.
-    A copy."""
-    if blocks.shape[-1] != BLOCK_BYTES:
-        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
-    return blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).reshape(blocks.shape).contiguous()
-
-
-def pair_words(blocks: Tensor) -> Tensor:
-    """MXFP4 bytes [..., 16] (blocks in K's order) -> byte format "pairs": each block as four little-endian
-    32-bit words, word a holding the codes of bytes a, a + 4, a + 8, a + 12 (the K pairs 2 (a + 4 i), + 1)
-    with pair i's two codes in slot i: slots 0..2 the sign at bits 15 - 3 i and 31 - 3 i, exponent and
-    mantissa at 8 - 3 i .. 6 - 3 i and 24 - 3 i .. 22 - 3 i; slot 3 the sign at 14 / 30, the exponent at
-    11, 10 / 27, 26, the mantissa at 13 / 29 (the kernels' `_PAIRS_BF16_PTX` reads them). A copy."""
-    if blocks.shape[-1] != BLOCK_BYTES:
-        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
-    b = (
-        blocks.reshape(*blocks.shape[:-1], 4, 4).transpose(-1, -2).to(torch.int64)
-    )  # [..., a, i]: byte 4 i + a
-    word = torch.zeros(b.shape[:-1], dtype=torch.int64, device=blocks.device)
-    for i in range(4):
-        for half, code in ((0, b[..., i] & 15), (16, b[..., i] >> 4)):
-            sign, e1, e0, m = (code >> 3) & 1, (code >> 2) & 1, (code >> 1) & 1, code & 1
-            if i < 3:
-                at = (15 - 3 * i, 8 - 3 * i, 7 - 3 * i, 6 - 3 * i)
-            else:
-                at = (14, 11, 10, 13)
-            for bit, pos in zip((sign, e1, e0, m), at):
-                word |= bit << (pos + half)
-    out = torch.stack([(word >> (8 * j)) & 255 for j in range(4)], dim=-1)  # little-endian bytes of word a
-    return out.to(torch.uint8).reshape(blocks.shape).contiguous()
-
-
-def unpair_words(blocks: Tensor) -> Tensor:
-    """`pair_words`' inverse: byte format "pairs" [..., 16] -> the checkpoint's bytes (a copy)."""
-    if blocks.shape[-1] != BLOCK_BYTES:
-        raise ValueError(f"blocks must end in {BLOCK_BYTES} bytes a block, got {tuple(blocks.shape)}")
-    w = blocks.reshape(*blocks.shape[:-1], 4, 4).to(torch.int64)
-    word = w[..., 0] | w[..., 1] << 8 | w[..., 2] << 16 | w[..., 3] << 24  # [..., a]
-    natural = torch.zeros(*blocks.shape[:-1], 4, 4, dtype=torch.int64, device=blocks.device)  # [..., i, a]
-    for i in range(4):
-        at = (15 - 3 * i, 8 - 3 * i, 7 - 3 * i, 6 - 3 * i) if i < 3 else (14, 11, 10, 13)
-        for half in (0, 16):
-            code = sum(((word >> (pos + half)) & 1) << bit for bit, pos in zip((3, 2, 1, 0), at))
-            natural[..., i, :] |= code << (4 if half else 0)
-    return natural.reshape(blocks.shape).to(torch.uint8).contiguous()  # byte 4 i + a
-
-
-def forward_kernel_weights(
-    x: Tensor, weights: KernelWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
-    alpha: float = 0.0, config: Mxfp4Config | None = None, addend: Tensor | None = None,
-) -> Tensor:  # fmt: skip
-    """`fc1_swiglu_mxfp4` (weights.gated: the clamped SwiGLU [M, N]) or `grouped_linear_mxfp4`'s forward plus
-    bias[e] ([M, N]) over re-laid weights, by the portable kernel at the weights' block_n and block_k: the
-    same products in the same K order as over the checkpoint's layout. Forward only; x [M, K] sorted by
-    expert, on CUDA, or fp32 on the CPU under TRITON_INTERPRET=1."""
-    e = weights.blocks.shape[0]
-    if x.dim() != 2 or x.shape[1] != weights.k:
-        raise ValueError(f"x must be [M, {weights.k}] (the weights' input width), got {tuple(x.shape)}")
-    if bounds.dtype != torch.int32 or tuple(bounds.shape) != (e + 1,):
-        raise ValueError(
-            f"bounds must be int32 [E + 1] = [{e + 1}], got {bounds.dtype} {tuple(bounds.shape)}"
-        )
-    if kernel_for(x, "portable") != "portable":
-        raise ValueError(f"re-laid MXFP4 weights need the Triton kernels: {x.dtype} rows on {x.device} "
-                         "cannot run them (CUDA, or fp32 rows on the CPU under the interpreter)")  # fmt: skip
-    out = (2 if weights.gated else 1) * weights.n
-    if bias is not None and tuple(bias.shape) != (e, out):
-        raise ValueError(f"bias must be [E, out] = [{e}, {out}], got {tuple(bias.shape)}")
-    if addend is not None and tuple(addend.shape) != (x.shape[0], out):
-        raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
-    cfg = default_config(x.shape[0], e, x.device, weights.gated) if config is None else config
-    if config is None:
-        cfg = dataclasses.replace(cfg, block_n=weights.block_n, block_k=weights.block_k, sub_k=0)
-    if (cfg.block_n, cfg.block_k) != (weights.block_n, weights.block_k):
-        raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "
-                         f"{weights.block_n} x {weights.block_k}")  # fmt: skip
-    with torch.no_grad():
-        return _launch_forward(
-            x, weights.blocks, weights.scales, weights.layout, weights.n, bias, addend, bounds, weights.gated,
-            limit, alpha, "portable", cfg, None, BYTE_FORMATS.index(weights.byte_format),
-        )  # fmt: skip

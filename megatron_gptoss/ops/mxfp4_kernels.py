@@ -6,7 +6,7 @@ the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) f
 Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
 
 The forward kernel addresses the weights tile by tile, so that they may be stored row-major or
-tile-contiguous (`mxfp4_gemm.kernel_weights`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
+tile-contiguous (`mxfp4_relaid.kernel_weights`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
 block c and K step t, in half h (fc1's [gate; up]), sits at Wb + e stride_wbe + h wb_half + c wb_col +
 t wb_step + n wb_row + j (the scales likewise with ws_*, j < BLOCK_K / 32). Row-major: wb_half = N S,
 wb_col = BLOCK_N S, wb_step = BLOCK_K / 2, wb_row = S (S the row stride); tile-contiguous: each tile's
@@ -155,7 +155,7 @@ def _decode_groups(
     16 bytes. PTX (bf16 on
     NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
     113: normal bf16); else by `_fp4_values` and `_scale_values`. BYTE_FORMAT 0: the checkpoint's bytes; 1:
-    each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_gemm.shuffle_bytes`: byte 4 b + a
+    each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_bytes.shuffle_bytes`: byte 4 b + a
     at 4 a + b), so that the bytes one thread of the matrix unit's operand needs (every fourth) come from
     shared memory as one vector. (Format 2: `_decode_pairs`.)"""
     GROUPS: tl.constexpr = BLOCK_K // 32
@@ -211,7 +211,7 @@ def _decode_tile(
     return _interleave(even, odd, BLOCK_N, SUB_K)
 
 
-# Byte format 2 ("pairs", `mxfp4_gemm.pair_words`): each 16-byte block as four 32-bit words, word a holding
+# Byte format 2 ("pairs", `mxfp4_bytes.pair_words`): each 16-byte block as four 32-bit words, word a holding
 # the 8 values at K 2 (a + 4 i) + t (i = 0..3, t = 0, 1: the K pairs one thread of the matrix unit's operand
 # takes at lane a of its quad), their codes' bits placed so that pair i is a bf16x2 word by one mask: slots
 # 0, 1, 2 are (word << 3 i) & 0x81C081C0 (sign to bit 15, exponent and mantissa bits to 8..6, the second value

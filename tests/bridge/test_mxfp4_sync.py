@@ -28,7 +28,7 @@ from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.hf.mxfp4 import pack_expert_weight, quantize_mxfp4
 from megatron_gptoss.model import build_model
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
-from megatron_gptoss.ops.mxfp4_gemm import pair_words
+from megatron_gptoss.ops.mxfp4_bytes import pair_words
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.rollout import SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine

@@ -19,7 +19,7 @@ from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, frozen_base, mxfp4_weights
-from megatron_gptoss.ops.mxfp4_gemm import pair_words
+from megatron_gptoss.ops.mxfp4_bytes import pair_words
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel
 

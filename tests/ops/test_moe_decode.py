@@ -345,6 +345,15 @@ def row_mismatch(ours: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, t
     return differ, rel
 
 
+def assert_rows_close(name: str, ours: torch.Tensor, expected: torch.Tensor) -> None:
+    """Per row at most 1% of the values differ and ||ours - ref|| / ||ref|| <= 2e-3 (both printed)."""
+    differ, rel = row_mismatch(ours, expected)
+    print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
+          f"max {rel.max():.2e}")  # fmt: skip
+    assert differ.max() <= 0.01, (name, differ.max().item())
+    assert rel.max() <= 2e-3, (name, rel.max().item())
+
+
 def gpt_oss_width_decode_inputs(experts: int = 32, width: int = 2880, tokens: int = 256, k: int = 4):
     """bf16 rows of a decode step at gpt-oss width (`tokens` tokens routed to k of `experts` experts at
     random, sorted by expert), weights scaled so that both clamps of the SwiGLU are taken, biases N(0, 1)."""
@@ -417,11 +426,7 @@ def test_kernels_with_an_addend_round_as_the_library_gpt_oss_width_gpu():
     checks = [("fc1 vs float64", h, h_ref), ("fc2 vs float64", y, y_ref)]
     checks += [("fc1 vs library", h, h_lib), ("fc2 vs library", y, y_lib)]
     for name, ours, expected in checks:
-        differ, rel = row_mismatch(ours, expected)
-        print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
-              f"max {rel.max():.2e}")  # fmt: skip
-        assert differ.max() <= 0.01, (name, differ.max().item())
-        assert rel.max() <= 2e-3, (name, rel.max().item())
+        assert_rows_close(name, ours, expected)
 
 
 @pytest.mark.gpu
@@ -447,11 +452,7 @@ def test_adapter_factors_round_as_the_library_gpt_oss_width_gpu():
         ("(x A^T) B^T vs library", xab, grouped_linear(xa, b, bounds, "grouped_mm")),
     ]
     for name, ours, expected in checks:
-        differ, rel = row_mismatch(ours, expected)
-        print(f"{name}: values differing per row mean {differ.mean():.2e} max {differ.max():.2e}, row error "
-              f"max {rel.max():.2e}")  # fmt: skip
-        assert differ.max() <= 0.01, (name, differ.max().item())
-        assert rel.max() <= 2e-3, (name, rel.max().item())
+        assert_rows_close(name, ours, expected)
 
 
 @pytest.mark.gpu

@@ -19,7 +19,7 @@ import triton.language as tl
 from helpers.triton_cpu import interpreted
 
 from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
-from megatron_gptoss.ops import fused_moe, mxfp4_gemm, mxfp4_kernels
+from megatron_gptoss.ops import fused_moe, mxfp4_bytes, mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
 from megatron_gptoss.ops.mxfp4_gemm import (
     Mxfp4Config,
     fc1_swiglu_mxfp4,
@@ -360,7 +360,7 @@ def test_relaid_weights_give_the_row_major_products(gated):
     addend = torch.randn(x.shape[0], blocks.shape[1], generator=g)
     swiglu = (LIMIT, ALPHA) if gated else None
     ref = reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend)
-    tiled = mxfp4_gemm.kernel_weights(blocks, scales, gated, TILES.block_n, TILES.block_k)
+    tiled = mxfp4_relaid.kernel_weights(blocks, scales, gated, TILES.block_n, TILES.block_k)
     assert tiled.blocks.shape == (len(counts), 2 if gated else 1, 3, 2, 16, 32)
     assert tiled.blocks.is_contiguous() and tiled.blocks.stride(4) == TILES.block_k // 2
     decodes = [("bytes", 0), ("groups", 0), ("groups", 32), ("ptx", 0)]
@@ -372,10 +372,10 @@ def test_relaid_weights_give_the_row_major_products(gated):
         (True, "pairs"),
     ]
     for is_tiled, byte_format in formats:
-        relaid = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, is_tiled, byte_format)
+        relaid = mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 64, is_tiled, byte_format)
         for decode, sub_k in decodes[1:] if byte_format != "checkpoint" else decodes:
             tiles = dataclasses.replace(TILES, decode=decode, sub_k=sub_k)
-            ours = mxfp4_gemm.forward_kernel_weights(x, relaid, bias, bounds, LIMIT, ALPHA, tiles, addend)
+            ours = mxfp4_relaid.forward_kernel_weights(x, relaid, bias, bounds, LIMIT, ALPHA, tiles, addend)
             row_major = mxfp4_gemm._forward(
                 x, blocks, scales, bias, addend, bounds, gated, LIMIT, ALPHA, "portable", tiles
             )
@@ -386,21 +386,21 @@ def test_relaid_weights_give_the_row_major_products(gated):
                 sub_k,
             )
             assert rel_err(ours, ref) <= 1e-6, decode
-    pairs = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, False, "pairs")
+    pairs = mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 64, False, "pairs")
     with pytest.raises(ValueError, match="byte format 'pairs' needs the 'groups' or 'ptx' decoding"):
-        mxfp4_gemm.forward_kernel_weights(x, pairs, bias, bounds, config=TILES)
+        mxfp4_relaid.forward_kernel_weights(x, pairs, bias, bounds, config=TILES)
     with pytest.raises(ValueError, match="scale bytes 2..128 exactly; these scales span 121..129"):
-        mxfp4_gemm.kernel_weights(blocks, scales + 1, gated, 16, 64, False, "pairs")
+        mxfp4_relaid.kernel_weights(blocks, scales + 1, gated, 16, 64, False, "pairs")
     with pytest.raises(ValueError, match="byte_format must be one of"):
-        mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, False, "nibbles")
+        mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 64, False, "nibbles")
     with pytest.raises(ValueError, match="the kernel's tiles 16 x 32 must be the weights' 16 x 64"):
-        mxfp4_gemm.forward_kernel_weights(
+        mxfp4_relaid.forward_kernel_weights(
             x, tiled, bias, bounds, config=dataclasses.replace(TILES, block_k=32)
         )
     with pytest.raises(ValueError, match=r"x must be \[M, 96\]"):
-        mxfp4_gemm.forward_kernel_weights(x[:, :64], tiled, bias, bounds)
+        mxfp4_relaid.forward_kernel_weights(x[:, :64], tiled, bias, bounds)
     with pytest.raises(ValueError, match="multiple of 32"):
-        mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 48)
+        mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 48)
 
 
 @pytest.mark.parametrize("gated", [True, False])
@@ -412,7 +412,7 @@ def test_kernel_weights_keep_every_byte(gated):
     experts, rows_, width = 2, 2 * 24 if gated else 24, 96  # 24 rows: not a whole number of 16-row tiles
     blocks = torch.randint(0, 256, (experts, rows_, width // 32, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(100, 130, (experts, rows_, width // 32), generator=g, dtype=torch.uint8)
-    tiles = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64)
+    tiles = mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 64)
     tiled, tiled_scales, nb, kt = tiles.blocks, tiles.scales, *tiles.blocks.shape[2:4]
     halves, n = (2, rows_ // 2) if gated else (1, rows_)
     assert (nb, kt) == (2, 2) and tiled.shape == (experts, halves, nb, kt, 16, 32)
@@ -424,11 +424,11 @@ def test_kernel_weights_keep_every_byte(gated):
     assert untiled[:, :, n:].eq(0).all() and untiled[..., width // 2 :].eq(0).all()
     scales_back = tiled_scales.permute(0, 1, 2, 4, 3, 5).reshape(experts, halves, nb * 16, kt * 2)
     assert torch.equal(scales_back[:, :, :n, : width // 32].reshape(experts, rows_, -1), scales)
-    shuffled = mxfp4_gemm.kernel_weights(blocks, scales, gated, 16, 64, tiled=False, byte_format="shuffled")
+    shuffled = mxfp4_relaid.kernel_weights(blocks, scales, gated, 16, 64, tiled=False, byte_format="shuffled")
     assert torch.equal(shuffled.blocks[..., 1], blocks[..., 4]) and torch.equal(
         shuffled.blocks[..., 4], blocks[..., 1]
     )
-    assert torch.equal(mxfp4_gemm.shuffle_bytes(shuffled.blocks), blocks)
+    assert torch.equal(mxfp4_bytes.shuffle_bytes(shuffled.blocks), blocks)
     assert torch.equal(shuffled.scales, scales)
 
 
@@ -438,7 +438,7 @@ def test_pair_words_decode_to_the_weights():
     signed zeros included."""
     blocks = torch.arange(256, dtype=torch.uint8).reshape(16, 16)  # every byte, in every position
     blocks = torch.cat([blocks, blocks.roll(7, dims=1)]).reshape(2, 16, 1, 16)
-    words = mxfp4_gemm.pair_words(blocks).reshape(-1, 4, 4).to(torch.int64)
+    words = mxfp4_bytes.pair_words(blocks).reshape(-1, 4, 4).to(torch.int64)
     word = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [blocks, a]
     values = torch.empty(word.shape[0], 32)
     for i in range(4):
@@ -455,7 +455,7 @@ def test_pair_words_decode_to_the_weights():
     ref = ref.reshape(-1, 32)
     assert torch.equal(values, ref) and torch.equal(values.signbit(), ref.signbit())
     with pytest.raises(ValueError, match="blocks must end in 16 bytes a block"):
-        mxfp4_gemm.pair_words(blocks[..., :8])
+        mxfp4_bytes.pair_words(blocks[..., :8])
 
 
 @interpreted
@@ -469,8 +469,8 @@ def test_pairs_byte_format_through_every_path(gated):
     counts, out, k = [7, 0, 21], 48, 96
     blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=31)
     scales = scales.clamp(max=128)
-    pairs = mxfp4_gemm.pair_words(blocks)
-    assert not torch.equal(pairs, blocks) and torch.equal(mxfp4_gemm.unpair_words(pairs), blocks)
+    pairs = mxfp4_bytes.pair_words(blocks)
+    assert not torch.equal(pairs, blocks) and torch.equal(mxfp4_bytes.unpair_words(pairs), blocks)
     x, bounds = rows(counts, k, seed=31)
     addend = torch.randn(x.shape[0], blocks.shape[1], generator=torch.Generator().manual_seed(32))
     for decode in ("groups", "ptx"):

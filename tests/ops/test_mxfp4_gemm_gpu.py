@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_gptoss.ops import fused_moe, mxfp4_gemm
+from megatron_gptoss.ops import fused_moe, mxfp4_bytes, mxfp4_gemm, mxfp4_relaid
 from megatron_gptoss.ops.mxfp4_gemm import fc1_swiglu_mxfp4, grouped_linear_mxfp4
 
 pytestmark = [
@@ -223,7 +223,7 @@ def test_portable_decodings_equal_the_dequantized_path(decode, tokens):
 
 @pytest.mark.parametrize("tokens", [64, 256])
 def test_relaid_weights_equal_the_row_major_kernel(tokens):
-    """The forward kernel over the weights re-laid (`mxfp4_gemm.kernel_weights`: tiled, each byte format,
+    """The forward kernel over the weights re-laid (`mxfp4_relaid.kernel_weights`: tiled, each byte format,
     both), default tiles with the ptx decoding and with sub_k 64: fc1 (SwiGLU) and fc2 (plus bias) bit for
     bit what it computes over the checkpoint's layout (the "pairs" format's PTX decoding relies on Triton
     handing its inline assembly the 4 bytes of one word at a time: a wrong grouping fails here)."""
@@ -244,21 +244,21 @@ def test_relaid_weights_equal_the_row_major_kernel(tokens):
                 (True, "pairs"),
             )
             for tiled, byte_format in formats:
-                relaid = mxfp4_gemm.kernel_weights(
+                relaid = mxfp4_relaid.kernel_weights(
                     blocks, scales, gated, cfg.block_n, cfg.block_k, tiled, byte_format
                 )
-                ours = mxfp4_gemm.forward_kernel_weights(x, relaid, b, bounds, LIMIT, ALPHA, cfg)
+                ours = mxfp4_relaid.forward_kernel_weights(x, relaid, b, bounds, LIMIT, ALPHA, cfg)
                 assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
 
 
 @pytest.mark.parametrize("tokens", [64, 256, 2048])
 def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens):
-    """Weights held in byte format "pairs" (`mxfp4_gemm.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
+    """Weights held in byte format "pairs" (`mxfp4_bytes.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
     its range): fc1 + SwiGLU, fc2 and fc2's input gradient on the auto path (the portable kernel with the
     pairs' inline assembly up to 1,024 rows, the dequantized path above) bit for bit what the checkpoint's
     bytes give."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
-    p1, p2 = mxfp4_gemm.pair_words(b1), mxfp4_gemm.pair_words(b2)
+    p1, p2 = mxfp4_bytes.pair_words(b1), mxfp4_bytes.pair_words(b2)
     h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
     assert torch.equal(fc1_swiglu_mxfp4(x, p1, s1, bias, bounds, LIMIT, ALPHA, byte_format="pairs"), h)
     hs = [h.clone().requires_grad_(True) for _ in range(2)]
