@@ -134,13 +134,25 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 
 
 @triton.jit
+def _scale_tile(ws_tile, local, col_ok, k_in, kg, K, ws_row, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS] uint8: the scale bytes of the tile's rows `local` for its K columns k_in .. k_in +
+    32 GROUPS - 1 (the weight's kg ..; blocks from K up, and rows not col_ok, read as 0)."""
+    g = tl.arange(0, GROUPS)
+    mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
+    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
+    # default policy (the weight bytes, read once, are evicted first)
+    return tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
+
+
+@triton.jit
 def _decode_groups(
-    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
     columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
-    the bytes read as 16-byte vectors and each block's scale once, broadcast over its 16 bytes. PTX (bf16 on
+    the bytes read as 16-byte vectors and each block's scale (`scale`: `_scale_tile`'s) broadcast over its
+    16 bytes. PTX (bf16 on
     NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
     113: normal bf16); else by `_fp4_values` and `_scale_values`. BYTE_FORMAT 0: the checkpoint's bytes; 1:
     each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_bytes.shuffle_bytes`: byte 4 b + a
@@ -149,9 +161,6 @@ def _decode_groups(
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
-    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
-    # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
-    # default policy (the weight bytes, read once, are evicted first)
     ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
     byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
                    eviction_policy="evict_first")  # fmt: skip
@@ -177,15 +186,16 @@ def _decode_groups(
 
 @triton.jit
 def _decode_tile(
-    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SUB_K: tl.constexpr, DECODE: tl.constexpr, BYTE_FORMAT: tl.constexpr,
+    wb_tile, ws_tile, scale, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, DECODE: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
-    SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, 1 `_decode_groups`, 2 the same through
-    PTX) from bytes in BYTE_FORMAT (0 and 1: `_decode_groups`', 2: `_decode_pairs`')."""
+    SUB_K - 1 (the weight's kg ..), decoded by DECODE (0 `_decode`, reading its scales from ws_tile; 1
+    `_decode_groups`, 2 the same through PTX, both with `scale`, the piece's `_scale_tile`) from bytes in
+    BYTE_FORMAT (0 and 1: `_decode_groups`', 2: `_decode_pairs`')."""
     if BYTE_FORMAT == 2:
         return _decode_pairs(
-            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
+            wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
         )
     if DECODE == 0:
         jj = tl.arange(0, SUB_K // 2)
@@ -195,7 +205,7 @@ def _decode_tile(
         even, odd = _decode(b_ptrs, s_ptrs, mask, DTYPE)
     else:
         even, odd = _decode_groups(
-            wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
+            wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
             BYTE_FORMAT,
         )  # fmt: skip
     return _interleave(even, odd, BLOCK_N, SUB_K)
@@ -263,17 +273,17 @@ def _pair_value(word, factor, v: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _decode_pairs(
-    wb_tile, ws_tile, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr,
+    wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows at its K columns
     k_in .. (the weight's kg .., masked from K up), read as 32-bit words [N, g, a] (a block's four words
-    side by side: 16-byte vectors), each decoded into its 8 values (PTX: `_PAIRS_BF16_PTX`, one word a call;
-    else the same bits by `_pair_value` in fp32), then put in K's order: 32 g + 8 i + 2 a + t."""
+    side by side: 16-byte vectors), each decoded into its 8 values with its block's scale (`scale`:
+    `_scale_tile`'s; PTX: `_PAIRS_BF16_PTX`, one word a call; else the same bits by `_pair_value` in fp32),
+    then put in K's order: 32 g + 8 i + 2 a + t."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
-    scale = tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
     words = wb_tile.to(tl.pointer_type(tl.int32))  # the tile's byte offsets are multiples of 16
     ptrs = words + local[:, None, None] * (wb_row // 4) + (k_in // 8) + (g * 4)[None, :, None]
     word = tl.load(ptrs + tl.arange(0, 4)[None, None, :], mask=mask[:, :, None], other=0,
@@ -315,7 +325,15 @@ def _portable_products(
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
     columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
     multiplied in SUB_K pieces (`_decode_tile`; BLOCK_K with DECODE 0), from k0 up: the step's loads are
-    issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`."""
+    issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`.
+
+    The scale bytes are loaded a step ahead where a step is one piece (SUB_K = BLOCK_K, DECODE 1 or 2): the
+    compiler's pipeline stages the weight bytes and x through shared memory but not these single bytes, and
+    read in the step that decodes them each step waited out one memory latency before its decoding began
+    (on sm_90: the loop's scale load and its first use ~30 instructions apart). Loaded one step early, the
+    next step's scales are in flight while this step decodes and multiplies; the values are the same."""
+    GROUPS: tl.constexpr = SUB_K // 32
+    PREFETCH: tl.constexpr = SUB_K == BLOCK_K and DECODE != 0
     local = tl.arange(0, BLOCK_N)
     col_ok = c * BLOCK_N + local < N
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -323,9 +341,20 @@ def _portable_products(
     dtype = X.dtype.element_ty
     wb_c = wb_e + c * wb_col
     ws_c = ws_e + c * ws_col
+    if PREFETCH:  # step 0's scales; each step then loads the next one's
+        s_lo = _scale_tile(ws_c, local, col_ok, 0, 0, K, ws_row, GROUPS)
+        s_hi = s_lo
+        if GATED:
+            s_hi = _scale_tile(ws_c + ws_half, local, col_ok, 0, 0, K, ws_row, GROUPS)
     for k0 in range(0, K, BLOCK_K):
         wb_t = wb_c + (k0 // BLOCK_K) * wb_step
         ws_t = ws_c + (k0 // BLOCK_K) * ws_step
+        if PREFETCH:
+            scale_lo, scale_hi = s_lo, s_hi
+            ws_next, k_next = ws_t + ws_step, k0 + BLOCK_K
+            s_lo = _scale_tile(ws_next, local, col_ok, 0, k_next, K, ws_row, GROUPS)
+            if GATED:
+                s_hi = _scale_tile(ws_next + ws_half, local, col_ok, 0, k_next, K, ws_row, GROUPS)
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):
             ks = k0 + k1 + tl.arange(0, SUB_K)
             xt = tl.load(
@@ -334,15 +363,19 @@ def _portable_products(
                 other=0.0,
                 eviction_policy="evict_last",
             )  # [SUB_K, BLOCK_M]
+            if not PREFETCH:
+                scale_lo = _scale_tile(ws_t, local, col_ok, k1, k0 + k1, K, ws_row, GROUPS)
             w = _decode_tile(
-                wb_t, ws_t, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K, DECODE,
-                BYTE_FORMAT,
+                wb_t, ws_t, scale_lo, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K,
+                DECODE, BYTE_FORMAT,
             )  # fmt: skip
             lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
+                if not PREFETCH:
+                    scale_hi = _scale_tile(ws_t + ws_half, local, col_ok, k1, k0 + k1, K, ws_row, GROUPS)
                 w = _decode_tile(
-                    wb_t + wb_half, ws_t + ws_half, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype,
-                    BLOCK_N, SUB_K, DECODE, BYTE_FORMAT,
+                    wb_t + wb_half, ws_t + ws_half, scale_hi, local, col_ok, k1, k0 + k1, K, wb_row, ws_row,
+                    dtype, BLOCK_N, SUB_K, DECODE, BYTE_FORMAT,
                 )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
     return tl.trans(lo), tl.trans(hi)
@@ -511,9 +544,12 @@ def mxfp4_bwd_kernel(
             )
             if BYTE_FORMAT == 2:
                 k0 = tl.program_id(0) * BLOCK_K
+                local = tl.arange(0, BLOCK_R)
+                ws_n = ws_base + n0 * stride_wsn
+                scale = _scale_tile(ws_n, local, n_ok, k0, k0, K, stride_wsn, BLOCK_K // 32)
                 w = _decode_pairs(
-                    wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, tl.arange(0, BLOCK_R), n_ok, k0, k0,
-                    K, stride_wbn, stride_wsn, dtype, BLOCK_R, BLOCK_K, PTX,
+                    wb_base + n0 * stride_wbn, scale, local, n_ok, k0, k0, K, stride_wbn, dtype, BLOCK_R,
+                    BLOCK_K, PTX,
                 )  # fmt: skip
                 both_t = tl.dot(tl.trans(w), tl.trans(g), both_t, input_precision=DOT_PRECISION)
             else:
@@ -553,8 +589,10 @@ def mxfp4_dequant_kernel(
     inside = g < groups
     if BYTE_FORMAT == 2:
         base = tl.program_id(0).to(tl.int64) * BLOCK_G
+        local = tl.arange(0, BLOCK_G)
+        scale = _scale_tile(scales_ptr + base, local, inside, 0, 0, 32, 1, 1)
         values = _decode_pairs(
-            blocks_ptr + base * 16, scales_ptr + base, tl.arange(0, BLOCK_G), inside, 0, 0, 32, 16, 1,
+            blocks_ptr + base * 16, scale, local, inside, 0, 0, 32, 16,
             out_ptr.dtype.element_ty if PTX else tl.float32, BLOCK_G, 32, PTX,
         )  # fmt: skip
     else:
