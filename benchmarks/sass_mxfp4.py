@@ -94,16 +94,19 @@ def _arguments(gated: bool, tiled: bool, cfg: mxfp4_gemm.Mxfp4Config) -> dict[st
 
 
 def compile_forward(
-    gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.Mxfp4Config, target: GPUTarget = TARGET
-):
-    """The forward kernel (ptx decoding, bias, no addend) compiled for `target` (sm_90) as a launch would."""
+    gated: bool, tiled: bool, byte_format: str, cfg: mxfp4_gemm.Mxfp4Config, target: GPUTarget = TARGET,
+    prefetch: bool | None = None,
+):  # fmt: skip
+    """The forward kernel (ptx decoding, bias, no addend) compiled for `target` (sm_90) as a launch would
+    (`prefetch`: the scale bytes loaded a step ahead or not; None: as `mxfp4_gemm.prefetch_scales`)."""
+    prefetch = mxfp4_gemm.prefetch_scales() if prefetch is None else prefetch
     pointers = {"X": "*bf16", "Wb": "*u8", "Ws": "*u8", "Bias": "*bf16", "Add": "*bf16", "Out": "*bf16",
                 "bounds": "*i32"}  # fmt: skip
     constants = {
         "GATED": gated, "HAS_BIAS": True, "HAS_ADD": False, "SCALED": False, "SWAP": False,
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "DOT_PRECISION": "tf32",
         "X_FORMAT": "bf16", "DECODE": mxfp4_gemm.DECODES.index("ptx"), "SUB_K": cfg.sub_k or cfg.block_k,
-        "BYTE_FORMAT": mxfp4_gemm.BYTE_FORMATS.index(byte_format),
+        "BYTE_FORMAT": mxfp4_gemm.BYTE_FORMATS.index(byte_format), "PREFETCH_SCALES": prefetch,
     }  # fmt: skip
     integers = _arguments(gated, tiled, cfg)
     names = list(inspect.signature(mxfp4_kernels.mxfp4_fwd_kernel.fn).parameters)
@@ -230,14 +233,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tiled", action="store_true", help="the tile-contiguous layout (same code, other strides)"
     )
+    parser.add_argument(
+        "--prefetch", choices=("auto", "on", "off"), default="auto",
+        help="scale bytes loaded a step ahead (auto: `mxfp4_gemm.prefetch_scales`)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    prefetch = mxfp4_gemm.prefetch_scales() if args.prefetch == "auto" else args.prefetch == "on"
     if not tools_present():
         print(f"the installed Triton ({triton.__version__}) carries no ptxas / cuobjdump / nvdisasm")
         return 2
     pieces = f" in pieces of {args.sub_k}" if args.sub_k else ""
     print(f"Triton {triton.__version__}, sm_90, gpt-oss-20b width, {args.block_m} rows a tile, K step "
-          f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, one K step of one "
-          "program:")  # fmt: skip
+          f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, scales "
+          f"{'a step ahead' if prefetch else 'in their step'}, one K step of one program:")  # fmt: skip
     print("| layer | bytes | registers | spilled bytes | shared KiB | programs an SM | instructions | "
           + " | ".join(COUNTED) + " |")  # fmt: skip
     print("|---|---|---|---|---|---|---|" + "---|" * len(COUNTED))
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 block_m=args.block_m, block_n=args.block_n, block_k=args.block_k, warps=warps,
                 stages=args.stages, decode="ptx", sub_k=args.sub_k,
             )  # fmt: skip
-            kernel = compile_forward(gated, args.tiled, byte_format, cfg)
+            kernel = compile_forward(gated, args.tiled, byte_format, cfg, prefetch=prefetch)
             loop = innermost_loop(kernel.asm["cubin"])
             shared = kernel.metadata.shared
             programs = programs_per_sm(loop.registers, shared, warps)

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import os
 import warnings
@@ -242,14 +243,20 @@ CPU_CONFIG = Mxfp4Config(
 _MAX_SPLIT = 16  # programs sharing one expert's row tiles, at most
 
 
-def default_config(rows: int, experts: int, device: torch.device, gated: bool) -> Mxfp4Config:
+def default_config(
+    rows: int, experts: int, device: torch.device, gated: bool, byte_format: str = "checkpoint"
+) -> Mxfp4Config:
     """Tiles for `rows` expert-sorted rows over `experts` experts: a row tile of twice the average rows per
-    expert in [16, 128] (`moe_decode.row_tile`), so at decode sizes each hit expert's weight is read once."""
+    expert in [16, 128] (`moe_decode.row_tile`), so at decode sizes each hit expert's weight is read once.
+    K steps of 128 values for the checkpoint's bytes, of 64 for the pairs (`benchmarks/RESULTS.md`: on an
+    H200 at gpt-oss-20b width the pairs' fc1 took 148 / 220 us at 256 / 1024 rows with 64, 179 / 259 us
+    with 128; fc2 likewise)."""
     if device.type != "cuda":
         return CPU_CONFIG
     block_m = row_tile(rows, experts, 2)
     warps = 8 if gated and block_m >= 128 else 4
-    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=128, warps=warps, stages=3, decode="ptx")
+    block_k = 64 if byte_format == "pairs" else 128
+    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
     return fit_shared_memory(cfg, _shared_memory(device), gated)
 
 
@@ -277,6 +284,27 @@ def fit_shared_memory(cfg: Mxfp4Config, budget: int, gated: bool) -> Mxfp4Config
     while over() and block_k > 64:
         block_k //= 2
     return dataclasses.replace(cfg, stages=stages, block_k=block_k)
+
+
+# Triton releases (major, minor) under which the forward kernel loads each K step's scale bytes a step ahead.
+# The sm_90 code of the K loop read by `benchmarks/sass_mxfp4.py --prefetch on|off` (16 rows, K steps of 64
+# and 128): 3.6 keeps the loop's layout with the early load (pairs fc1 at K step 64: 270 instructions against
+# 269), and on an H200 the pairs' expert layer took 265 / 376 us against 296 / 430 us at 64 / 256 tokens
+# (`benchmarks/RESULTS.md`). 3.7, 3.8 and 3.9 then read the decoded bytes by ldmatrix and permute them (342
+# to 373 instructions against 261 to 286): not timed on a GPU, so the load stays in its step there.
+PREFETCH_TRITON = ((3, 6),)
+
+
+@functools.cache
+def prefetch_scales() -> bool:
+    """Whether the forward kernel loads each K step's scale bytes a step ahead (`mxfp4_kernels.
+    _portable_products`; the same values either way): under the Triton releases of PREFETCH_TRITON."""
+    try:
+        release = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major, minor = (int(part) for part in release.split(".")[:2])
+    return (major, minor) in PREFETCH_TRITON
 
 
 def _split(rows: int, experts: int, block_m: int) -> int:
@@ -414,7 +442,7 @@ def _forward(
     blocks, scales = _kernel_layout(blocks, scales)
     e, rows_w = blocks.shape[:2]
     n = rows_w // 2 if gated else rows_w
-    cfg = default_config(x.shape[0], e, x.device, gated) if config is None else config
+    cfg = default_config(x.shape[0], e, x.device, gated, byte_format) if config is None else config
     layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
         x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype,
@@ -462,7 +490,7 @@ def _launch_forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
-        num_warps=cfg.warps, num_stages=cfg.stages,
+        PREFETCH_SCALES=prefetch_scales(), num_warps=cfg.warps, num_stages=cfg.stages,
     )  # fmt: skip
     return out
 

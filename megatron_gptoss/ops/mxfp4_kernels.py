@@ -320,20 +320,21 @@ def _portable_products(
     X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
     ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
 ):  # fmt: skip
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
     columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
     multiplied in SUB_K pieces (`_decode_tile`; BLOCK_K with DECODE 0), from k0 up: the step's loads are
     issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`.
 
-    The scale bytes are loaded a step ahead where a step is one piece (SUB_K = BLOCK_K, DECODE 1 or 2): the
-    compiler's pipeline stages the weight bytes and x through shared memory but not these single bytes, and
-    read in the step that decodes them each step waited out one memory latency before its decoding began
-    (on sm_90: the loop's scale load and its first use ~30 instructions apart). Loaded one step early, the
-    next step's scales are in flight while this step decodes and multiplies; the values are the same."""
+    PREFETCH_SCALES (`mxfp4_gemm.prefetch_scales`): the scale bytes are loaded a step ahead where a step is
+    one piece (SUB_K = BLOCK_K, DECODE 1 or 2). The compiler's pipeline stages the weight bytes and x through
+    shared memory but not these single bytes, and read in the step that decodes them each step waited out
+    one memory latency before its decoding began (on sm_90: the loop's scale load and its first use ~30
+    instructions apart). Loaded one step early, the next step's scales are in flight while this step
+    decodes and multiplies; the values are the same."""
     GROUPS: tl.constexpr = SUB_K // 32
-    PREFETCH: tl.constexpr = SUB_K == BLOCK_K and DECODE != 0
+    PREFETCH: tl.constexpr = PREFETCH_SCALES and SUB_K == BLOCK_K and DECODE != 0
     local = tl.arange(0, BLOCK_N)
     col_ok = c * BLOCK_N + local < N
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -447,7 +448,7 @@ def mxfp4_fwd_kernel(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -456,7 +457,7 @@ def mxfp4_fwd_kernel(
     bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
     (+ bias). The weights addressed tile by tile (wb_*, ws_*: module doc; the scaled kernel reads the
     row-major layout only). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module
-    doc; DECODE and SUB_K: `_portable_products`)."""
+    doc; DECODE, SUB_K and PREFETCH_SCALES: `_portable_products`)."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -483,7 +484,7 @@ def mxfp4_fwd_kernel(
             lo, hi = _portable_products(
                 X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
                 wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                DECODE, SUB_K, BYTE_FORMAT,
+                DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
             )  # fmt: skip
         # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
         # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values

@@ -127,8 +127,9 @@ def forward_kernel_weights(
         raise ValueError(f"bias must be [E, out] = [{e}, {out}], got {tuple(bias.shape)}")
     if addend is not None and tuple(addend.shape) != (x.shape[0], out):
         raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
-    cfg = default_config(x.shape[0], e, x.device, weights.gated) if config is None else config
-    if config is None:
+    cfg = config
+    if cfg is None:
+        cfg = default_config(x.shape[0], e, x.device, weights.gated, weights.byte_format)
         cfg = dataclasses.replace(cfg, block_n=weights.block_n, block_k=weights.block_k, sub_k=0)
     if (cfg.block_n, cfg.block_k) != (weights.block_n, weights.block_k):
         raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "

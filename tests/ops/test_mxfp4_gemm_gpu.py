@@ -256,7 +256,8 @@ def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens):
     """Weights held in byte format "pairs" (`mxfp4_bytes.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
     its range): fc1 + SwiGLU, fc2 and fc2's input gradient on the auto path (the portable kernel with the
     pairs' inline assembly up to 1,024 rows, the dequantized path above) bit for bit what the checkpoint's
-    bytes give."""
+    bytes give, though their default K steps differ (64 values against 128: the products' fp32 sums run
+    over K in the same order)."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
     p1, p2 = mxfp4_bytes.pair_words(b1), mxfp4_bytes.pair_words(b2)
     h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
