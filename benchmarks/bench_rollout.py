@@ -40,8 +40,8 @@ attention output, every expert's fc1 / fc2; alpha 2R), their A and B drawn from 
 engine of a LoRA run holds them beside the shared frozen base; the roofline then adds every adapter's bytes
 (all of them read each step).
 
---expert-format bf16,mxfp4 runs the decode part once per format, one engine in memory at a time: bf16 holds
-the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
+--expert-format bf16,mxfp4 runs the decode part (and the prefill part) once per format, one engine in memory
+at a time: bf16 holds the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
 (`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same; mxfp4-pairs
 the same bytes re-encoded for the kernels (`model.mxfp4_byte_format: pairs`). Each row's roofline counts
 the bytes that format reads: 4.25 bits per MXFP4 expert value (a 4-bit code and a shared 8-bit scale per 32
@@ -384,8 +384,8 @@ def part_prefill(args, engine: TimedEngine, config: ModelConfig, device) -> list
     )
     seconds = sum(t for t, n, p, _ in engine.log if p)
     flops = slots * prefill_flops(config, args.prompt_len)
-    return [{"part": "prefill", "prompts": slots, "prompt_len": args.prompt_len, "seconds": seconds,
-             "tflops": flops / seconds / 1e12}]  # fmt: skip
+    row = {"part": "prefill", "format": format_name(config), "prompts": slots, "prompt_len": args.prompt_len}
+    return [{**row, "seconds": seconds, "tflops": flops / seconds / 1e12}]
 
 
 def response_lengths(args, count: int) -> list[int]:
@@ -540,15 +540,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "ops.moe_decode where eligible), library (grouped GEMM)",
     )
     parser.add_argument(
-        "--lora-rank", type=int, default=0, help="decode part: adapters of this rank in the engine (0: none)"
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="decode and prefill parts: adapters of this rank in the engine (0: none)",
     )
     parser.add_argument(
         "--expert-format",
         type=lambda s: s.split(","),
         default=["bf16"],
-        help="decode part: how the engine holds the experts, comma-separated: bf16 (dequantized), mxfp4 (the "
-        "checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels); one engine per format, in "
-        "order",
+        help="decode and prefill parts: how the engine holds the experts, comma-separated: bf16 "
+        "(dequantized), mxfp4 (the checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels); one "
+        "engine per format, in order",
     )
     args = parser.parse_args(argv)
     if not set(args.experts) <= {"decode", "library"}:
@@ -587,7 +590,7 @@ def _run(args) -> list[dict]:
             sliced = build_engine(config, args, device, None)
             rows += [{**r, "part": "slice"} for r in part_decode(args, sliced, config, device)]
             del sliced
-        elif part == "decode" and (args.expert_format != ["bf16"] or args.lora_rank):
+        elif part in ("decode", "prefill") and (args.expert_format != ["bf16"] or args.lora_rank):
             config = with_adapters(tiny_config() if args.tiny else gpt_oss_20b(), args.lora_rank)
             # the checkpoint holds the base alone
             path = write_synthetic_mxfp4(
@@ -597,7 +600,7 @@ def _run(args) -> list[dict]:
             for expert_format in args.expert_format:
                 held = dataclasses.replace(config, **FORMATS[expert_format])
                 formatted = build_engine(held, args, device, path)
-                rows += part_decode(args, formatted, held, device)
+                rows += (part_decode if part == "decode" else part_prefill)(args, formatted, held, device)
                 del formatted
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

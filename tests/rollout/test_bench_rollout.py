@@ -73,3 +73,11 @@ def test_decode_per_expert_format_names_each_row(tmp_path):
     assert all(r["step_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         bench_rollout.main([*args, "--expert-format", "nf4"])
+
+
+def test_prefill_per_expert_format_names_each_row(tmp_path):
+    """--part prefill --expert-format bf16,mxfp4-pairs: one prefill timed per format, each row named by it."""
+    args = ["--tiny", "--part", "prefill", "--ckpt", str(tmp_path), "--slots", "2"]
+    rows = bench_rollout.main([*args, "--expert-format", "bf16,mxfp4-pairs"])
+    assert [(r["part"], r["format"]) for r in rows] == [("prefill", "bf16"), ("prefill", "mxfp4-pairs")]
+    assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in rows)
