@@ -8,6 +8,8 @@ from a CUDA graph; prints the kernels by GPU time and the median time of the dec
                                     # the LoRA RL step's engine: MXFP4 experts (random codes at scale 2^-7)
                                     # and rank-32 adapters on the recipe's targets (bench_rollout's)
     python benchmarks/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
+    python benchmarks/profile_decode.py --phase prefill --slots 64 --prompt-len 96 --chunk 1536 \
+        --expert-format mxfp4-pairs --lora-rank 32 --modes off   # the prompts' prefill steps instead
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def random_mxfp4(engine: EmbeddedEngine, seed: int = 2) -> None:
 
 
 class ProfiledEngine(EmbeddedEngine):
-    """Times every step; profiles the `profile_at`-th step in which all `rows` rows decode."""
+    """Times the steps in which all `rows` rows decode (or, `phase` "prefill", those that prefill prompt
+    tokens); profiles the `profile_at`-th of them."""
 
     rows: int = 0
     profile_at: int = 8
@@ -58,11 +61,18 @@ class ProfiledEngine(EmbeddedEngine):
     want_ops: bool = False
     host: cProfile.Profile | None = None  # host time of the decode-only steps, where asked for
 
+    phase: str = "decode"  # "prefill": the steps that prefill prompt tokens are timed, the second profiled
+
     def _step(self):
         sync(self.device)
         start = time.perf_counter()
-        ready = self._scheduler is not None and len(self._scheduler.running) == self.rows
-        ready = ready and all(len(s.tokens) - s.computed == 1 for s in self._scheduler.running)
+        scheduler = self._scheduler
+        running = scheduler.running if scheduler is not None else []
+        if self.phase == "prefill":  # prompts not yet admitted, or admitted and not yet wholly computed
+            waiting = scheduler is not None and bool(scheduler.waiting)
+            ready = waiting or any(len(s.tokens) - s.computed > 1 for s in running)
+        else:
+            ready = len(running) == self.rows and all(len(s.tokens) - s.computed == 1 for s in running)
         if ready and len(self.times) == self.profile_at and self.kernels is None:
             cuda = self.device.type == "cuda"
             activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -125,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         "--expert-format", default="bf16", choices=sorted(FORMATS), help="how the experts are held"
     )
     parser.add_argument("--lora-rank", type=int, default=0, help="adapters of this rank (0: none)")
+    parser.add_argument(
+        "--phase", choices=("decode", "prefill"), default="decode",
+        help="prefill: time the steps that prefill the prompts and profile the second",
+    )  # fmt: skip
+    parser.add_argument("--chunk", type=int, default=4096, help="prompt tokens a step prefills, at most")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -143,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         random_mxfp4(engine)
     if config.lora.enabled:
         random_adapters(engine)
-    chunk = 4096
+    chunk = args.chunk
     new = args.decode_steps + math.ceil(args.slots * args.prompt_len / chunk)
     prompts = torch.randint(0, config.vocab_size, (args.slots, args.prompt_len)).tolist()
     for mode in args.modes.split(","):
@@ -158,12 +173,20 @@ def main(argv: list[str] | None = None) -> None:
         engine.rows, engine.times, engine.kernels = args.slots, [], None
         engine.host = cProfile.Profile() if args.host else None
         engine.want_ops, engine.ops = args.ops, None
-        engine.profile_at = min(8, args.decode_steps // 2)
+        engine.phase = args.phase
+        engine.profile_at = 1 if args.phase == "prefill" else min(8, args.decode_steps // 2)
         engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
         step = statistics.median(engine.times) if engine.times else float("nan")
-        print(f"\n## cuda_graphs={mode}: {args.slots} rows, {len(engine.times)} decode-only steps, "
-              f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s); experts {args.expert_format}, "
-              f"LoRA rank {args.lora_rank}")  # fmt: skip
+        if args.phase == "prefill":
+            tokens = args.slots * args.prompt_len
+            print(f"\n## cuda_graphs={mode}: {tokens} prompt tokens of {args.slots} rows, "
+                  f"{len(engine.times)} prefill steps of up to {chunk} tokens, median {1e3 * step:.2f} ms, "
+                  f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
+                  f"{args.lora_rank}")  # fmt: skip
+        else:
+            print(f"\n## cuda_graphs={mode}: {args.slots} rows, {len(engine.times)} decode-only steps, "
+                  f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s); experts "
+                  f"{args.expert_format}, LoRA rank {args.lora_rank}")  # fmt: skip
         kernels = engine.kernels or {}
         total = sum(kernels.values())
         print(f"profiled step: {1e3 * total:.2f} ms of kernel time")

@@ -34,3 +34,16 @@ def test_profile_decode_of_the_lora_step_engine(capsys):
     )
     out = capsys.readouterr().out
     assert "experts mxfp4-pairs, LoRA rank 4" in out and "decode-only steps, median" in out
+
+
+def test_profile_decode_prefill_phase_times_the_prompt_steps(capsys):
+    """--phase prefill --chunk 16: the 48 prompt tokens of the toy run (4 rows of 12) prefill in 3 steps of
+    16, all timed, the second profiled."""
+    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
+    assert spec is not None and spec.loader is not None
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    tool.main(["--tiny", "--modes", "off", "--top", "3", "--phase", "prefill", "--chunk", "16"])
+    out = capsys.readouterr().out
+    assert "48 prompt tokens of 4 rows, 3 prefill steps of up to 16 tokens, median" in out, out
+    assert "profiled step: " in out and "| kernel | ms | share |" in out
