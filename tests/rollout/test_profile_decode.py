@@ -9,11 +9,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
+def _tool():
+    """benchmarks/profile_decode.py as a module (the benchmarks folder is not a package)."""
     spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
     assert spec is not None and spec.loader is not None
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
+    return tool
+
+
+def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
+    tool = _tool()
     tool.main(["--tiny", "--modes", "off", "--ops", "--top", "5"])
     out = capsys.readouterr().out
     assert "## cuda_graphs=off: 4 rows" in out and "decode-only steps, median" in out
@@ -25,10 +31,7 @@ def test_profile_decode_tiny_prints_kernels_and_ops(capsys):
 def test_profile_decode_of_the_lora_step_engine(capsys):
     """--expert-format mxfp4-pairs --lora-rank 4 (the LoRA RL step's engine at toy size) decodes and names
     what it profiled."""
-    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool()
     tool.main(
         ["--tiny", "--modes", "off", "--top", "3", "--expert-format", "mxfp4-pairs", "--lora-rank", "4"]
     )
@@ -39,10 +42,7 @@ def test_profile_decode_of_the_lora_step_engine(capsys):
 def test_profile_decode_prefill_phase_times_the_prompt_steps(capsys):
     """--phase prefill --chunk 16: the 48 prompt tokens of the toy run (4 rows of 12) prefill in 3 steps of
     16, all timed, the second profiled."""
-    spec = importlib.util.spec_from_file_location("profile_decode", ROOT / "benchmarks/profile_decode.py")
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = _tool()
     tool.main(["--tiny", "--modes", "off", "--top", "3", "--phase", "prefill", "--chunk", "16"])
     out = capsys.readouterr().out
     assert "48 prompt tokens of 4 rows, 3 prefill steps of up to 16 tokens, median" in out, out
