@@ -251,8 +251,8 @@ def default_config(
     K steps of 128 values for the checkpoint's bytes, of 64 for the pairs (`benchmarks/RESULTS.md`: on an
     H200 at gpt-oss-20b width the pairs' fc1 took 148 / 220 us at 256 / 1024 rows with 64, 179 / 259 us
     with 128; fc2 likewise)."""
-    if device.type != "cuda":
-        return CPU_CONFIG
+    if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
+        return CPU_CONFIG if byte_format == "checkpoint" else dataclasses.replace(CPU_CONFIG, decode="groups")
     block_m = row_tile(rows, experts, 2)
     warps = 8 if gated and block_m >= 128 else 4
     block_k = 64 if byte_format == "pairs" else 128

@@ -488,6 +488,9 @@ def test_pairs_byte_format_through_every_path(gated):
             ref.backward(g)
             assert xs[1].grad.abs().sum() > 0 and torch.equal(xs[0].grad, xs[1].grad), decode
         assert ref.abs().sum() > 0 and torch.equal(ours, ref), decode
+    if not gated:  # the default tiles (no config): a decoding that reads the pairs
+        ours = grouped_linear_mxfp4(x, pairs, scales, bounds, "portable", None, addend, "pairs")
+        assert torch.equal(ours, grouped_linear_mxfp4(x, blocks, scales, bounds, "portable", None, addend))
     swiglu = (LIMIT, ALPHA) if gated else None
     ours = reference_dequantized(x, pairs, scales, bounds, None, swiglu, addend, "pairs")
     assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
