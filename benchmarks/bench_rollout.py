@@ -172,6 +172,7 @@ def engine_options(
     new: int | None = None,
     graphs: str = "auto",
     chunk: int | None = None,
+    admit_batch: int = 0,
 ):
     """Options for `slots` rows of --prompt-len tokens and `new` new tokens at most (default
     --decode-steps): a fixed cache of exactly what they need; a step holds every decoding row plus `chunk`
@@ -184,6 +185,7 @@ def engine_options(
         max_step_tokens=slots + (args.step_tokens if chunk is None else chunk),
         kv_blocks=slots * math.ceil(longest / args.block_size) + 1,
         cuda_graphs=graphs,
+        admit_batch=admit_batch,
     )
 
 
@@ -401,15 +403,16 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         prompts = prompts_of(count, args.prompt_len, config.vocab_size, seed=5)
         budgets = response_lengths(args, count)
         # default: after = continuous batching with decode graphs; before = the static schedule, decode eager
-        for schedule, graphs in (run.split(":") for run in args.runs.split(",")):
-            engine.reconfigure(engine_options(args, slots, schedule, max(budgets), graphs))
+        runs = [run.split(":") for run in args.runs.split(",")]
+        for (schedule, graphs), admit in ((run, a) for run in runs for a in args.admit_batch):
+            engine.reconfigure(engine_options(args, slots, schedule, max(budgets), graphs, admit_batch=admit))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             engine.log = []
-            row = {"part": "workload", "slots": slots, "schedule": schedule, "graphs": graphs,
-                   "prompts": count, "response_mean": statistics.mean(budgets),
-                   "response_max": max(budgets)}  # fmt: skip
+            row = {"part": "workload", "format": format_name(config), "slots": slots, "schedule": schedule,
+                   "graphs": graphs, "admit_batch": engine.options.admit_slots(), "prompts": count,
+                   "response_mean": statistics.mean(budgets), "response_max": max(budgets)}  # fmt: skip
             try:
                 start = time.perf_counter()
                 outs = engine.generate(prompts, SamplingParams(seed=3), max_new_tokens=budgets)
@@ -419,8 +422,11 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
                 continue
             tokens = sum(len(o.token_ids) for o in outs)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            mixed = [t for t, _, p, _ in engine.log if p]  # steps that prefilled (beside decoding rows)
             done = {"ran": graphs_used(engine), "seconds": seconds, "tokens_per_s": tokens / seconds,
-                    "steps": len(engine.log)}  # fmt: skip
+                    "steps": len(engine.log), "prefill_steps": len(mixed), "prefill_s": sum(mixed),
+                    "decode_step_ms": 1e3 * (sum(t for t, *_ in engine.log) - sum(mixed))
+                    / max(1, len(engine.log) - len(mixed))}  # fmt: skip
             rows.append({**row, **done, "peak_gib": peak})
     return rows
 
@@ -528,6 +534,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument(
         "--runs", default="continuous:auto,static:off", help="workload: schedule:cuda_graphs, in order"
     )
+    parser.add_argument(
+        "--admit-batch",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[0],
+        help="workload: embedded.admit_batch values, comma-separated, each run with every one (0: the "
+        "engine's default)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--bitwise", action="store_true", help="the batch-invariant kernels (rollout.bitwise_on_policy)"
@@ -543,13 +556,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--lora-rank",
         type=int,
         default=0,
-        help="decode and prefill parts: adapters of this rank in the engine (0: none)",
+        help="decode, prefill and workload parts: adapters of this rank in the engine (0: none)",
     )
     parser.add_argument(
         "--expert-format",
         type=lambda s: s.split(","),
         default=["bf16"],
-        help="decode and prefill parts: how the engine holds the experts, comma-separated: bf16 "
+        help="decode, prefill and workload parts: how the engine holds the experts, comma-separated: bf16 "
         "(dequantized), mxfp4 (the checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels); one "
         "engine per format, in order",
     )
@@ -590,7 +603,7 @@ def _run(args) -> list[dict]:
             sliced = build_engine(config, args, device, None)
             rows += [{**r, "part": "slice"} for r in part_decode(args, sliced, config, device)]
             del sliced
-        elif part in ("decode", "prefill") and (args.expert_format != ["bf16"] or args.lora_rank):
+        elif part in ("decode", "prefill", "workload") and (args.expert_format != ["bf16"] or args.lora_rank):
             config = with_adapters(tiny_config() if args.tiny else gpt_oss_20b(), args.lora_rank)
             # the checkpoint holds the base alone
             path = write_synthetic_mxfp4(
@@ -600,7 +613,8 @@ def _run(args) -> list[dict]:
             for expert_format in args.expert_format:
                 held = dataclasses.replace(config, **FORMATS[expert_format])
                 formatted = build_engine(held, args, device, path)
-                rows += (part_decode if part == "decode" else part_prefill)(args, formatted, held, device)
+                fn = {"decode": part_decode, "prefill": part_prefill, "workload": part_workload}[part]
+                rows += fn(args, formatted, held, device)
                 del formatted
                 if device.type == "cuda":
                     torch.cuda.empty_cache()

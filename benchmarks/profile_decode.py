@@ -10,6 +10,9 @@ from a CUDA graph; prints the kernels by GPU time and the median time of the dec
     python benchmarks/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
     python benchmarks/profile_decode.py --phase prefill --slots 64 --prompt-len 96 --chunk 1536 \
         --expert-format mxfp4-pairs --lora-rank 32 --modes off   # the prompts' prefill steps instead
+    python benchmarks/profile_decode.py --phase mixed --slots 256 --prompt-len 100 --decode-steps 24 \
+        --expert-format mxfp4-pairs --lora-rank 32 --host   # steps that prefill a prompt beside B - 1 rows
+                                    # decoding: a row finishes each step and the next prompt takes its slot
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ def random_mxfp4(engine: EmbeddedEngine, seed: int = 2) -> None:
 
 class ProfiledEngine(EmbeddedEngine):
     """Times the steps in which all `rows` rows decode (or, `phase` "prefill", those that prefill prompt
-    tokens); profiles the `profile_at`-th of them."""
+    tokens; "mixed", those that prefill beside decoding rows); profiles the `profile_at`-th of them."""
 
     rows: int = 0
     profile_at: int = 8
@@ -61,16 +64,18 @@ class ProfiledEngine(EmbeddedEngine):
     want_ops: bool = False
     host: cProfile.Profile | None = None  # host time of the decode-only steps, where asked for
 
-    phase: str = "decode"  # "prefill": the steps that prefill prompt tokens are timed, the second profiled
+    phase: str = "decode"  # "prefill" / "mixed": the steps that prefill (beside decoding rows) are timed
 
     def _step(self):
         sync(self.device)
         start = time.perf_counter()
         scheduler = self._scheduler
         running = scheduler.running if scheduler is not None else []
-        if self.phase == "prefill":  # prompts not yet admitted, or admitted and not yet wholly computed
+        if self.phase in ("prefill", "mixed"):  # prompts not yet admitted, or not yet wholly computed
             waiting = scheduler is not None and bool(scheduler.waiting)
             ready = waiting or any(len(s.tokens) - s.computed > 1 for s in running)
+            if self.phase == "mixed":  # ... beside rows that decode
+                ready = ready and any(len(s.tokens) - s.computed == 1 for s in running)
         else:
             ready = len(running) == self.rows and all(len(s.tokens) - s.computed == 1 for s in running)
         if ready and len(self.times) == self.profile_at and self.kernels is None:
@@ -136,8 +141,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--lora-rank", type=int, default=0, help="adapters of this rank (0: none)")
     parser.add_argument(
-        "--phase", choices=("decode", "prefill"), default="decode",
-        help="prefill: time the steps that prefill the prompts and profile the second",
+        "--phase", choices=("decode", "prefill", "mixed"), default="decode",
+        help="prefill: time the steps that prefill the prompts and profile the second; mixed: those that "
+        "prefill a prompt beside decoding rows",
     )  # fmt: skip
     parser.add_argument("--chunk", type=int, default=4096, help="prompt tokens a step prefills, at most")
     args = parser.parse_args(argv)
@@ -159,14 +165,21 @@ def main(argv: list[str] | None = None) -> None:
     if config.lora.enabled:
         random_adapters(engine)
     chunk = args.chunk
-    new = args.decode_steps + math.ceil(args.slots * args.prompt_len / chunk)
-    prompts = torch.randint(0, config.vocab_size, (args.slots, args.prompt_len)).tolist()
+    first = math.ceil(args.slots * args.prompt_len / chunk)  # steps that prefill the first prompts
+    new = args.decode_steps + first
+    budgets = [new] * args.slots
+    if (
+        args.phase == "mixed"
+    ):  # row i < k stops after new + i tokens, and one of k more prompts takes its slot
+        k = min(args.decode_steps, args.slots)
+        budgets = [new + i if i < k else new + k + 1 for i in range(args.slots)] + [2] * k
+    prompts = torch.randint(0, config.vocab_size, (len(budgets), args.prompt_len)).tolist()
     for mode in args.modes.split(","):
         engine.reconfigure(
             EmbeddedEngineConfig(
                 max_batch_slots=args.slots,
                 max_step_tokens=args.slots + chunk,
-                kv_blocks=args.slots * math.ceil((args.prompt_len + new) / 16) + 1,
+                kv_blocks=args.slots * math.ceil((args.prompt_len + max(budgets)) / 16) + 1,
                 cuda_graphs=mode,
             )
         )
@@ -174,10 +187,15 @@ def main(argv: list[str] | None = None) -> None:
         engine.host = cProfile.Profile() if args.host else None
         engine.want_ops, engine.ops = args.ops, None
         engine.phase = args.phase
-        engine.profile_at = 1 if args.phase == "prefill" else min(8, args.decode_steps // 2)
-        engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=[new] * args.slots)
+        engine.profile_at = {"prefill": 1, "mixed": first + 4}.get(args.phase, min(8, args.decode_steps // 2))
+        engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=budgets)
         step = statistics.median(engine.times) if engine.times else float("nan")
-        if args.phase == "prefill":
+        if args.phase == "mixed":
+            print(f"\n## cuda_graphs={mode}: {len(engine.times)} steps that prefill beside decoding rows "
+                  f"({args.slots} slots, prompts of {args.prompt_len} tokens), median {1e3 * step:.2f} ms, "
+                  f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
+                  f"{args.lora_rank}")  # fmt: skip
+        elif args.phase == "prefill":
             tokens = args.slots * args.prompt_len
             print(f"\n## cuda_graphs={mode}: {tokens} prompt tokens of {args.slots} rows, "
                   f"{len(engine.times)} prefill steps of up to {chunk} tokens, median {1e3 * step:.2f} ms, "
@@ -198,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
         if engine.host is not None:
             text = io.StringIO()
             pstats.Stats(engine.host, stream=text).sort_stats("tottime").print_stats(args.top)
+            # then the package's own functions by time inside them and what they call
+            pstats.Stats(engine.host, stream=text).sort_stats("cumulative").print_stats(
+                "megatron_gptoss", args.top
+            )
             print(f"host functions over {len(engine.times)} steps (the device sync shows as the copy back):")
             print(text.getvalue().split("\n", 4)[-1])
 

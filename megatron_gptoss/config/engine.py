@@ -35,6 +35,13 @@ class EmbeddedEngineConfig:
     # Tokens one continuous step computes at most: one per decoding row, the rest for prefill chunks; at
     # least `max_batch_slots`, so a prefilling row always advances.
     max_step_tokens: int = 2048
+    # While rows decode, waiting sequences are admitted together: once `admit_batch` slots are free (or as
+    # many as wait, when fewer), or once a slot has stood free for `admit_wait` steps. A step that prefills runs
+    # eagerly, outside the decode graphs, at a cost nearly independent of its prompt tokens, so one such
+    # step for several prompts beats one for each; the decode steps between keep their graphs and the next
+    # step planned ahead. 0: max(1, max_batch_slots // 16); 1 admits a sequence as soon as a slot frees.
+    admit_batch: int = 0
+    admit_wait: int = 32
     # Blocks per layer group (full-attention layers, sliding-window layers); 0 sizes the cache to the
     # requests and grows it between steps when it runs short.
     kv_blocks: int = 0
@@ -47,12 +54,19 @@ class EmbeddedEngineConfig:
     # Largest decode batch replayed from a graph (larger steps run eagerly).
     cuda_graph_max_batch: int = 512
 
+    def admit_slots(self) -> int:
+        """Free slots that make waiting sequences due for admission while rows decode (`admit_batch`)."""
+        return self.admit_batch or max(1, self.max_batch_slots // 16)
+
     def validate(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"embedded.schedule={self.schedule!r} not in {SCHEDULES}")
         for name in ("max_batch_slots", "block_size", "max_step_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"embedded.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("admit_batch", "admit_wait"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"embedded.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_step_tokens < self.max_batch_slots:
             raise ConfigError(
                 f"embedded.max_step_tokens ({self.max_step_tokens}) must be >= embedded.max_batch_slots "

@@ -394,10 +394,11 @@ class EmbeddedEngine:
 
     def _take_ahead(self) -> StepPlan | None:
         """The plan built ahead during the last step, where it still holds: the same rows run, in the same
-        order, each having sampled exactly its one token since (nothing waits); its token ids written."""
+        order, each having sampled exactly its one token since (no waiting sequence due for admission); its
+        token ids written."""
         plan, self._ahead = self._ahead, None
         scheduler = self._scheduler
-        if plan is None or scheduler is None or scheduler.waiting:
+        if plan is None or scheduler is None or scheduler.admission_due():
             return None
         chunks = plan.chunks
         if len(chunks) != len(scheduler.running) or any(

@@ -133,6 +133,8 @@ class Scheduler:
         self.static = options.schedule == "static"
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.steps = 0  # steps computed (`computed`): the clock of `admit_wait`
+        self._free_since: int | None = None  # the step since which a slot stands free while sequences wait
 
     @property
     def pools(self) -> list[BlockPool]:
@@ -182,8 +184,25 @@ class Scheduler:
             seq.quota[i] = quotas[i]
         return True
 
+    def admission_due(self) -> bool:
+        """Whether waiting sequences are admitted at the next step (continuous): at once when nothing runs;
+        while rows run, once `admit_slots()` slots are free (or as many as wait, when fewer) or a slot has
+        stood free for `admit_wait` steps. The free slots only change when a row stops, which also drops a
+        plan built ahead."""
+        free = self.options.max_batch_slots - len(self.running)
+        if not self.waiting or free <= 0:
+            self._free_since = None
+            return False
+        if self._free_since is None:
+            self._free_since = self.steps
+        if not self.running or free >= min(self.options.admit_slots(), len(self.waiting)):
+            return True
+        return self.steps - self._free_since >= self.options.admit_wait
+
     def admit(self) -> None:
         if self.static and self.running:
+            return
+        if not self.static and not self.admission_due():
             return
         while self.waiting and len(self.running) < self.options.max_batch_slots:
             if not self._try_reserve(self.waiting[0]):
@@ -194,7 +213,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------------------
     def plan(self) -> StepPlan | None:
-        """Admit what fits, choose this step's chunks, allocate their blocks, build the packed layout."""
+        """Admit what is due and fits, choose this step's chunks, allocate their blocks, build the packed
+        layout."""
         self.admit()
         if not self.running:
             return None
@@ -218,9 +238,10 @@ class Scheduler:
     def plan_ahead(self) -> StepPlan | None:
         """The next decode step's plan, built while the current one runs on the device, as if every running
         row samples one more token and goes on (None where that cannot hold: a static schedule, waiting
-        sequences, a row still prefilling or at its last token). Its token ids are placeholders (0): the
-        engine writes the sampled ones before it uses the plan, and drops it where a row stopped."""
-        if self.static or self.waiting or not self.running:
+        sequences due for admission then, a row still prefilling or at its last token). Its token ids are
+        placeholders (0): the engine writes the sampled ones before it uses the plan, and drops it where a
+        row stopped or admission came due."""
+        if self.static or not self.running or self.admission_due():
             return None
         if any(len(s.tokens) != s.computed or s.budget < 2 for s in self.running):
             return None
@@ -316,6 +337,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------------------
     def computed(self, plan: StepPlan) -> None:
         """Account the step's chunks and release sliding-window blocks no later query can see."""
+        self.steps += 1
         for chunk in plan.chunks:
             seq = chunk.seq
             seq.computed = chunk.start + chunk.count

@@ -9,6 +9,7 @@ from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
 
 from megatron_gptoss.config import ConfigError, EmbeddedEngineConfig
 from megatron_gptoss.errors import EngineError
+from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import token_logprobs
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
@@ -54,6 +55,8 @@ def static_outs(learner):
         dict(max_batch_slots=8, block_size=16, max_step_tokens=64),
         dict(max_batch_slots=3, block_size=4, max_step_tokens=5, kv_blocks=24),  # fixed cache: joins wait
         dict(schedule="static", max_batch_slots=3, block_size=4),  # static batches of 3
+        dict(max_batch_slots=4, block_size=4, max_step_tokens=8, admit_batch=3),  # joins batched
+        dict(max_batch_slots=4, block_size=4, max_step_tokens=8, admit_batch=4, admit_wait=2),  # or waited
     ],
 )
 def test_continuous_equals_static_and_learner(learner, static_outs, options):
@@ -93,6 +96,57 @@ def test_per_row_budgets_static_equals_continuous(learner, static_outs):
         engine_of(learner).generate(PROMPTS, PARAMS, max_new_tokens=[1])
 
 
+class AdmissionLog(EmbeddedEngine):
+    """Records, for every step that admits waiting sequences beside running rows, (free slots, waiting,
+    admitted, steps in a row that began with a free slot and a waiting sequence), and counts the steps that
+    ran a plan built ahead."""
+
+    def _step(self):
+        scheduler = self._scheduler
+        before = list(scheduler.running) if scheduler is not None else []
+        waiting = list(scheduler.waiting) if scheduler is not None else []
+        free = self.options.max_batch_slots - len(before)
+        self.streak = self.streak + 1 if free > 0 and waiting else 0
+        ahead = self._ahead
+        plan = super()._step()
+        self.ahead_steps += int(ahead is not None and plan is ahead)
+        joined = [c.seq for c in plan.chunks if c.seq in waiting]
+        if joined and before:
+            self.joins.append((free, len(waiting), len(joined), self.streak))
+        return plan
+
+
+def admission_run(learner, budgets, **options):
+    engine = AdmissionLog(CONFIG, seed=0, options=EmbeddedEngineConfig(**options))
+    engine.update_weights(iter_hf_tensors(learner, CONFIG))
+    engine.joins, engine.ahead_steps, engine.streak = [], 0, 0
+    prompts = prompts_of([4 + i % 5 for i in range(len(budgets))], seed=9)
+    outs = engine.generate(prompts, SamplingParams(temperature=0.9, seed=4), max_new_tokens=budgets)
+    assert all_blocks_free(engine)
+    return engine, outs
+
+
+def test_waiting_sequences_join_together_with_the_same_tokens(learner):
+    """admit_batch k: while rows decode, waiting prompts join only once k slots are free (or as many as
+    wait) or a slot has stood free admit_wait steps; every row samples what it samples joining at once, in
+    fewer steps that prefill; the decode steps between run plans built ahead (padded graphs: the CPU's)."""
+    budgets = [3, 5, 6, 8, 9, 11, 12, 14, 4, 7, 2, 9, 5, 3]  # rows end one or two steps apart
+    common = dict(max_batch_slots=6, block_size=4, max_step_tokens=32, cuda_graphs="padded")
+    eager, ref = admission_run(learner, budgets, admit_batch=1, **common)
+    batched, outs = admission_run(learner, budgets, admit_batch=4, admit_wait=100, **common)
+    waited, outs_waited = admission_run(learner, budgets, admit_batch=5, admit_wait=2, **common)
+    for out, one, two in zip(ref, outs, outs_waited):
+        assert out.token_ids == one.token_ids == two.token_ids
+        assert (torch.tensor(out.logprobs) - torch.tensor(one.logprobs)).abs().max() <= 1e-6
+        assert (torch.tensor(out.logprobs) - torch.tensor(two.logprobs)).abs().max() <= 1e-6
+    assert all(free >= min(4, waiting) for free, waiting, _, _ in batched.joins)
+    assert all(free >= min(5, waiting) or streak > 2 for free, waiting, _, streak in waited.joins)
+    assert any(free < min(5, waiting) for free, waiting, _, _ in waited.joins)  # the wait admitted some
+    assert len(batched.joins) < len(eager.joins)
+    assert max(joined for _, _, joined, _ in batched.joins) > 1
+    assert batched.ahead_steps > eager.ahead_steps  # waiting prompts not yet due keep the plan ahead
+
+
 def test_sliding_window_layers_hold_only_their_window(learner):
     bs = 4
     engine = engine_of(learner, max_batch_slots=1, block_size=bs, max_step_tokens=4)
@@ -124,6 +178,8 @@ def test_too_small_a_fixed_cache_is_named():
         ("kv_blocks", -1, "kv_blocks"),
         ("cuda_graphs", "always", "cuda_graphs"),
         ("cuda_graph_max_batch", 0, "cuda_graph_max_batch"),
+        ("admit_batch", -1, "admit_batch"),
+        ("admit_wait", -2, "admit_wait"),
     ],
 )
 def test_bad_engine_options_are_named(field, value, match):
