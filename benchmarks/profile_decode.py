@@ -74,8 +74,12 @@ class ProfiledEngine(EmbeddedEngine):
         if self.phase in ("prefill", "mixed"):  # prompts not yet admitted, or not yet wholly computed
             waiting = scheduler is not None and bool(scheduler.waiting)
             ready = waiting or any(len(s.tokens) - s.computed > 1 for s in running)
-            if self.phase == "mixed":  # ... beside rows that decode
-                ready = ready and any(len(s.tokens) - s.computed == 1 for s in running)
+            if (
+                self.phase == "mixed"
+            ):  # ... beside rows that decode: a prompt admitted now or still prefilling
+                admits = waiting and len(running) < self.options.max_batch_slots
+                prefilling = any(len(s.tokens) - s.computed > 1 for s in running)
+                ready = (admits or prefilling) and any(len(s.tokens) - s.computed == 1 for s in running)
         else:
             ready = len(running) == self.rows and all(len(s.tokens) - s.computed == 1 for s in running)
         if ready and len(self.times) == self.profile_at and self.kernels is None:
@@ -172,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         args.phase == "mixed"
     ):  # row i < k stops after new + i tokens, and one of k more prompts takes its slot
         k = min(args.decode_steps, args.slots)
-        budgets = [new + i if i < k else new + k + 1 for i in range(args.slots)] + [2] * k
+        budgets = [new + i if i < k else new + k + 1 for i in range(args.slots)] + [k + 2] * k
     prompts = torch.randint(0, config.vocab_size, (len(budgets), args.prompt_len)).tolist()
     for mode in args.modes.split(","):
         engine.reconfigure(
@@ -181,13 +185,16 @@ def main(argv: list[str] | None = None) -> None:
                 max_step_tokens=args.slots + chunk,
                 kv_blocks=args.slots * math.ceil((args.prompt_len + max(budgets)) / 16) + 1,
                 cuda_graphs=mode,
+                admit_batch=1,  # a waiting prompt joins as soon as a slot frees (--phase mixed's steps)
             )
         )
         engine.rows, engine.times, engine.kernels = args.slots, [], None
         engine.host = cProfile.Profile() if args.host else None
         engine.want_ops, engine.ops = args.ops, None
         engine.phase = args.phase
-        engine.profile_at = {"prefill": 1, "mixed": first + 4}.get(args.phase, min(8, args.decode_steps // 2))
+        # mixed: past the first prompts' chunks that prefill beside rows already decoding
+        profile_at = {"prefill": 1, "mixed": first - 1 + min(args.decode_steps, args.slots) // 2}
+        engine.profile_at = profile_at.get(args.phase, min(8, args.decode_steps // 2))
         engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=budgets)
         step = statistics.median(engine.times) if engine.times else float("nan")
         if args.phase == "mixed":

@@ -1,9 +1,11 @@
 """The embedded engine's scheduler: which tokens of which sequences one forward computes, and their KV blocks.
 
-    waiting ──admit (a free slot, its blocks reserved)──> running ──a stop token / its turn's budget──> out
+    waiting ──admit (free slots, its blocks reserved)───> running ──a stop token / its turn's budget──> out
        ^                                                    │        (a generation: blocks freed; a session:
        └──────────── extend_session (a session resumes) ────┘         paused, it keeps its blocks)
 
+    admission (continuous): while rows run, waiting sequences join together once `admit_batch` slots are
+    free (or as many as wait) or a slot has stood free `admit_wait` steps (`admission_due`)
     one step (continuous): every running sequence whose tokens are all in the cache decodes one token; the
     rest of `max_step_tokens` goes to prefill chunks, oldest first. A sequence whose last known token was
     computed in this step samples its next token from that token's hidden state.

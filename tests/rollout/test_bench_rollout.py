@@ -81,3 +81,27 @@ def test_prefill_per_expert_format_names_each_row(tmp_path):
     rows = bench_rollout.main([*args, "--expert-format", "bf16,mxfp4-pairs"])
     assert [(r["part"], r["format"]) for r in rows] == [("prefill", "bf16"), ("prefill", "mxfp4-pairs")]
     assert all(r["seconds"] > 0 and r["tflops"] > 0 for r in rows)
+
+
+def test_workload_per_expert_format_and_admission(tmp_path):
+    """--part workload --expert-format bf16,mxfp4-pairs --admit-batch 1,4: one engine a format, each run with
+    every admission setting, named by both; the same tokens under either setting, in fewer steps that
+    prefill when prompts join four at a time."""
+    args = [
+        "--tiny",
+        "--part",
+        "workload",
+        "--ckpt",
+        str(tmp_path),
+        "--slots",
+        "4",
+        "--runs",
+        "continuous:off",
+    ]
+    rows = bench_rollout.main([*args, "--expert-format", "bf16,mxfp4-pairs", "--admit-batch", "1,4"])
+    assert [(r["format"], r["admit_batch"]) for r in rows] == [
+        ("bf16", 1), ("bf16", 4), ("mxfp4-pairs", 1), ("mxfp4-pairs", 4)
+    ]  # fmt: skip
+    for one, four in (rows[:2], rows[2:]):
+        assert four["prefill_steps"] < one["prefill_steps"] and one["prefill_s"] > 0
+        assert four["tokens_per_s"] > 0 and one["decode_step_ms"] > 0

@@ -47,3 +47,14 @@ def test_profile_decode_prefill_phase_times_the_prompt_steps(capsys):
     out = capsys.readouterr().out
     assert "48 prompt tokens of 4 rows, 3 prefill steps of up to 16 tokens, median" in out, out
     assert "profiled step: " in out and "| kernel | ms | share |" in out
+
+
+def test_profile_decode_mixed_phase_times_the_steps_that_prefill_beside_decoding_rows(capsys):
+    """--phase mixed: 4 slots, and 4 more prompts that take the slots rows 0-3 free one step apart: each
+    prefills in a step of its own beside the decoding rows, and only those 4 steps are timed."""
+    tool = _tool()
+    tool.main(["--tiny", "--modes", "off", "--top", "3", "--phase", "mixed"])
+    out = capsys.readouterr().out
+    assert "## cuda_graphs=off: 4 steps that prefill beside decoding rows (4 slots" in out, out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| kernel")]
+    assert "| kernel | ms | share |" in out and len(rows) == 3  # one of the 4 steps was profiled
