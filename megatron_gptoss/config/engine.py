@@ -36,10 +36,10 @@ class EmbeddedEngineConfig:
     # least `max_batch_slots`, so a prefilling row always advances.
     max_step_tokens: int = 2048
     # While rows decode, waiting sequences are admitted together: once `admit_batch` slots are free (or as
-    # many as wait, when fewer), or once a slot has stood free for `admit_wait` steps. A step that prefills runs
-    # eagerly, outside the decode graphs, at a cost nearly independent of its prompt tokens, so one such
-    # step for several prompts beats one for each; the decode steps between keep their graphs and the next
-    # step planned ahead. 0: max(1, max_batch_slots // 16); 1 admits a sequence as soon as a slot frees.
+    # many as wait, when fewer), or once a slot has stood free for `admit_wait` steps. A step that prefills
+    # runs eagerly, outside the decode graphs, at a cost nearly independent of its prompt tokens, so one
+    # such step for several prompts beats one for each; the decode steps between keep their graphs and the
+    # next step planned ahead. 0: max(1, max_batch_slots // 16); 1 admits a sequence as soon as a slot frees.
     admit_batch: int = 0
     admit_wait: int = 32
     # Blocks per layer group (full-attention layers, sliding-window layers); 0 sizes the cache to the
