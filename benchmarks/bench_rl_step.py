@@ -63,7 +63,8 @@ ENGINE_COLUMNS = [  # (label, metric, format) of the table of the engine's steps
     ("rows_per_decode_step", "engine/decode_rows_mean", "{:.1f}"),
     ("graph_frac", "engine/graph_frac", "{:.2f}"), ("captures", "engine/graph_captures", "{:.0f}"),
     ("capture_s", "time/engine_capture_s", "{:.1f}"),
-    ("prefill_s", "time/engine_prefill_s", "{:.1f}"), ("prefill_tokens", "engine/prefill_tokens", "{:,.0f}"),
+    ("prefill_steps", "engine/prefill_steps", "{:.0f}"), ("prefill_s", "time/engine_prefill_s", "{:.1f}"),
+    ("prefill_tokens", "engine/prefill_tokens", "{:,.0f}"),
     ("stepping_s", "time/engine_step_s", "{:.1f}"), ("generate_s", "time/generate_s", "{:.1f}"),
 ]  # fmt: skip
 

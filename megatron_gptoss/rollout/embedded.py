@@ -82,7 +82,8 @@ class StepStats:
     def metrics(self) -> dict[str, float]:
         """`engine/*` (counts) and `time/engine_*` (seconds): steps, seconds, the mean decode step (ms) and
         its rows, the share of decode steps replayed from graphs, the seconds of steps that prefilled and
-        their prefill tokens, the graphs captured and the seconds that took (inside the decode steps')."""
+        their count and prefill tokens, the graphs captured and the seconds that took (inside the decode
+        steps')."""
         if not self.steps:
             return {}
         decode = max(self.decode_steps, 1)
@@ -94,6 +95,7 @@ class StepStats:
             "engine/decode_rows_mean": self.decode_rows / decode,
             "engine/graph_frac": self.graph_steps / decode,
             "time/engine_prefill_s": self.seconds - self.decode_seconds,
+            "engine/prefill_steps": float(self.steps - self.decode_steps),
             "engine/prefill_tokens": float(self.prefill_tokens),
             "engine/graph_captures": float(self.captures),
             "time/engine_capture_s": self.capture_seconds,

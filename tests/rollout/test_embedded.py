@@ -102,6 +102,7 @@ def test_step_stats_count_the_steps_and_reset():
     stats = engine.take_stats()
     assert stats["engine/steps"] == 12 and stats["engine/decode_steps"] == 11
     assert stats["engine/decode_rows_mean"] == 4 and stats["engine/prefill_tokens"] == 31
+    assert stats["engine/prefill_steps"] == 1
     assert stats["engine/graph_frac"] == 0  # the CPU runs its steps eagerly
     assert stats["engine/graph_captures"] == 0 and stats["time/engine_capture_s"] == 0
     assert 0 < stats["time/engine_prefill_s"] < stats["time/engine_step_s"]
