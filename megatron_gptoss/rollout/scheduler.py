@@ -163,13 +163,15 @@ class Scheduler:
         """Blocks reserved by running sequences and not yet allocated, in pool `index`."""
         return sum(max(0, s.quota[index] - s.held(index)) for s in self.running)
 
-    def _try_reserve(self, seq: Sequence) -> bool:
-        """Reserve the sequence's quota in every pool (growing a growable pool); False if it does not fit."""
+    def _try_reserve(self, seq: Sequence, outstanding: list[int]) -> bool:
+        """Reserve the sequence's quota in every pool (growing a growable pool); False if it does not fit.
+        `outstanding`: `_outstanding` of every pool, with the reservation added where it is made."""
         pending = len(seq.tokens) - seq.computed
         chunk = pending if self.static else min(pending, self.options.max_step_tokens)
         quotas = [self._quota(seq, pool, max(chunk, 1)) for pool in self.pools]
+        adds = [max(0, quotas[i] - seq.held(i)) for i in range(len(self.pools))]
         for i, pool in enumerate(self.pools):
-            need = max(0, quotas[i] - seq.held(i)) + self._outstanding(i) - len(pool.free)
+            need = adds[i] + outstanding[i] - len(pool.free)
             if need > 0:
                 if quotas[i] > pool.capacity and not self.growable:
                     raise EngineError(
@@ -180,10 +182,11 @@ class Scheduler:
                 if not self.growable:
                     return False
         for i, pool in enumerate(self.pools):  # every pool fits (or grows): commit
-            need = max(0, quotas[i] - seq.held(i)) + self._outstanding(i) - len(pool.free)
+            need = adds[i] + outstanding[i] - len(pool.free)
             if need > 0:
                 pool.grow(max(need, pool.capacity))
             seq.quota[i] = quotas[i]
+            outstanding[i] += adds[i]
         return True
 
     def admission_due(self) -> bool:
@@ -206,8 +209,9 @@ class Scheduler:
             return
         if not self.static and not self.admission_due():
             return
+        outstanding = [self._outstanding(i) for i in range(len(self.pools))]  # once a step, kept up to date
         while self.waiting and len(self.running) < self.options.max_batch_slots:
-            if not self._try_reserve(self.waiting[0]):
+            if not self._try_reserve(self.waiting[0], outstanding):
                 if not self.running:
                     raise EngineError("the KV cache cannot hold one waiting sequence with nothing running")
                 return
