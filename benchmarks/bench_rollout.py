@@ -588,6 +588,7 @@ def _run(args) -> list[dict]:
         "default": ["check", "decode", "prefill"],
         "all": ["check", "decode", "prefill", "workload", "slice"],
     }
+    engine_parts = {"decode": part_decode, "prefill": part_prefill, "workload": part_workload}
     rows: list[dict] = []
     engine = None  # the gpt-oss-20b engine, loaded once for decode, prefill and workload
     for part in parts.get(args.part, [args.part]):
@@ -613,8 +614,7 @@ def _run(args) -> list[dict]:
             for expert_format in args.expert_format:
                 held = dataclasses.replace(config, **FORMATS[expert_format])
                 formatted = build_engine(held, args, device, path)
-                fn = {"decode": part_decode, "prefill": part_prefill, "workload": part_workload}[part]
-                rows += fn(args, formatted, held, device)
+                rows += engine_parts[part](args, formatted, held, device)
                 del formatted
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -623,8 +623,7 @@ def _run(args) -> list[dict]:
             if engine is None:
                 path = args.ckpt / ("tiny" if args.tiny else "gpt-oss-20b")
                 engine = build_engine(config, args, device, write_synthetic_mxfp4(config, path))
-            fn = {"decode": part_decode, "prefill": part_prefill, "workload": part_workload}[part]
-            rows += fn(args, engine, config, device)
+            rows += engine_parts[part](args, engine, config, device)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     for part in dict.fromkeys(r["part"] for r in rows):

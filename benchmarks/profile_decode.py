@@ -71,14 +71,13 @@ class ProfiledEngine(EmbeddedEngine):
         start = time.perf_counter()
         scheduler = self._scheduler
         running = scheduler.running if scheduler is not None else []
-        if self.phase in ("prefill", "mixed"):  # prompts not yet admitted, or not yet wholly computed
+        if self.phase in ("prefill", "mixed"):
             waiting = scheduler is not None and bool(scheduler.waiting)
-            ready = waiting or any(len(s.tokens) - s.computed > 1 for s in running)
-            if (
-                self.phase == "mixed"
-            ):  # ... beside rows that decode: a prompt admitted now or still prefilling
+            prefilling = any(len(s.tokens) - s.computed > 1 for s in running)
+            if self.phase == "prefill":  # prompts not yet admitted, or admitted and not yet wholly computed
+                ready = waiting or prefilling
+            else:  # a prompt admitted now or still prefilling, beside rows that decode
                 admits = waiting and len(running) < self.options.max_batch_slots
-                prefilling = any(len(s.tokens) - s.computed > 1 for s in running)
                 ready = (admits or prefilling) and any(len(s.tokens) - s.computed == 1 for s in running)
         else:
             ready = len(running) == self.rows and all(len(s.tokens) - s.computed == 1 for s in running)
