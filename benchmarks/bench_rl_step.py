@@ -65,6 +65,7 @@ ENGINE_COLUMNS = [  # (label, metric, format) of the table of the engine's steps
     ("capture_s", "time/engine_capture_s", "{:.1f}"),
     ("prefill_steps", "engine/prefill_steps", "{:.0f}"), ("prefill_s", "time/engine_prefill_s", "{:.1f}"),
     ("prefill_tokens", "engine/prefill_tokens", "{:,.0f}"),
+    ("prefill_graph_frac", "engine/prefill_graph_frac", "{:.2f}"),
     ("stepping_s", "time/engine_step_s", "{:.1f}"), ("generate_s", "time/generate_s", "{:.1f}"),
 ]  # fmt: skip
 

@@ -173,6 +173,7 @@ def engine_options(
     graphs: str = "auto",
     chunk: int | None = None,
     admit_batch: int = 0,
+    graph_tokens: int = 2048,
 ):
     """Options for `slots` rows of --prompt-len tokens and `new` new tokens at most (default
     --decode-steps): a fixed cache of exactly what they need; a step holds every decoding row plus `chunk`
@@ -186,6 +187,7 @@ def engine_options(
         kv_blocks=slots * math.ceil(longest / args.block_size) + 1,
         cuda_graphs=graphs,
         admit_batch=admit_batch,
+        cuda_graph_max_tokens=graph_tokens,
     )
 
 
@@ -404,14 +406,17 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         budgets = response_lengths(args, count)
         # default: after = continuous batching with decode graphs; before = the static schedule, decode eager
         runs = [run.split(":") for run in args.runs.split(",")]
-        for (schedule, graphs), admit in ((run, a) for run in runs for a in args.admit_batch):
-            engine.reconfigure(engine_options(args, slots, schedule, max(budgets), graphs, admit_batch=admit))
+        settings = [(run, a, g) for run in runs for a in args.admit_batch for g in args.graph_tokens]
+        for (schedule, graphs), admit, graph_tokens in settings:
+            options = engine_options(args, slots, schedule, max(budgets), graphs, None, admit, graph_tokens)
+            engine.reconfigure(options)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
             engine.log = []
             row = {"part": "workload", "format": format_name(config), "slots": slots, "schedule": schedule,
-                   "graphs": graphs, "admit_batch": engine.options.admit_slots(), "prompts": count,
+                   "graphs": graphs, "admit_batch": engine.options.admit_slots(),
+                   "graph_tokens": graph_tokens, "prompts": count,
                    "response_mean": statistics.mean(budgets), "response_max": max(budgets)}  # fmt: skip
             try:
                 start = time.perf_counter()
@@ -540,6 +545,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=[0],
         help="workload: embedded.admit_batch values, comma-separated, each run with every one (0: the "
         "engine's default)",
+    )
+    parser.add_argument(
+        "--graph-tokens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2048],
+        help="workload: embedded.cuda_graph_max_tokens values, comma-separated, each run with every one (0: "
+        "steps with prefill tokens run eagerly)",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(

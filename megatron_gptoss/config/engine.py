@@ -37,9 +37,9 @@ class EmbeddedEngineConfig:
     max_step_tokens: int = 2048
     # While rows decode, waiting sequences are admitted together: once `admit_batch` slots are free (or as
     # many as wait, when fewer), or once a slot has stood free for `admit_wait` steps. A step that prefills
-    # runs eagerly, outside the decode graphs, at a cost nearly independent of its prompt tokens, so one
-    # such step for several prompts beats one for each; the decode steps between keep their graphs and the
-    # next step planned ahead. 0: max(1, max_batch_slots // 16); 1 admits a sequence as soon as a slot frees.
+    # costs more than a decode step nearly whatever its prompt tokens and builds no plan ahead, so one such
+    # step for several prompts beats one for each; the decode steps between keep the next step planned
+    # ahead. 0: max(1, max_batch_slots // 16); 1 admits a sequence as soon as a slot frees.
     admit_batch: int = 0
     admit_wait: int = 32
     # Blocks per layer group (full-attention layers, sliding-window layers); 0 sizes the cache to the
@@ -53,6 +53,10 @@ class EmbeddedEngineConfig:
     cuda_graphs: str = "auto"
     # Largest decode batch replayed from a graph (larger steps run eagerly).
     cuda_graph_max_batch: int = 512
+    # Largest step with prefill tokens (a prompt's chunk, alone or beside decoding rows) replayed from a
+    # graph, every token a row of the paged decode kernel; larger steps, and steps whose prefill tokens see
+    # more than `scheduler.FLAT_KEYS_PER_TOKEN` keys on average, run eagerly. 0: every such step runs eagerly.
+    cuda_graph_max_tokens: int = 2048
 
     def admit_slots(self) -> int:
         """Free slots that make waiting sequences due for admission while rows decode (`admit_batch`)."""
@@ -76,6 +80,10 @@ class EmbeddedEngineConfig:
             raise ConfigError(f"embedded.cuda_graphs={self.cuda_graphs!r} not in {GRAPH_MODES}")
         if self.cuda_graph_max_batch < 1:
             raise ConfigError(f"embedded.cuda_graph_max_batch must be >= 1, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ConfigError(
+                f"embedded.cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}"
+            )
         if self.kv_blocks < 0:
             raise ConfigError(f"embedded.kv_blocks must be >= 0, got {self.kv_blocks}")
 

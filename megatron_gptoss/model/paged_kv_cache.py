@@ -14,10 +14,11 @@ rows, one new token each; the prefilling rows, their chunks left-padded to the l
 with the queries' positions in the row's view: slot = position for full attention; a sliding-window group's
 view starts at the row's first unreleased block f, so its slot = position - f x block_size. The decoding
 rows go to the layer's paged kernel where it has one (the Triton backend: keys and values read through the
-block table inside the kernel, at their absolute positions); otherwise, and for prefill chunks, each row's
-blocks are gathered into a dense [b, blocks x block_size, Hkv, D] view for the layer's cached-attention
-kernel (keys carry their rotary phase already, and visibility depends on position differences only). No
-value is read back on the host inside a layer.
+block table inside the kernel, at their absolute positions; a step laid out flat for the engine's graphs
+makes every prefill token such a row too); otherwise, and for prefill chunks, each row's blocks are gathered
+into a dense [b, blocks x block_size, Hkv, D] view for the layer's cached-attention kernel (keys carry their
+rotary phase already, and visibility depends on position differences only). No value is read back on the
+host inside a layer.
 """
 
 from __future__ import annotations

@@ -36,7 +36,9 @@ Paths (`path=`, default from the environment variable MEGATRON_GPTOSS_MXFP4_PATH
                    and later ("scaled" for fp16), so the learner's and the prefill's large products run at the
                    library's speed (measured on an H100 at gpt-oss-20b widths, benchmarks/RESULTS.md: 64 and
                    256 tokens 356 / 532 us a layer with the portable kernel against the scaled kernel's
-                   490 / 621; at 4,096 tokens the scaled kernel took 4.7 ms a layer, the library 1.7 ms)
+                   490 / 621; at 4,096 tokens the scaled kernel took 4.7 ms a layer, the library 1.7 ms);
+                   while a CUDA graph is captured, the portable kernel at any size (a graph would hold the
+                   dequantized path's transient weights for as long as it lives)
 The kernels run on CUDA and, under TRITON_INTERPRET=1, on the CPU in fp32; elsewhere (16-bit rows on the
 CPU, fp64 rows, a CPU without the interpreter, no Triton) every path is the reference.
 """
@@ -342,8 +344,8 @@ def kernel_for(x: Tensor, path: str | None = None, byte_format: str = "checkpoin
         return "portable"
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return "portable"
-    if path == "auto" and x.shape[0] <= PORTABLE_MAX_ROWS:
-        return "portable"
+    if path == "auto" and (x.shape[0] <= PORTABLE_MAX_ROWS or torch.cuda.is_current_stream_capturing()):
+        return "portable"  # a graph would keep the dequantized path's transient weights for its lifetime
     if path == "scaled" or x.dtype != torch.bfloat16:
         return "portable" if byte_format == "pairs" else "scaled"  # tl.dot_scaled reads the released bytes
     return "dequantized"

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs, one per bucket of batch size, attention-view widths and sampling.
+"""Decode steps, and steps with prefill tokens laid out flat, replayed from CUDA graphs, one per bucket of
+rows, attention-view widths and sampling.
 
     a decode-only step of B rows (one new token each)
       -> its bucket: batch Bb = the smallest power of two >= B (up to `max_batch`), and per KV pool a view
@@ -11,6 +12,12 @@
          `Sampling` the graph goes on: fp32 logits of the output layer (`head`), the seeded sampler
          (`rollout.sampling`) -> tokens and their log-probs [2, Bb] -> rows [:B]; with a routing record
          (`rollout.routing`) the routers' top-k ids into the bucket's static buffers -> rows [:B]
+    a step with prefill tokens, laid out flat by the scheduler (`Scheduler.flat_tokens`: every token a row
+    of one query with its chunk's block tables, N rows, N <= `max_tokens`)
+      -> the same, in buckets of their own (`prefill=True`): rows Nb = the smallest power of two >= N; the
+         sampling rows (each sampling chunk's last token, `Sampling.rows`) gathered into `max_samplers`
+         rows (at most Nb; padding gathers row 0) before the head, so the bucket does not depend on how many
+         chunks sample -> tokens and log-probs of the sampling rows, in order
 
 Capture needs a forward without host synchronisation and without copies from the host: every input is
 in the bucket's device buffers (filled before the replay), every module buffer lives on the device (the
@@ -19,7 +26,8 @@ kernel reading keys through the block tables, or gathers and the eager attention
 the fused expert kernels (`Experts.fused`; torch._grouped_mm reads its offsets on the host for float32
 weights, so a float32 engine is not captured), and the sampler's sorts, cumulative sums and searches. A
 capture that fails (an op that syncs or copies from the host) turns graphs off for the engine (`failure`
-says why) and the step runs eagerly. Graphs hold the cache's storage and the weights' addresses: they live
+says why; a step with prefill tokens: only those steps' graphs, `token_failure`) and the step runs
+eagerly. Graphs hold the cache's storage and the weights' addresses: they live
 as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights` copies in place and
 keeps them).
 
@@ -59,12 +67,15 @@ def _bucket(n: int) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """Seeded sampling of every row of a decode step inside its graph: one temperature / top-k / top-p, and
-    per row its stream seed and counter (`rollout.sampling.sample_from_logits`)."""
+    """Seeded sampling inside a step's graph: one temperature / top-k / top-p, and per sampling row its
+    stream seed and counter (`rollout.sampling.sample_from_logits`). `rows`: the packed rows that sample, in
+    the order of `seeds` (a step with prefill tokens: each sampling chunk's last token); None: every row (a
+    decode step)."""
 
     params: SamplingParams
     seeds: list[int]
     counters: list[int]
+    rows: list[int] | None = None
 
     def key(self) -> tuple[float, int, float]:
         return (self.params.temperature, self.params.top_k, self.params.top_p)
@@ -80,6 +91,7 @@ class _Buffers:
         block_size: int,
         device: torch.device,
         params: SamplingParams | None,
+        samplers: int | None = None,
     ):
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
@@ -88,9 +100,12 @@ class _Buffers:
         self.slots = [zeros(batch) for _ in widths]
         self.q_positions = [zeros(batch, 1) - 1 for _ in widths]
         self.tables = [zeros(batch, w) for w in widths]
-        # sampler inputs: seeds and counters of each row (padding rows: 0, their draws are dropped)
+        # sampler inputs: seeds and counters of each sampling row (padding: 0, their draws are dropped); a
+        # step with prefill tokens samples `samplers` rows (a bucket), gathered from `sample_rows`
         self.params = params
-        self.seeds, self.counters = zeros(batch), zeros(batch)
+        drawn_rows = batch if samplers is None else samplers
+        self.seeds, self.counters = zeros(drawn_rows), zeros(drawn_rows)
+        self.sample_rows = None if samplers is None else zeros(samplers)
         index = torch.arange(batch, device=device)
         views = [w * block_size for w in widths]
         group = AttentionGroup(index.view(batch, 1), self.q_positions, self.tables, views)
@@ -125,6 +140,8 @@ class DecodeGraphs:
         mode: str,
         head: Head | None = None,
         routing: RoutingRecorder | None = None,
+        max_tokens: int = 0,
+        max_samplers: int = 1,
     ):
         self.model, self.cache, self.max_batch, self.mode, self.head = model, cache, max_batch, mode, head
         self.routing = routing
@@ -132,9 +149,18 @@ class DecodeGraphs:
         self.enabled = True
         # why capture failed (graphs are then off), None while it has not
         self.failure: str | None = None
+        # steps with prefill tokens, laid out flat (`Scheduler.flat_tokens`), of at most this many tokens
+        # are replayed too (0: none); a failed capture of one turns only these off (`token_failure` says why)
+        self.max_tokens = max_tokens
+        self.token_failure: str | None = None
+        # rows such a step samples, at most (the engine's slots): one bucket of that many gathered rows for
+        # every step of a bucket of rows, so that the graphs differ by rows and view widths only
+        self.max_samplers = max_samplers
         # graphs captured, and the seconds spent capturing them (warm-up forwards included), not yet taken
         self.captures, self.capture_seconds = 0, 0.0
         self._buffers: dict[tuple, _Buffers] = {}
+        # the buckets of steps with prefill tokens: (rows, widths, sampling, sampling rows)
+        self._token_buffers: dict[tuple, _Buffers] = {}
         self._sizes = self._pool_sizes()
         self._pool = torch.cuda.graph_pool_handle() if mode == "capture" else None
         dtype = next(model.parameters()).dtype
@@ -151,6 +177,7 @@ class DecodeGraphs:
         (its `use_count > 0` assertion at capture_begin), which a tensor made during a capture and kept
         by the model can cause."""
         self._buffers.clear()
+        self._token_buffers.clear()
         if self.mode == "capture":
             self._pool = torch.cuda.graph_pool_handle()
 
@@ -163,21 +190,28 @@ class DecodeGraphs:
     def _pool_sizes(self) -> tuple[int, ...]:
         return tuple(pool.num_blocks for pool in self.cache.pools)
 
+    def token_limit(self) -> int:
+        """Tokens a step with prefill tokens may have to be replayed (0: none is; `Scheduler.flat_tokens`)."""
+        return self.max_tokens if self.enabled and self.token_failure is None else 0
+
     def run(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         layout: StepLayout,
         sampling: Sampling | None = None,
+        prefill: bool = False,
     ) -> GraphStep | None:
-        """The step's result, or None where the step is not a decode-only one (prefill rows, more rows than
-        `max_batch`, graphs off): the caller runs it eagerly. `sampling` is honoured where the graphs have a
-        `head` (else `drawn` is None and the caller samples)."""
+        """The step's result, or None where it is not replayed: a step of other than one query per row in
+        one attention group, a decode step of more rows than `max_batch`, a step with prefill tokens
+        (`prefill`, laid out flat) of more than `max_tokens`, graphs off: the caller runs it eagerly.
+        `sampling` is honoured where the graphs have a `head` (else `drawn` is None and the caller samples);
+        `drawn` holds its rows' draws in order."""
         if not self.enabled or len(layout.groups) != 1 or layout.groups[0].token_index.shape[1] != 1:
             return None
         group = layout.groups[0]
         rows = group.token_index.shape[0]
-        if rows > self.max_batch:
+        if rows > (self.token_limit() if prefill else self.max_batch):
             return None
         if self._pool_sizes() != self._sizes:  # a pool grew: its storage moved, the graphs are stale
             self._drop_graphs()
@@ -185,26 +219,33 @@ class DecodeGraphs:
         if self.head is None:
             sampling = None
         widths = tuple(_bucket(t.shape[1]) for t in group.tables)
-        key = (_bucket(rows), widths, None if sampling is None else sampling.key())
-        buffers = self._buffers.get(key)
+        sampling_key = None if sampling is None else sampling.key()
+        samplers = None
+        key: tuple = (_bucket(rows), widths, sampling_key)
+        store = self._buffers
+        if prefill:  # sampling rows gathered from the step's rows: the most it can sample
+            samplers = None if sampling is None else min(key[0], _bucket(self.max_samplers))
+            store, key = self._token_buffers, (*key, samplers)
+        buffers = store.get(key)
         if buffers is None:
             params = None if sampling is None else sampling.params
-            buffers = _Buffers(key[0], widths, self.cache.block_size, self.device, params)
+            buffers = _Buffers(key[0], widths, self.cache.block_size, self.device, params, samplers)
             if self.routing is not None:
                 buffers.routing = self.routing.static(key[0], self.device)
-            self._buffers[key] = buffers
+            store[key] = buffers
         self._fill(buffers, input_ids, positions, layout, sampling)
         if self.mode == "padded":
             hidden, drawn = self._forward(buffers)
         else:
-            if buffers.graph is None and not self._capture(buffers):
+            if buffers.graph is None and not self._capture(buffers, prefill):
                 return None
             assert buffers.graph is not None and buffers.hidden is not None
             buffers.graph.replay()
             hidden, drawn = buffers.hidden, buffers.drawn
         if self.routing is not None and buffers.routing is not None:
             self.routing.read_from(buffers.routing, rows)
-        return GraphStep(hidden[:, :rows], None if drawn is None else drawn[:, :rows])
+        drawn_rows = rows if sampling is None or sampling.rows is None else len(sampling.rows)
+        return GraphStep(hidden[:, :rows], None if drawn is None else drawn[:, :drawn_rows])
 
     def _fill(
         self,
@@ -229,11 +270,16 @@ class DecodeGraphs:
             b.tables[i][:rows, width:].zero_()
             b.tables[i][rows:].zero_()
         if sampling is not None:
-            both = staged(sampling.seeds + sampling.counters, self.device)
-            b.seeds[:rows].copy_(both[:rows])
-            b.counters[:rows].copy_(both[rows:])
-            b.seeds[rows:].zero_()
-            b.counters[rows:].zero_()
+            n = len(sampling.seeds)
+            picked = [] if b.sample_rows is None or sampling.rows is None else sampling.rows
+            inputs = staged(sampling.seeds + sampling.counters + picked, self.device)
+            b.seeds[:n].copy_(inputs[:n])
+            b.counters[:n].copy_(inputs[n : 2 * n])
+            b.seeds[n:].zero_()
+            b.counters[n:].zero_()
+            if b.sample_rows is not None:  # padding samples row 0, its draw dropped
+                b.sample_rows[:n].copy_(inputs[2 * n :])
+                b.sample_rows[n:].zero_()
 
     def _forward(self, b: _Buffers) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.cache.layout = b.layout
@@ -246,13 +292,15 @@ class DecodeGraphs:
             self.cache.layout = None
         if b.params is None or self.head is None:
             return hidden, None
-        tokens, logprobs = sample_from_logits(self.head(hidden[0]), b.params, None, b.seeds, b.counters)
+        last = hidden[0] if b.sample_rows is None else hidden[0].index_select(0, b.sample_rows)
+        tokens, logprobs = sample_from_logits(self.head(last), b.params, None, b.seeds, b.counters)
         return hidden, torch.stack([tokens.double(), logprobs.float().double()])
 
-    def _capture(self, b: _Buffers) -> bool:
-        """Warm up on a side stream, then capture; on failure turn graphs off (False). The capture forbids
-        unsafe CUDA calls to this thread only ("thread_local"): the learner, or a thread receiving weights,
-        may go on using the device while a rollout thread captures."""
+    def _capture(self, b: _Buffers, prefill: bool = False) -> bool:
+        """Warm up on a side stream, then capture; on failure turn graphs off (False): all of them, or with
+        `prefill` those of steps with prefill tokens only. The capture forbids unsafe CUDA calls to this
+        thread only ("thread_local"): the learner, or a thread receiving weights, may go on using the device
+        while a rollout thread captures."""
         start = time.perf_counter()
         try:
             stream = torch.cuda.Stream(self.device)
@@ -278,12 +326,16 @@ class DecodeGraphs:
             self.captures += 1
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)
-            log.warning(
-                "CUDA graph capture of the decode step failed, running eagerly: %s", err, exc_info=True
-            )
+            what = "a step with prefill tokens" if prefill else "the decode step"
+            log.warning("CUDA graph capture of %s failed, running eagerly: %s", what, err, exc_info=True)
+            if prefill:
+                self.token_failure = f"{type(err).__name__}: {err}"
+                self._token_buffers.clear()
+                return False
             self.failure = f"{type(err).__name__}: {err}"
             self.enabled = False
             self._buffers.clear()
+            self._token_buffers.clear()
             return False
         finally:
             self.capture_seconds += time.perf_counter() - start

@@ -62,8 +62,9 @@ class StepStats:
     decode_seconds: float = 0.0
     decode_rows: int = 0
     graph_steps: int = 0  # decode steps replayed from a captured graph
+    prefill_graph_steps: int = 0  # steps that prefilled, replayed from a captured graph (laid out flat)
     prefill_tokens: int = 0  # tokens of multi-token chunks (prompts, resumed prefixes)
-    captures: int = 0  # decode graphs captured (each bucket's first step, again after sleep or a grown cache)
+    captures: int = 0  # graphs captured (each bucket's first step, again after sleep or a grown cache)
     capture_seconds: float = 0.0  # of the steps' seconds, those spent capturing
 
     def record(self, plan: StepPlan, seconds: float, graph: bool, captures: int, capture_s: float) -> None:
@@ -78,12 +79,13 @@ class StepStats:
             self.graph_steps += int(graph)
         else:
             self.prefill_tokens += sum(c.count for c in plan.chunks if c.count > 1)
+            self.prefill_graph_steps += int(graph)
 
     def metrics(self) -> dict[str, float]:
         """`engine/*` (counts) and `time/engine_*` (seconds): steps, seconds, the mean decode step (ms) and
-        its rows, the share of decode steps replayed from graphs, the seconds of steps that prefilled and
-        their count and prefill tokens, the graphs captured and the seconds that took (inside the decode
-        steps')."""
+        its rows, the share of decode steps replayed from graphs, the seconds of steps that prefilled, their
+        count, prefill tokens and share replayed from graphs, the graphs captured and the seconds that took
+        (inside the steps')."""
         if not self.steps:
             return {}
         decode = max(self.decode_steps, 1)
@@ -97,6 +99,7 @@ class StepStats:
             "time/engine_prefill_s": self.seconds - self.decode_seconds,
             "engine/prefill_steps": float(self.steps - self.decode_steps),
             "engine/prefill_tokens": float(self.prefill_tokens),
+            "engine/prefill_graph_frac": self.prefill_graph_steps / max(self.steps - self.decode_steps, 1),
             "engine/graph_captures": float(self.captures),
             "time/engine_capture_s": self.capture_seconds,
         }
@@ -344,6 +347,7 @@ class EmbeddedEngine:
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         start = time.perf_counter()
+        scheduler.flat_tokens = self._graphs.token_limit() if self._graphs is not None else 0
         plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
         with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
             hidden, step = self._forward(plan)
@@ -383,7 +387,9 @@ class EmbeddedEngine:
         """The step's hidden states, replayed from a decode graph (then also its `step`) or run eagerly."""
         assert self._cache is not None
         if self._graphs is not None and plan.chunks:
-            step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, self._graph_sampling(plan))
+            prefill = any(c.count > 1 for c in plan.chunks)
+            sampling = self._graph_sampling(plan, prefill)
+            step = self._graphs.run(plan.input_ids, plan.positions, plan.layout, sampling, prefill)
             if step is not None:
                 return step.hidden, step
         self._cache.layout = plan.layout
@@ -410,10 +416,11 @@ class EmbeddedEngine:
         plan.input_ids.copy_(staged([c.seq.tokens[-1] for c in chunks], self.device).view(1, -1))
         return plan
 
-    def _graph_sampling(self, plan: StepPlan) -> Sampling | None:
-        """Sampling inside the decode graph where every row of the step samples, seeded, with one
-        temperature / top-k / top-p (the draws are those of `_sample`: one sampler, seeds, counters)."""
-        if len(plan.samplers) != len(plan.chunks):
+    def _graph_sampling(self, plan: StepPlan, prefill: bool) -> Sampling | None:
+        """Sampling inside the step's graph where every sampling row is seeded, with one temperature / top-k /
+        top-p (the draws are those of `_sample`: one sampler, seeds, counters) and, in a decode step, every
+        row samples; with `prefill` (a step laid out flat) the sampling chunks' last tokens."""
+        if not plan.samplers or (not prefill and len(plan.samplers) != len(plan.chunks)):
             return None
         seqs = [c.seq for c in plan.samplers]
         first = seqs[0].params
@@ -421,7 +428,8 @@ class EmbeddedEngine:
         if any(s.seed is None or (s.params.temperature, s.params.top_k, s.params.top_p) != key for s in seqs):
             return None
         seeds = [s.seed for s in seqs if s.seed is not None]
-        return Sampling(first, seeds, [len(s.tokens) - s.counter_base for s in seqs])
+        rows = [c.offset + c.count - 1 for c in plan.samplers] if prefill else None
+        return Sampling(first, seeds, [len(s.tokens) - s.counter_base for s in seqs], rows)
 
     def _graph_head(self) -> Head | None:
         """The fp32 logits the decode graphs compute for sampling inside the graph (None: sampling stays out
@@ -510,8 +518,9 @@ class EmbeddedEngine:
             mode = self._graph_mode()
             if mode is not None:
                 self._graphs = DecodeGraphs(
-                    self.model, self._cache, opts.cuda_graph_max_batch, mode, self._graph_head(), self.routing
-                )
+                    self.model, self._cache, opts.cuda_graph_max_batch, mode, self._graph_head(),
+                    self.routing, opts.cuda_graph_max_tokens, opts.max_batch_slots,
+                )  # fmt: skip
         return self._scheduler
 
     def _graph_mode(self) -> str | None:

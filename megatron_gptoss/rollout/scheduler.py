@@ -8,7 +8,8 @@
     free (or as many as wait) or a slot has stood free `admit_wait` steps (`admission_due`)
     one step (continuous): every running sequence whose tokens are all in the cache decodes one token; the
     rest of `max_step_tokens` goes to prefill chunks, oldest first. A sequence whose last known token was
-    computed in this step samples its next token from that token's hidden state.
+    computed in this step samples its next token from that token's hidden state. A step with prefill tokens
+    is laid out flat for the engine's graphs (every token a row of one query: `flat_tokens`, `_flat`).
     one step (static): a batch of up to `max_batch_slots` prompts is admitted only when none runs, each
     prefilled whole in one step; finished rows keep decoding (their samples discarded) until the batch's
     last row finishes; then every block of the batch is freed.
@@ -36,6 +37,10 @@ from megatron_gptoss.model.paged_kv_cache import AttentionGroup, BlockPool, Page
 # Tokens: a sliding-window view starts at a multiple of this, a multiple of every attention kernel's tile
 # (at most 128), so a prefill chunk's rows are tiled as in the training forward, equal to its rows bitwise.
 VIEW_ALIGN = 128
+# A step with prefill tokens is laid out flat (every token a row of one query: `Scheduler.flat_tokens`) only
+# where its prefill tokens see at most this many keys on average in their views: the paged decode kernel
+# reads each row's keys itself, so a long prompt's chunk is cheaper as the chunked attention of an eager step.
+FLAT_KEYS_PER_TOKEN = 1024
 
 
 @dataclass(eq=False)
@@ -136,6 +141,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.steps = 0  # steps computed (`computed`): the clock of `admit_wait`
+        # Steps with prefill tokens of at most this many tokens in all are laid out flat (`_build`), for the
+        # engine's graphs of such steps (0: never; the engine sets it before each step)
+        self.flat_tokens = 0
         self._free_since: int | None = None  # the step since which a slot stands free while sequences wait
 
     @property
@@ -268,9 +276,23 @@ class Scheduler:
                 else:
                     raise RuntimeError(f"sequence {seq.sid} exceeds its block quota in pool {i}")
 
+    def _flat(self, chunks: list[Chunk]) -> bool:
+        """Whether a step of `chunks` is laid out flat: continuous, some chunk prefills, at most `flat_tokens`
+        tokens, and its prefill tokens see at most `FLAT_KEYS_PER_TOKEN` keys on average (positions + 1
+        bound what their views show)."""
+        if self.static or not self.flat_tokens or all(c.count == 1 for c in chunks):
+            return False
+        tokens = sum(c.count for c in chunks)
+        prefill = [c for c in chunks if c.count > 1]
+        keys = sum(c.count * (2 * c.start + c.count + 1) // 2 for c in prefill)
+        return tokens <= self.flat_tokens and keys <= FLAT_KEYS_PER_TOKEN * sum(c.count for c in prefill)
+
     def _build(self, chunks: list[Chunk], ahead: bool = False) -> StepPlan:
-        """The packed layout of `chunks`; `ahead`: one placeholder token per chunk (`plan_ahead`)."""
+        """The packed layout of `chunks`; `ahead`: one placeholder token per chunk (`plan_ahead`). Laid out
+        flat (`_flat`), every token is a row of one query in one attention group, its block tables those of
+        its chunk (gathered on the device), as a decode step of that many rows."""
         bs = self.cache.block_size
+        flat = not ahead and self._flat(chunks)
         host = _Staging()
         if ahead:
             ids = host.add([0] * len(chunks))
@@ -287,18 +309,21 @@ class Scheduler:
             )
             for i in range(len(self.pools))
         ]
-        groups, inverse = [], [0] * sum(c.count for c in chunks)
+        tokens = sum(c.count for c in chunks)
+        groups, inverse = [], [0] * tokens
         row_base = 0
-        for members in ([c for c in chunks if c.count == 1], [c for c in chunks if c.count > 1]):
+        sets = [chunks] if flat else [[c for c in chunks if c.count == 1], [c for c in chunks if c.count > 1]]
+        for members in sets:
             if not members:
                 continue
-            t = max(c.count for c in members)
-            index = []
-            for r, c in enumerate(members):
-                pad = t - c.count
+            t = 1 if flat else max(c.count for c in members)
+            index, pads = [], [max(0, t - c.count) for c in members]
+            for r, (c, pad) in enumerate(zip(members, pads)):
                 index += [c.offset] * pad + list(range(c.offset, c.offset + c.count))
                 for j in range(c.count):
-                    inverse[c.offset + j] = row_base + r * t + pad + j
+                    inverse[c.offset + j] = row_base + (c.offset + j if flat else r * t + pad + j)
+            # flat: each token's row of the tables is its chunk's, gathered on the device after the upload
+            of_chunk = host.add([r for r, c in enumerate(members) for _ in range(c.count)]) if flat else None
             tables, qpos, kv_slots = [], [], []
             for i in range(len(self.pools)):
                 # a sliding-window pool's view starts at or before the row's first unreleased block, at a
@@ -310,23 +335,27 @@ class Scheduler:
                 tables.append(host.add([b for row in rows for b in row + [0] * (width - len(row))], width))
                 shifted = [
                     q
-                    for c, f in zip(members, first)
-                    for q in [-1] * (t - c.count) + [p - f * bs for p in range(c.start, c.start + c.count)]
+                    for c, f, pad in zip(members, first, pads)
+                    for q in [-1] * pad + [p - f * bs for p in range(c.start, c.start + c.count)]
                 ]
                 qpos.append(host.add(shifted, t))
                 kv_slots.append(width * bs)
-            groups.append((host.add(index, t), qpos, tables, kv_slots))
-            row_base += len(members) * t
+            groups.append((host.add(index, t), qpos, tables, kv_slots, of_chunk))
+            row_base += tokens if flat else len(members) * t
         inv = host.add(inverse)
         staged = host.upload(self.device)
+
+        def rows_of(handle: int, of_chunk: int | None) -> torch.Tensor:
+            return staged[handle] if of_chunk is None else staged[handle].index_select(0, staged[of_chunk])
+
         layout = StepLayout(
             [staged[s] for s in slots],
             [
-                AttentionGroup(staged[index], [staged[q] for q in qp], [staged[x] for x in tb], kv)
-                for index, qp, tb, kv in groups
+                AttentionGroup(staged[index], [staged[q] for q in qp], [rows_of(x, oc) for x in tb], kv)
+                for index, qp, tb, kv, oc in groups
             ],
             staged[inv],
-            in_order=all(c.count == 1 and c.offset == i for i, c in enumerate(chunks)),
+            in_order=flat or all(c.count == 1 and c.offset == i for i, c in enumerate(chunks)),
         )
         samplers = chunks if ahead else [c for c in chunks if c.start + c.count == len(c.seq.tokens)]
         return StepPlan(chunks, staged[ids].view(1, -1), staged[pos].view(1, -1), layout, samplers)

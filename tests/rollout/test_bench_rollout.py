@@ -105,3 +105,15 @@ def test_workload_per_expert_format_and_admission(tmp_path):
     for one, four in (rows[:2], rows[2:]):
         assert four["prefill_steps"] < one["prefill_steps"] and one["prefill_s"] > 0
         assert four["tokens_per_s"] > 0 and one["decode_step_ms"] > 0
+
+
+def test_workload_with_and_without_graphs_of_steps_that_prefill(tmp_path):
+    """--graph-tokens 0,64: each run named by embedded.cuda_graph_max_tokens, both generating every row's
+    budget (the bucketed buffers run eagerly on the CPU: `--runs continuous:padded`)."""
+    args = ["--tiny", "--part", "workload", "--ckpt", str(tmp_path), "--slots", "4"]
+    rows = bench_rollout.main([*args, "--runs", "continuous:padded", "--graph-tokens", "0,64"])
+    assert [(r["graphs"], r["graph_tokens"]) for r in rows] == [("padded", 0), ("padded", 64)]
+    assert all(r["prefill_steps"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["tokens_per_s"] * rows[0]["seconds"] == pytest.approx(
+        rows[1]["tokens_per_s"] * rows[1]["seconds"]
+    )

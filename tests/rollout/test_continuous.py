@@ -12,6 +12,7 @@ from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import token_logprobs
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout.scheduler import FLAT_KEYS_PER_TOKEN, Chunk, Sequence
 
 STOPS = [29, 83, 17]  # rows 0, 1, 2 stop after 5, 7, 8 tokens; the others reach max_new_tokens
 
@@ -57,6 +58,11 @@ def static_outs(learner):
         dict(schedule="static", max_batch_slots=3, block_size=4),  # static batches of 3
         dict(max_batch_slots=4, block_size=4, max_step_tokens=8, admit_batch=3),  # joins batched
         dict(max_batch_slots=4, block_size=4, max_step_tokens=8, admit_batch=4, admit_wait=2),  # or waited
+        # steps with prefill tokens laid out flat, every token a row of the bucketed buffers (the graphs')
+        dict(max_batch_slots=3, block_size=4, max_step_tokens=6, cuda_graphs="padded"),
+        dict(
+            max_batch_slots=4, block_size=2, max_step_tokens=9, cuda_graphs="padded", cuda_graph_max_tokens=6
+        ),
     ],
 )
 def test_continuous_equals_static_and_learner(learner, static_outs, options):
@@ -178,6 +184,7 @@ def test_too_small_a_fixed_cache_is_named():
         ("kv_blocks", -1, "kv_blocks"),
         ("cuda_graphs", "always", "cuda_graphs"),
         ("cuda_graph_max_batch", 0, "cuda_graph_max_batch"),
+        ("cuda_graph_max_tokens", -1, "cuda_graph_max_tokens"),
         ("admit_batch", -1, "admit_batch"),
         ("admit_wait", -2, "admit_wait"),
     ],
@@ -185,3 +192,46 @@ def test_too_small_a_fixed_cache_is_named():
 def test_bad_engine_options_are_named(field, value, match):
     with pytest.raises(ConfigError, match=match):
         EmbeddedEngineConfig(max_batch_slots=4, **{field: value}).validate()
+
+
+class FlatLog(EmbeddedEngine):
+    """Records each step's (tokens, whether it prefilled, whether its layout was flat)."""
+
+    def _step(self):
+        plan = super()._step()
+        group = plan.layout.groups[0]
+        flat = len(plan.layout.groups) == 1 and group.token_index.shape[1] == 1
+        self.log.append((plan.input_ids.shape[1], any(c.count > 1 for c in plan.chunks), flat))
+        return plan
+
+
+def test_steps_with_prefill_tokens_laid_out_flat(learner):
+    """With bucketed buffers, a step with prefill tokens of at most cuda_graph_max_tokens tokens is laid out
+    as a decode step of that many rows (every token a row, its chunk's block tables), the larger ones in
+    chunks; a long prompt's chunks, whose tokens see more than FLAT_KEYS_PER_TOKEN keys on average, stay
+    in chunks. Every layout gives the tokens and log-probs of the eager steps."""
+    prompts = prompts_of([3, 17, 5, 11, 1, 23, 9])
+    common = dict(max_batch_slots=4, block_size=4, max_step_tokens=12)
+    runs = {}
+    for name, extra in [("eager", dict(cuda_graphs="off")), ("flat", dict(cuda_graphs="padded")),
+                        ("some", dict(cuda_graphs="padded", cuda_graph_max_tokens=6))]:  # fmt: skip
+        engine = FlatLog(CONFIG, seed=0, options=EmbeddedEngineConfig(**common, **extra))
+        engine.update_weights(iter_hf_tensors(learner, CONFIG))
+        engine.log = []
+        runs[name] = (engine, engine.generate(prompts, PARAMS))
+        assert all_blocks_free(engine)
+    prefilled = {name: [(n, flat) for n, p, flat in e.log if p] for name, (e, _) in runs.items()}
+    assert prefilled["eager"] and not any(flat for _, flat in prefilled["eager"])
+    assert all(flat for _, flat in prefilled["flat"])
+    assert {flat for _, flat in prefilled["some"]} == {True, False}
+    assert all(flat == (n <= 6) for n, flat in prefilled["some"])
+    assert runs["flat"][0]._graphs._token_buffers  # the flat steps ran in the bucketed buffers
+    for name in ("flat", "some"):
+        for out, ref in zip(runs[name][1], runs["eager"][1]):
+            assert out.token_ids == ref.token_ids
+            assert (torch.tensor(out.logprobs) - torch.tensor(ref.logprobs)).abs().max() <= 1e-6
+    # a chunk whose tokens see more keys than the budget on average stays in chunks
+    sched, budget = runs["flat"][0]._scheduler, FLAT_KEYS_PER_TOKEN
+    long = Sequence(0, [1] * (3 * budget), PARAMS, seed=1, counter_base=0, budget=1)
+    assert not sched._flat([Chunk(long, 2 * budget, 8, 0)])
+    assert sched._flat([Chunk(long, 0, 8, 0)])
