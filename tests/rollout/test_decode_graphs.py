@@ -85,6 +85,18 @@ def test_triton_decode_kernel_on_padded_buffers_and_left_padded_chunks():
     assert_same(outs, ref, 1e-5)
 
 
+def test_steps_with_prefill_tokens_in_the_buffers_record_the_eager_routing():
+    """Steps with prefill tokens laid out flat and run in their bucketed buffers (the graphs'): every token's
+    experts, read from the buffers' static routing record, equal the eager steps' record; the tokens too."""
+    engine, outs = generate("cpu", "padded", record=True)
+    _, ref = generate("cpu", "off", record=True)
+    assert engine._graphs is not None and engine._graphs._token_buffers
+    assert_same(outs, ref, 1e-6)
+    for out, want in zip(outs, ref):
+        assert out.routing is not None and want.routing is not None
+        assert torch.equal(out.routing, want.routing)
+
+
 def test_a_model_built_on_meta_materializes_its_rotary_frequencies():
     """The rotary frequencies of a model built on the meta device (the parallel engines' and learners' path)
     keep their values through `materialize`: equal to those of a model built on the CPU."""
