@@ -51,6 +51,7 @@ import torch
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.model.gpt_oss import GPTOSSModel
 from megatron_gptoss.model.paged_kv_cache import AttentionGroup, PagedKVCache, StepLayout
+from megatron_gptoss.ops import batch_invariant
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
 from megatron_gptoss.rollout.scheduler import staged
@@ -191,8 +192,12 @@ class DecodeGraphs:
         return tuple(pool.num_blocks for pool in self.cache.pools)
 
     def token_limit(self) -> int:
-        """Tokens a step with prefill tokens may have to be replayed (0: none is; `Scheduler.flat_tokens`)."""
-        return self.max_tokens if self.enabled and self.token_failure is None else 0
+        """Tokens a step with prefill tokens may have to be replayed (0: none is; `Scheduler.flat_tokens`).
+        In the batch-invariant mode (bitwise on-policy RL) none is: its chunks keep the attention whose rows
+        the GPU tests check against the learner bit for bit."""
+        if not self.enabled or self.token_failure is not None or batch_invariant.active():
+            return 0
+        return self.max_tokens
 
     def run(
         self,

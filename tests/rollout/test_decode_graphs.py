@@ -8,7 +8,7 @@ import torch
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import GPTOSSModel, build_model
-from megatron_gptoss.ops import backend_available
+from megatron_gptoss.ops import backend_available, batch_invariant
 from megatron_gptoss.parallel.loading import materialize
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
 
@@ -95,6 +95,15 @@ def test_steps_with_prefill_tokens_in_the_buffers_record_the_eager_routing():
     for out, want in zip(outs, ref):
         assert out.routing is not None and want.routing is not None
         assert torch.equal(out.routing, want.routing)
+
+
+def test_the_batch_invariant_mode_keeps_prefill_steps_in_chunks():
+    """Bitwise on-policy RL (the batch-invariant mode): steps with prefill tokens stay in chunks, eager (the
+    attention its GPU tests check against the learner); the decode steps still run in their buffers."""
+    with batch_invariant.enabled(True):
+        engine, outs = generate("cpu", "padded")
+    assert engine._graphs is not None and engine._graphs._buffers and not engine._graphs._token_buffers
+    assert len(outs) == len(PROMPTS) and all(len(o.token_ids) == b for o, b in zip(outs, BUDGETS))
 
 
 def test_a_model_built_on_meta_materializes_its_rotary_frequencies():
