@@ -514,13 +514,18 @@ def build_engine(config: ModelConfig, args, device, checkpoint: Path | None) -> 
     return engine
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of integers (a command-line value)."""
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--part", default="default", choices=["default", "check", "decode", "prefill",
                                                                "workload", "slice", "all"])  # fmt: skip
-    parser.add_argument("--slots", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    parser.add_argument("--slots", type=int_list, default=None)
     parser.add_argument("--tiny", action="store_true", help="toy sizes (a CPU smoke run)")
     parser.add_argument("--ckpt", type=Path, default=Path("/tmp/bench_rollout_ckpt"))
     parser.add_argument("--prompt-len", type=int, default=None)
@@ -541,14 +546,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     parser.add_argument(
         "--admit-batch",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=int_list,
         default=[0],
         help="workload: embedded.admit_batch values, comma-separated, each run with every one (0: the "
         "engine's default)",
     )
     parser.add_argument(
         "--graph-tokens",
-        type=lambda s: [int(x) for x in s.split(",")],
+        type=int_list,
         default=[2048],
         help="workload: embedded.cuda_graph_max_tokens values, comma-separated, each run with every one (0: "
         "steps with prefill tokens run eagerly)",
