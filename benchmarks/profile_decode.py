@@ -7,6 +7,8 @@ from a CUDA graph; prints the kernels by GPU time and the median time of the dec
     python benchmarks/profile_decode.py --slots 256 --expert-format mxfp4-pairs --lora-rank 32
                                     # the LoRA RL step's engine: MXFP4 experts (random codes at scale 2^-7)
                                     # and rank-32 adapters on the recipe's targets (bench_rollout's)
+    python benchmarks/profile_decode.py --slots 256,512 --expert-format mxfp4-pairs --lora-rank 32 \
+        --modes auto                # both slot counts' kernels side by side: what grows with the rows
     python benchmarks/profile_decode.py --tiny            # a toy model (CPU or GPU), a smoke run
     python benchmarks/profile_decode.py --phase prefill --slots 64 --prompt-len 96 --chunk 1536 \
         --expert-format mxfp4-pairs --lora-rank 32 --modes off   # the prompts' prefill steps instead
@@ -37,7 +39,7 @@ from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.rollout.embedded import EmbeddedEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_rollout import FORMATS, random_adapters, random_weights, with_adapters  # noqa: E402
+from bench_rollout import FORMATS, int_list, random_adapters, random_weights, with_adapters  # noqa: E402
 
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights  # noqa: E402
 
@@ -130,7 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--slots", type=int, default=256)
+    parser.add_argument(
+        "--slots",
+        type=int_list,
+        default=[256],
+        help="rows decoding at once, comma-separated: with several, the profiled step's kernels side by side "
+        "(what grows with the rows)",
+    )
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=24)
     parser.add_argument("--top", type=int, default=14)
@@ -157,7 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                     num_query_groups=2, head_dim=16, sliding_window=16, num_experts=8, moe_router_topk=2,
                     attention_backend="eager")  # fmt: skip
         config = gpt_oss_20b(**tiny)
-        args.slots, args.prompt_len, args.decode_steps = min(args.slots, 4), min(args.prompt_len, 12), 10
+        args.slots = sorted({min(slots, 4) for slots in args.slots})
+        args.prompt_len, args.decode_steps = min(args.prompt_len, 12), 10
     else:
         config = gpt_oss_20b()
     config = dataclasses.replace(with_adapters(config, args.lora_rank), **FORMATS[args.expert_format])
@@ -167,67 +176,101 @@ def main(argv: list[str] | None = None) -> None:
         random_mxfp4(engine)
     if config.lora.enabled:
         random_adapters(engine)
+    runs: dict[tuple[int, str], dict[str, float]] = {}
+    for slots in args.slots:
+        for mode in args.modes.split(","):
+            runs[slots, mode] = profile_run(engine, config, args, slots, mode)
+    if len(args.slots) > 1:
+        for mode in args.modes.split(","):
+            print_growth(args.slots, {s: runs[s, mode] for s in args.slots}, mode, args.top)
+
+
+def profile_run(
+    engine: ProfiledEngine, config, args: argparse.Namespace, slots: int, mode: str
+) -> dict[str, float]:
+    """Generate with `slots` rows under cuda_graphs=`mode`, print the timed steps and the profiled step's
+    kernels (and the asked tables); return its seconds per kernel."""
     chunk = args.chunk
-    first = math.ceil(args.slots * args.prompt_len / chunk)  # steps that prefill the first prompts
+    first = math.ceil(slots * args.prompt_len / chunk)  # steps that prefill the first prompts
     new = args.decode_steps + first
-    budgets = [new] * args.slots
-    if (
-        args.phase == "mixed"
-    ):  # row i < k stops after new + i tokens, and one of k more prompts takes its slot
-        k = min(args.decode_steps, args.slots)
-        budgets = [new + i if i < k else new + k + 1 for i in range(args.slots)] + [k + 2] * k
+    budgets = [new] * slots
+    if args.phase == "mixed":  # row i < k stops after new + i tokens, one of k more prompts takes its slot
+        k = min(args.decode_steps, slots)
+        budgets = [new + i if i < k else new + k + 1 for i in range(slots)] + [k + 2] * k
     prompts = torch.randint(0, config.vocab_size, (len(budgets), args.prompt_len)).tolist()
-    for mode in args.modes.split(","):
-        engine.reconfigure(
-            EmbeddedEngineConfig(
-                max_batch_slots=args.slots,
-                max_step_tokens=args.slots + chunk,
-                kv_blocks=args.slots * math.ceil((args.prompt_len + max(budgets)) / 16) + 1,
-                cuda_graphs=mode,
-                admit_batch=1,  # a waiting prompt joins as soon as a slot frees (--phase mixed's steps)
-            )
+    engine.reconfigure(
+        EmbeddedEngineConfig(
+            max_batch_slots=slots,
+            max_step_tokens=slots + chunk,
+            kv_blocks=slots * math.ceil((args.prompt_len + max(budgets)) / 16) + 1,
+            cuda_graphs=mode,
+            admit_batch=1,  # a waiting prompt joins as soon as a slot frees (--phase mixed's steps)
         )
-        engine.rows, engine.times, engine.kernels = args.slots, [], None
-        engine.host = cProfile.Profile() if args.host else None
-        engine.want_ops, engine.ops = args.ops, None
-        engine.phase = args.phase
-        # mixed: past the first prompts' chunks that prefill beside rows already decoding
-        profile_at = {"prefill": 1, "mixed": first - 1 + min(args.decode_steps, args.slots) // 2}
-        engine.profile_at = profile_at.get(args.phase, min(8, args.decode_steps // 2))
-        engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=budgets)
-        step = statistics.median(engine.times) if engine.times else float("nan")
-        if args.phase == "mixed":
-            print(f"\n## cuda_graphs={mode}: {len(engine.times)} steps that prefill beside decoding rows "
-                  f"({args.slots} slots, prompts of {args.prompt_len} tokens), median {1e3 * step:.2f} ms, "
-                  f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
-                  f"{args.lora_rank}")  # fmt: skip
-        elif args.phase == "prefill":
-            tokens = args.slots * args.prompt_len
-            print(f"\n## cuda_graphs={mode}: {tokens} prompt tokens of {args.slots} rows, "
-                  f"{len(engine.times)} prefill steps of up to {chunk} tokens, median {1e3 * step:.2f} ms, "
-                  f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
-                  f"{args.lora_rank}")  # fmt: skip
-        else:
-            print(f"\n## cuda_graphs={mode}: {args.slots} rows, {len(engine.times)} decode-only steps, "
-                  f"median {1e3 * step:.2f} ms ({args.slots / step:.0f} tokens/s); experts "
-                  f"{args.expert_format}, LoRA rank {args.lora_rank}")  # fmt: skip
-        kernels = engine.kernels or {}
-        total = sum(kernels.values())
-        print(f"profiled step: {1e3 * total:.2f} ms of kernel time")
-        print("| kernel | ms | share |\n|---|---|---|")
-        for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
-            print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
-        if engine.ops is not None:
-            print(f"ops of the profiled step:\n{engine.ops}")
-        if engine.host is not None:
-            text = io.StringIO()
-            pstats.Stats(engine.host, stream=text).sort_stats("tottime").print_stats(args.top)
-            # then the package's own functions by time inside them and what they call
-            pstats.Stats(engine.host, stream=text).sort_stats("cumulative").print_stats(
-                "megatron_gptoss", args.top
-            )
-            print(f"host functions over {len(engine.times)} steps (the device sync shows as the copy back):")
-            print(text.getvalue().split("\n", 4)[-1])
+    )
+    engine.rows, engine.times, engine.kernels = slots, [], None
+    engine.host = cProfile.Profile() if args.host else None
+    engine.want_ops, engine.ops = args.ops, None
+    engine.phase = args.phase
+    # mixed: past the first prompts' chunks that prefill beside rows already decoding
+    profile_at = {"prefill": 1, "mixed": first - 1 + min(args.decode_steps, slots) // 2}
+    engine.profile_at = profile_at.get(args.phase, min(8, args.decode_steps // 2))
+    engine.generate(prompts, SamplingParams(seed=1), max_new_tokens=budgets)
+    step = statistics.median(engine.times) if engine.times else float("nan")
+    if args.phase == "mixed":
+        print(f"\n## cuda_graphs={mode}: {len(engine.times)} steps that prefill beside decoding rows "
+              f"({slots} slots, prompts of {args.prompt_len} tokens), median {1e3 * step:.2f} ms, "
+              f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
+              f"{args.lora_rank}")  # fmt: skip
+    elif args.phase == "prefill":
+        tokens = slots * args.prompt_len
+        print(f"\n## cuda_graphs={mode}: {tokens} prompt tokens of {slots} rows, "
+              f"{len(engine.times)} prefill steps of up to {chunk} tokens, median {1e3 * step:.2f} ms, "
+              f"in all {sum(engine.times):.3f} s; experts {args.expert_format}, LoRA rank "
+              f"{args.lora_rank}")  # fmt: skip
+    else:
+        print(f"\n## cuda_graphs={mode}: {slots} rows, {len(engine.times)} decode-only steps, "
+              f"median {1e3 * step:.2f} ms ({slots / step:.0f} tokens/s); experts "
+              f"{args.expert_format}, LoRA rank {args.lora_rank}")  # fmt: skip
+    kernels = engine.kernels or {}
+    total = sum(kernels.values())
+    print(f"profiled step: {1e3 * total:.2f} ms of kernel time")
+    print("| kernel | ms | share |\n|---|---|---|")
+    for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
+        print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
+    if engine.ops is not None:
+        print(f"ops of the profiled step:\n{engine.ops}")
+    if engine.host is not None:
+        text = io.StringIO()
+        pstats.Stats(engine.host, stream=text).sort_stats("tottime").print_stats(args.top)
+        # then the package's own functions by time inside them and what they call
+        by_package = pstats.Stats(engine.host, stream=text).sort_stats("cumulative")
+        by_package.print_stats("megatron_gptoss", args.top)
+        print(f"host functions over {len(engine.times)} steps (the device sync shows as the copy back):")
+        print(text.getvalue().split("\n", 4)[-1])
+    return kernels
+
+
+def print_growth(slots: list[int], kernels: dict[int, dict[str, float]], mode: str, top: int) -> None:
+    """What grows with the rows: the profiled step's kernels at every slot count side by side, the `top` of
+    the largest count by time first, each with its time at the largest count over its time at the smallest
+    and that over the rows' ratio (1.00: the kernel's time grows as its rows do; near 0: it stays flat)."""
+    low, high = min(slots), max(slots)
+    rows = high / low
+    totals = {s: sum(kernels[s].values()) for s in slots}
+    print(f"\n## cuda_graphs={mode}: the profiled step's kernels at {', '.join(map(str, slots))} slots")
+    print(f"| kernel | {' | '.join(f'ms at {s}' for s in slots)} | x {high} / {low} | growth / rows |")
+    print(f"|---|{'---|' * len(slots)}---|---|")
+
+    def line(name: str, times: list[float]) -> None:
+        ratio = times[-1] / times[0] if times[0] > 0 else float("inf")
+        cells = " | ".join(f"{1e3 * t:.3f}" for t in times)
+        print(f"| {short(name)} | {cells} | {ratio:.2f} | {(ratio - 1) / (rows - 1):.2f} |")
+
+    ordered = sorted(slots)
+    names = sorted(kernels[high], key=lambda n: -kernels[high][n])[:top]
+    for name in names:
+        line(name, [kernels[s].get(name, 0.0) for s in ordered])
+    line("all kernels", [totals[s] for s in ordered])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -58,3 +60,24 @@ def test_profile_decode_mixed_phase_times_the_steps_that_prefill_beside_decoding
     assert "## cuda_graphs=off: 4 steps that prefill beside decoding rows (4 slots" in out, out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| kernel")]
     assert "| kernel | ms | share |" in out and len(rows) == 3  # one of the 4 steps was profiled
+
+
+def test_profile_decode_slot_counts_side_by_side(capsys):
+    """--slots 2,4: one profiled step per slot count, then their kernels side by side, each row's times those
+    of that kernel in the per-count tables, its ratio theirs, and the total row the tables' totals."""
+    tool = _tool()
+    tool.main(["--tiny", "--slots", "2,4", "--modes", "off", "--top", "4"])
+    out = capsys.readouterr().out
+    assert "## cuda_graphs=off: 2 rows" in out and "## cuda_graphs=off: 4 rows" in out
+    head, growth = out.split("## cuda_graphs=off: the profiled step's kernels at 2, 4 slots\n")
+    assert growth.startswith("| kernel | ms at 2 | ms at 4 | x 4 / 2 | growth / rows |")
+    rows = [line.split("|")[1:-1] for line in growth.splitlines()[2:] if line.startswith("| ")]
+    assert len(rows) == 5 and rows[-1][0].strip() == "all kernels"
+    totals = [float(part.split(" ms of kernel time")[0]) for part in head.split("profiled step: ")[1:]]
+    assert [float(cell) for cell in rows[-1][1:3]] == pytest.approx(totals, abs=6e-3)  # .2f there
+    for _name, at2, at4, ratio, growth_per_row in rows:
+        at2, at4 = float(at2), float(at4)
+        assert at4 > 0
+        if at2 > 1e-3:  # printed to 3 places: the ratio of the rounded cells is close to the printed one
+            assert float(ratio) == pytest.approx(at4 / at2, rel=0.05, abs=0.02)
+            assert float(growth_per_row) == pytest.approx(float(ratio) - 1, abs=1e-2)
