@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                     num_query_groups=2, head_dim=16, sliding_window=16, num_experts=8, moe_router_topk=2,
                     attention_backend="eager")  # fmt: skip
         config = gpt_oss_20b(**tiny)
-        args.slots = sorted({min(slots, 4) for slots in args.slots})
+        args.slots = [min(slots, 4) for slots in args.slots]
         args.prompt_len, args.decode_steps = min(args.prompt_len, 12), 10
     else:
         config = gpt_oss_20b()
@@ -176,13 +176,14 @@ def main(argv: list[str] | None = None) -> None:
         random_mxfp4(engine)
     if config.lora.enabled:
         random_adapters(engine)
+    counts = sorted(set(args.slots))
     runs: dict[tuple[int, str], dict[str, float]] = {}
-    for slots in args.slots:
+    for slots in counts:
         for mode in args.modes.split(","):
             runs[slots, mode] = profile_run(engine, config, args, slots, mode)
-    if len(args.slots) > 1:
+    if len(counts) > 1:
         for mode in args.modes.split(","):
-            print_growth(args.slots, {s: runs[s, mode] for s in args.slots}, mode, args.top)
+            print_growth(counts, {s: runs[s, mode] for s in counts}, mode, args.top)
 
 
 def profile_run(
@@ -251,12 +252,11 @@ def profile_run(
 
 
 def print_growth(slots: list[int], kernels: dict[int, dict[str, float]], mode: str, top: int) -> None:
-    """What grows with the rows: the profiled step's kernels at every slot count side by side, the `top` of
-    the largest count by time first, each with its time at the largest count over its time at the smallest
-    and that over the rows' ratio (1.00: the kernel's time grows as its rows do; near 0: it stays flat)."""
-    low, high = min(slots), max(slots)
-    rows = high / low
-    totals = {s: sum(kernels[s].values()) for s in slots}
+    """What grows with the rows: the profiled step's kernels at every slot count (`slots`: distinct, in
+    increasing order) side by side, the `top` of the largest count by time first, each with its time at the
+    largest count over its time at the smallest and that over the rows' ratio (1.00: the kernel's time grows
+    as its rows do; near 0: it stays flat)."""
+    low, high = slots[0], slots[-1]
     print(f"\n## cuda_graphs={mode}: the profiled step's kernels at {', '.join(map(str, slots))} slots")
     print(f"| kernel | {' | '.join(f'ms at {s}' for s in slots)} | x {high} / {low} | growth / rows |")
     print(f"|---|{'---|' * len(slots)}---|---|")
@@ -264,13 +264,11 @@ def print_growth(slots: list[int], kernels: dict[int, dict[str, float]], mode: s
     def line(name: str, times: list[float]) -> None:
         ratio = times[-1] / times[0] if times[0] > 0 else float("inf")
         cells = " | ".join(f"{1e3 * t:.3f}" for t in times)
-        print(f"| {short(name)} | {cells} | {ratio:.2f} | {(ratio - 1) / (rows - 1):.2f} |")
+        print(f"| {short(name)} | {cells} | {ratio:.2f} | {(ratio - 1) / (high / low - 1):.2f} |")
 
-    ordered = sorted(slots)
-    names = sorted(kernels[high], key=lambda n: -kernels[high][n])[:top]
-    for name in names:
-        line(name, [kernels[s].get(name, 0.0) for s in ordered])
-    line("all kernels", [totals[s] for s in ordered])
+    for name in sorted(kernels[high], key=lambda n: -kernels[high][n])[:top]:
+        line(name, [kernels[s].get(name, 0.0) for s in slots])
+    line("all kernels", [sum(kernels[s].values()) for s in slots])
 
 
 if __name__ == "__main__":
