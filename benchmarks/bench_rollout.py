@@ -83,15 +83,18 @@ SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
 
 class TimedEngine(EmbeddedEngine):
     """The engine with each step timed (a device sync around it): (seconds, decode rows, prefill tokens,
-    keys read by the decode rows)."""
+    keys read by the decode rows). With `decode_ahead` no sync: a step returns once its tokens are back,
+    while the next one, launched ahead, runs; the time between returns is the device's step."""
 
     log: list[tuple[float, int, int, int]]
 
-    def _step(self):
-        sync(self.device)
+    def _step(self, ahead: bool = True):
+        if not self.options.decode_ahead:
+            sync(self.device)
         start = time.perf_counter()
-        plan = super()._step()
-        sync(self.device)
+        plan = super()._step(ahead)
+        if not self.options.decode_ahead:
+            sync(self.device)
         decode = [c for c in plan.chunks if c.count == 1]
         prefill = sum(c.count for c in plan.chunks if c.count > 1)
         self.log.append((time.perf_counter() - start, len(decode), prefill, sum(c.start + 1 for c in decode)))
@@ -188,6 +191,7 @@ def engine_options(
         cuda_graphs=graphs,
         admit_batch=admit_batch,
         cuda_graph_max_tokens=graph_tokens,
+        decode_ahead=args.decode_ahead == "on",
     )
 
 
@@ -557,6 +561,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=[2048],
         help="workload: embedded.cuda_graph_max_tokens values, comma-separated, each run with every one (0: "
         "steps with prefill tokens run eagerly)",
+    )
+    parser.add_argument(
+        "--decode-ahead",
+        choices=["on", "off"],
+        default="on",
+        help="embedded.decode_ahead: replayed decode steps launch the next one before their tokens are read",
     )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(

@@ -68,7 +68,7 @@ class ProfiledEngine(EmbeddedEngine):
 
     phase: str = "decode"  # "prefill" / "mixed": the steps that prefill (beside decoding rows) are timed
 
-    def _step(self):
+    def _step(self, ahead: bool = True):
         sync(self.device)
         start = time.perf_counter()
         scheduler = self._scheduler
@@ -89,7 +89,7 @@ class ProfiledEngine(EmbeddedEngine):
             if self.want_ops and cuda:  # host ops too: eager steps attribute the kernels to them
                 activities.append(ProfilerActivity.CPU)
             with profile(activities=activities) as prof:
-                plan = super()._step()
+                plan = super()._step(ahead)
                 sync(self.device)
             self.kernels = kernel_times(prof)
             if self.want_ops:
@@ -97,10 +97,10 @@ class ProfiledEngine(EmbeddedEngine):
                 self.ops = prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=60)
         elif ready and self.host is not None:
             self.host.enable()
-            plan = super()._step()
+            plan = super()._step(ahead)
             self.host.disable()
         else:
-            plan = super()._step()
+            plan = super()._step(ahead)
         sync(self.device)
         if ready:
             self.times.append(time.perf_counter() - start)

@@ -57,6 +57,11 @@ class EmbeddedEngineConfig:
     # graph, every token a row of the paged decode kernel; larger steps, and steps whose prefill tokens see
     # more than `scheduler.FLAT_KEYS_PER_TOKEN` keys on average, run eagerly. 0: every such step runs eagerly.
     cuda_graph_max_tokens: int = 2048
+    # A replayed decode step whose rows all go on launches the next one before the host reads its tokens:
+    # the next step's token ids are the sampled ones on the device, so the device never waits for the host
+    # between decode steps (a row that stopped has its extra token dropped). Off: each step's tokens are read
+    # first.
+    decode_ahead: bool = True
 
     def admit_slots(self) -> int:
         """Free slots that make waiting sequences due for admission while rows decode (`admit_batch`)."""

@@ -43,11 +43,40 @@ from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.logprobs import fp32_logits
 from megatron_gptoss.model.paged_kv_cache import PagedKVCache
 from megatron_gptoss.ops import moe_decode
-from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, Head, Sampling
+from megatron_gptoss.rollout.decode_graphs import DecodeGraphs, GraphStep, Head, Sampling
 from megatron_gptoss.rollout.memory import EngineMemory
 from megatron_gptoss.rollout.routing import RoutingRecorder
 from megatron_gptoss.rollout.sampling import sample_from_logits
 from megatron_gptoss.rollout.scheduler import Scheduler, Sequence, StepPlan, staged
+
+
+class _TokensBack:
+    """A step's drawn tokens and log-probs ([2, rows] float64 on the device), copied to the host as soon as
+    the step is enqueued (pinned memory, non-blocking on CUDA), so that the step after it may reuse the
+    graph's buffers; `read` waits for that copy only."""
+
+    def __init__(self, drawn: torch.Tensor):
+        if drawn.is_cuda:
+            self.host = torch.empty(drawn.shape, dtype=drawn.dtype, pin_memory=True)
+            self.host.copy_(drawn, non_blocking=True)
+            self.done: torch.cuda.Event | None = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host, self.done = drawn.clone(), None
+
+    def read(self) -> tuple[list[int], list[float]]:
+        if self.done is not None:
+            self.done.synchronize()
+        return [int(t) for t in self.host[0].tolist()], self.host[1].tolist()
+
+
+@dataclass
+class _InFlight:
+    """A decode step launched ahead: its plan, its result on the device, its tokens on their way back."""
+
+    plan: StepPlan
+    step: GraphStep
+    tokens: _TokensBack
 
 
 @dataclass
@@ -138,6 +167,8 @@ class EmbeddedEngine:
         self._graphs: DecodeGraphs | None = None
         # the next decode step's plan, built while the last step ran (`_step`)
         self._ahead: StepPlan | None = None
+        # a decode step launched ahead (`EmbeddedConfig.decode_ahead`) whose tokens the next step reads
+        self._inflight: _InFlight | None = None
         self._sessions: dict[int, Sequence] = {}
         self._next_session = 0
         self._turns: list[SessionTurn] = []
@@ -169,6 +200,7 @@ class EmbeddedEngine:
         if self._cache is not None:  # freed now, whatever else still refers to the cache
             self._cache.drop_storage()
         self._cache, self._scheduler, self._graphs, self._ahead = None, None, None, None
+        self._inflight = None
         return kv_bytes
 
     def wake_up(self) -> dict[str, int]:
@@ -240,10 +272,11 @@ class EmbeddedEngine:
         """Run at most `steps` engine steps over the rows in flight (fewer once no rank of the lockstep
         block has any left)."""
         self._check_awake("generate")
-        for _ in range(steps):
+        for i in range(steps):
             if not self._block_any(self._scheduler is not None and self._scheduler.has_work()):
-                return
-            self._step()
+                break
+            self._step(ahead=i < steps - 1)
+        self._drain()
 
     @torch.no_grad()
     def finish(self, seqs: list[Sequence]) -> list[Generation]:
@@ -252,6 +285,7 @@ class EmbeddedEngine:
         self._check_awake("generate")
         while self._block_any(any(not s.left for s in seqs)):
             self._step()
+        self._drain()
         return [
             Generation(
                 prompt_ids=seq.tokens[: seq.counter_base],
@@ -267,6 +301,7 @@ class EmbeddedEngine:
     def recompute_in_flight(self) -> int:
         """`rollout.partial_kv: recompute`: every generation row in flight drops its KV cache, to be
         prefilled again under the weights of now (call after `update_weights`); the rows sent back."""
+        self._drain()
         self._ahead = None
         return self._scheduler.recompute() if self._scheduler is not None else 0
 
@@ -307,6 +342,7 @@ class EmbeddedEngine:
         self._check_awake("step_sessions")
         while self._block_any(not self._turns and self._scheduler is not None and self._scheduler.has_work()):
             self._step()
+        self._drain()
         turns, self._turns = self._turns, []
         return turns
 
@@ -337,36 +373,52 @@ class EmbeddedEngine:
         return self._sessions[sid]
 
     # ------------------------------------------------------------------------------- one step
-    def _step(self) -> StepPlan:
+    def _step(self, ahead: bool = True) -> StepPlan:
         """One forward over the scheduler's packed tokens, then sampling and bookkeeping (one host sync).
         Returns the step's plan (its chunks say what was computed).
 
         A decode step replayed from a graph with its sampling inside lets the host build the next step's
-        plan (`Scheduler.plan_ahead`) while the device computes; the next step takes that plan where every
-        row went on (no stop), with the sampled tokens written in, and plans afresh otherwise."""
+        plan (`Scheduler.plan_ahead`) while the device computes. With `decode_ahead` (and `ahead`) that next
+        step is launched before this one's tokens are read, its token ids the sampled ones on the device
+        (`_launch_ahead`): the next call takes it as its step, its rows that stopped in between dropped.
+        Otherwise the next step takes the plan where every row went on (no stop), with the sampled tokens
+        written in, and plans afresh where not."""
         assert self._scheduler is not None and self._cache is not None
         scheduler = self._scheduler
         start = time.perf_counter()
         scheduler.flat_tokens = self._graphs.token_limit() if self._graphs is not None else 0
-        plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
-        with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
-            hidden, step = self._forward(plan)
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:  # launched by the last step: its rows that stopped since are dropped
+            plan, step, tokens_back = inflight.plan, inflight.step, inflight.tokens
+            hidden = step.hidden
+            running = {id(seq) for seq in scheduler.running}
+            kept = [c for c in plan.chunks if id(c.seq) in running]
+        else:
+            plan = self._take_ahead() or scheduler.plan() or scheduler.idle_plan()
+            with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
+                hidden, step = self._forward(plan)
+            kept, tokens_back = plan.chunks, None
         if self.routing is not None:
             self.routing.collect(plan)
-        scheduler.computed(plan)
+        scheduler.computed(plan, kept)
         if plan.samplers:
             if step is not None and step.drawn is not None:
-                ahead = scheduler.plan_ahead()  # on the host while the device runs the step
-                drawn = step.drawn.cpu()  # the step's one host sync
-                tokens, logprobs = [int(t) for t in drawn[0].tolist()], drawn[1].tolist()
+                tokens_back = tokens_back or _TokensBack(step.drawn)
+                next_plan = scheduler.plan_ahead() if len(kept) == len(plan.chunks) else None
+                if next_plan is not None and ahead and self.options.decode_ahead:
+                    self._inflight = self._launch_ahead(plan, next_plan, step)
+                    next_plan = None if self._inflight is not None else next_plan
+                tokens, logprobs = tokens_back.read()  # the step's one host sync
             else:
                 rows = torch.tensor([c.offset + c.count - 1 for c in plan.samplers], device=self.device)
                 logits = self._logits(hidden[0].index_select(0, rows))
                 tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
-                ahead = None
+                next_plan = None
+            live = None if len(kept) == len(plan.chunks) else {id(c.seq) for c in kept}
             for chunk, token, logprob in zip(plan.samplers, tokens, logprobs):
-                self._advance(chunk.seq, token, logprob)
-            self._ahead = ahead
+                if live is None or id(chunk.seq) in live:
+                    self._advance(chunk.seq, token, logprob)
+            self._ahead = next_plan
         if scheduler.static and scheduler.running and all(s.ghost for s in scheduler.running):
             for seq in list(scheduler.running):  # the static batch's last row finished: free the batch
                 scheduler.stop(seq, keep_blocks=False)
@@ -377,6 +429,36 @@ class EmbeddedEngine:
             replayed = step is not None and graphs is not None and graphs.mode == "capture"
             self.stats.record(plan, time.perf_counter() - start, replayed, *captured)
         return plan
+
+    def _launch_ahead(self, plan: StepPlan, next_plan: StepPlan, step: GraphStep) -> _InFlight | None:
+        """Launch `next_plan` (built ahead of `plan`, whose decode step `step` is on the device) from its
+        graph, its token ids the ones `step` sampled, copied on the device; None (nothing launched) where
+        it cannot be: a routing record (read back each step), `plan` not a decode step of the same rows in
+        the same order, no graph of the next step or no sampling inside it."""
+        if self.routing is not None or self._graphs is None or step.drawn is None:
+            return None
+        rows = [c.seq for c in plan.samplers]
+        if len(rows) != len(plan.chunks) or any(c.count != 1 for c in plan.chunks):
+            return None
+        if len(rows) != len(next_plan.chunks) or any(c.seq is not s for c, s in zip(next_plan.chunks, rows)):
+            return None
+        sampling = self._graph_sampling(next_plan, False, pending=1)
+        if sampling is None:
+            return None
+        next_plan.input_ids.copy_(step.drawn[0].view(1, -1))  # float64 token ids, exact
+        with moe_decode.decode_scope():
+            launched = self._graphs.run(
+                next_plan.input_ids, next_plan.positions, next_plan.layout, sampling, False
+            )
+        if launched is None or launched.drawn is None:
+            return None
+        return _InFlight(next_plan, launched, _TokensBack(launched.drawn))
+
+    def _drain(self) -> None:
+        """Take the step launched ahead, if any, without launching another: nothing is left on the device
+        for a later call to read (before a weight update, a sleep, or the caller's next request)."""
+        if self._inflight is not None:
+            self._step(ahead=False)
 
     def take_stats(self) -> dict[str, float]:
         """The `engine/*` metrics of the steps since the last call (`StepStats`), then counted afresh."""
@@ -416,10 +498,11 @@ class EmbeddedEngine:
         plan.input_ids.copy_(staged([c.seq.tokens[-1] for c in chunks], self.device).view(1, -1))
         return plan
 
-    def _graph_sampling(self, plan: StepPlan, prefill: bool) -> Sampling | None:
+    def _graph_sampling(self, plan: StepPlan, prefill: bool, pending: int = 0) -> Sampling | None:
         """Sampling inside the step's graph where every sampling row is seeded, with one temperature / top-k /
         top-p (the draws are those of `_sample`: one sampler, seeds, counters) and, in a decode step, every
-        row samples; with `prefill` (a step laid out flat) the sampling chunks' last tokens."""
+        row samples; with `prefill` (a step laid out flat) the sampling chunks' last tokens. `pending`: tokens
+        each row has sampled that its sequence does not hold yet (a step launched ahead: 1)."""
         if not plan.samplers or (not prefill and len(plan.samplers) != len(plan.chunks)):
             return None
         seqs = [c.seq for c in plan.samplers]
@@ -429,7 +512,8 @@ class EmbeddedEngine:
             return None
         seeds = [s.seed for s in seqs if s.seed is not None]
         rows = [c.offset + c.count - 1 for c in plan.samplers] if prefill else None
-        return Sampling(first, seeds, [len(s.tokens) - s.counter_base for s in seqs], rows)
+        counters = [len(s.tokens) + pending - s.counter_base for s in seqs]
+        return Sampling(first, seeds, counters, rows)
 
     def _graph_head(self) -> Head | None:
         """The fp32 logits the decode graphs compute for sampling inside the graph (None: sampling stays out

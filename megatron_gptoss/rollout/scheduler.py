@@ -371,10 +371,11 @@ class Scheduler:
         return StepPlan([], zero, zero, layout, [])
 
     # ------------------------------------------------------------------------------------------------
-    def computed(self, plan: StepPlan) -> None:
-        """Account the step's chunks and release sliding-window blocks no later query can see."""
+    def computed(self, plan: StepPlan, chunks: list[Chunk] | None = None) -> None:
+        """Account the step's chunks (`chunks` of them only: a step launched ahead, its rows that stopped
+        meanwhile left out) and release sliding-window blocks no later query can see."""
         self.steps += 1
-        for chunk in plan.chunks:
+        for chunk in plan.chunks if chunks is None else chunks:
             seq = chunk.seq
             seq.computed = chunk.start + chunk.count
             self._slide(seq)

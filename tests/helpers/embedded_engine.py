@@ -40,3 +40,23 @@ def kept_prefix_logprobs(old, new, tokens: list[int], switch: int) -> list[float
     head = torch.cat([old.token_logprobs(first, torch.tensor([tokens[1 : switch + 1]]))[0],
                       new.token_logprobs(rest, torch.tensor([tokens[switch + 1 :]]))[0]], dim=1)  # fmt: skip
     return head[0].tolist()
+
+
+def spy_on_steps_ahead(monkeypatch) -> tuple[list, list]:
+    """Lists that fill as the engine runs: each plan taken ahead (`_take_ahead`, None where none held) and
+    each step launched ahead (`_launch_ahead`, None where none could be)."""
+    taken: list = []
+    launched: list = []
+    take, launch = EmbeddedEngine._take_ahead, EmbeddedEngine._launch_ahead
+
+    def taking(self):
+        taken.append(take(self))
+        return taken[-1]
+
+    def launching(self, *args):
+        launched.append(launch(self, *args))
+        return launched[-1]
+
+    monkeypatch.setattr(EmbeddedEngine, "_take_ahead", taking)
+    monkeypatch.setattr(EmbeddedEngine, "_launch_ahead", launching)
+    return taken, launched

@@ -107,15 +107,15 @@ class AdmissionLog(EmbeddedEngine):
     admitted, steps in a row that began with a free slot and a waiting sequence), and counts the steps that
     ran a plan built ahead."""
 
-    def _step(self):
+    def _step(self, ahead: bool = True):
         scheduler = self._scheduler
         before = list(scheduler.running) if scheduler is not None else []
         waiting = list(scheduler.waiting) if scheduler is not None else []
         free = self.options.max_batch_slots - len(before)
         self.streak = self.streak + 1 if free > 0 and waiting else 0
-        ahead = self._ahead
-        plan = super()._step()
-        self.ahead_steps += int(ahead is not None and plan is ahead)
+        built = self._ahead or (self._inflight.plan if self._inflight is not None else None)
+        plan = super()._step(ahead)
+        self.ahead_steps += int(built is not None and plan is built)
         joined = [c.seq for c in plan.chunks if c.seq in waiting]
         if joined and before:
             self.joins.append((free, len(waiting), len(joined), self.streak))
@@ -197,8 +197,8 @@ def test_bad_engine_options_are_named(field, value, match):
 class FlatLog(EmbeddedEngine):
     """Records each step's (tokens, whether it prefilled, whether its layout was flat)."""
 
-    def _step(self):
-        plan = super()._step()
+    def _step(self, ahead: bool = True):
+        plan = super()._step(ahead)
         group = plan.layout.groups[0]
         flat = len(plan.layout.groups) == 1 and group.token_index.shape[1] == 1
         self.log.append((plan.input_ids.shape[1], any(c.count > 1 for c in plan.chunks), flat))

@@ -4,6 +4,7 @@ GPU the captured graphs are replayed."""
 
 import pytest
 import torch
+from helpers.embedded_engine import spy_on_steps_ahead
 
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.hf.convert import iter_hf_tensors
@@ -11,21 +12,26 @@ from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.ops import backend_available, batch_invariant
 from megatron_gptoss.parallel.loading import materialize
 from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 7, 30, 1], [11], [8, 8, 8, 8, 8], [70, 1], [3, 1, 4, 1, 5, 9]]
 BUDGETS = [12, 3, 20, 7, 1, 9]  # rows leave one by one: the decode batch crosses buckets 8, 4, 2, 1
 
 
-def generate(device, graphs: str, dtype=torch.float32, backend=None, params=None, record=False):
+def generate(
+    device, graphs: str, dtype=torch.float32, backend=None, params=None, record=False, ahead=True,
+    budgets=None,
+):  # fmt: skip
     config = gpt_oss_tiny(attention_backend=backend or ("eager" if device == "cpu" else "auto"))
     learner = build_model(config, seed=4)
     options = EmbeddedEngineConfig(
-        max_batch_slots=5, block_size=4, max_step_tokens=8, cuda_graphs=graphs, record_routing=record
-    )
+        max_batch_slots=5, block_size=4, max_step_tokens=8, cuda_graphs=graphs, record_routing=record,
+        decode_ahead=ahead,
+    )  # fmt: skip
     engine = EmbeddedEngine(config, dtype, device, options=options)
     engine.update_weights(iter_hf_tensors(learner, config))
     params = params or SamplingParams(temperature=0.8, seed=3)
-    outs = engine.generate(PROMPTS, params, max_new_tokens=BUDGETS)
+    outs = engine.generate(PROMPTS, params, max_new_tokens=budgets or BUDGETS)
     return engine, outs
 
 
@@ -35,16 +41,18 @@ def assert_same(outs, ref, tolerance):
         assert (torch.tensor(a.logprobs) - torch.tensor(b.logprobs)).abs().max() <= tolerance
 
 
-def test_padded_decode_buffers_equal_the_eager_step(monkeypatch):
-    taken = []
-    real = EmbeddedEngine._take_ahead
-    monkeypatch.setattr(EmbeddedEngine, "_take_ahead", lambda self: taken.append(real(self)) or taken[-1])
-    engine, outs = generate("cpu", "padded")
+@pytest.mark.parametrize("ahead", [True, False], ids=["launched-ahead", "planned-ahead"])
+def test_padded_decode_buffers_equal_the_eager_step(monkeypatch, ahead):
+    """The bucketed buffers run eagerly give the unpadded step's tokens, the decode steps planned while the
+    step before ran: launched before its tokens are read (`decode_ahead`), or taken where no row stopped."""
+    taken, launched = spy_on_steps_ahead(monkeypatch)
+    engine, outs = generate("cpu", "padded", ahead=ahead)
     _, ref = generate("cpu", "off")
     assert_same(outs, ref, 1e-6)
     assert engine.take_stats()["engine/graph_frac"] == 0  # the padded check replays no graph
-    # the bucketed steps were planned ahead, while the step before ran, where no row stopped
-    assert sum(plan is not None for plan in taken) >= 5
+    assert engine._inflight is None  # nothing left on the device after the generation
+    ahead_steps = sum(step is not None for step in (launched if ahead else taken))
+    assert ahead_steps >= 5 and (ahead or not launched)
     buckets = {batch for batch, _, _ in engine._graphs._buffers}
     assert {8, 4, 2, 1} <= buckets  # 5 rows pad to 8; 3 to 4; ...
     # every row seeded with one temperature: the buckets sampled inside the step (the reference outside it)
@@ -166,3 +174,45 @@ def test_routing_recorded_from_captured_graphs_equals_the_eager_record():
     for out, want in zip(outs, ref):
         assert out.routing is not None and want.routing is not None
         assert torch.equal(out.routing, want.routing)
+
+
+def test_steps_launched_ahead_drop_the_rows_that_stopped(monkeypatch):
+    """Rows stopping on stop tokens at unforeseen steps while the next step, launched before their tokens
+    were read, ran them too: those rows' extra tokens are dropped, their blocks freed, and every row's tokens
+    and log-probs equal the eager steps'."""
+    dropped = []
+    real_computed = Scheduler.computed
+
+    def computed(self, plan, chunks=None):
+        dropped.append(chunks is not None and len(chunks) < len(plan.chunks))
+        return real_computed(self, plan, chunks)
+
+    monkeypatch.setattr(Scheduler, "computed", computed)
+    stops = list(range(0, gpt_oss_tiny().vocab_size, 9))  # a stop about every 9th draw
+    params = SamplingParams(temperature=1.0, seed=11, stop_token_ids=stops)
+    engine, outs = generate("cpu", "padded", params=params, budgets=[40] * len(PROMPTS))
+    _, ref = generate("cpu", "off", params=params, budgets=[40] * len(PROMPTS))
+    assert_same(outs, ref, 1e-6)
+    assert sum(out.finish_reason == "stop" for out in outs) >= 3 and any(dropped)
+    assert engine._inflight is None and all(free == cap for free, cap in engine.kv_blocks_free())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_steps_launched_ahead_equal_the_steps_read_first(monkeypatch):
+    """bf16 graphs, rows stopping on stop tokens: decode steps launched before the tokens of the step before
+    are read (their token ids copied on the device, that step's draws copied back before the next replay
+    reuses its buffers) give the tokens and log-probs of steps whose tokens are read first, and those of the
+    bucketed buffers run eagerly."""
+    taken, launched = spy_on_steps_ahead(monkeypatch)
+    stops = list(range(0, gpt_oss_tiny().vocab_size, 9))
+    params = SamplingParams(temperature=1.0, seed=11, stop_token_ids=stops)
+    budgets = [40] * len(PROMPTS)
+    engine, outs = generate("cuda", "auto", torch.bfloat16, params=params, budgets=budgets)
+    assert engine._graphs is not None and engine._graphs.enabled, engine._graphs and engine._graphs.failure
+    assert sum(step is not None for step in launched) >= 5
+    _, read_first = generate("cuda", "auto", torch.bfloat16, params=params, budgets=budgets, ahead=False)
+    _, padded = generate("cuda", "padded", torch.bfloat16, params=params, budgets=budgets)
+    assert_same(outs, read_first, 1e-6)
+    assert_same(outs, padded, 1e-6)
+    assert sum(out.finish_reason == "stop" for out in outs) >= 3

@@ -3,7 +3,7 @@ router replay, and sleep / wake freeing the cache and the weights."""
 
 import pytest
 import torch
-from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner
+from helpers.embedded_engine import CONFIG, engine_of, perturbed_learner, spy_on_steps_ahead
 
 from megatron_gptoss.config import EmbeddedEngineConfig, gpt_oss_tiny
 from megatron_gptoss.engine_api import SessionEngine
@@ -156,9 +156,11 @@ def test_sleep_frees_the_cache_and_wake_restores_generation(learner, level):
         engine.sleep()
 
 
-def run_sessions(learner, graphs: str) -> list[tuple]:
+def run_sessions(learner, graphs: str, ahead: bool = True) -> list[tuple]:
     """Three sessions with stop tokens, each extended twice with tool tokens, then closed: every turn."""
-    engine = engine_of(learner, max_batch_slots=3, block_size=4, max_step_tokens=8, cuda_graphs=graphs)
+    engine = engine_of(
+        learner, max_batch_slots=3, block_size=4, max_step_tokens=8, cuda_graphs=graphs, decode_ahead=ahead
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=7, stop_token_ids=[5, 17, 33, 60])
     prompts = [[3, 14, 15, 92], [2, 71, 82, 81, 8, 28], [1, 61, 80]]
     turns_of = {engine.open_session(p, params, seed=50 + i): 0 for i, p in enumerate(prompts)}
@@ -176,17 +178,18 @@ def run_sessions(learner, graphs: str) -> list[tuple]:
     return record
 
 
-def test_sessions_planned_ahead_in_bucketed_steps_equal_sessions_planned_each_step(learner, monkeypatch):
+@pytest.mark.parametrize("launch", [True, False], ids=["launched-ahead", "planned-ahead"])
+def test_sessions_planned_ahead_in_bucketed_steps_equal_sessions_planned_each_step(
+    learner, monkeypatch, launch
+):
     """Decode steps in bucketed buffers plan the next step while they run (the path of decode graphs on a
-    GPU); turns ending on stop tokens, extensions and closes drop such plans. Every turn equals the one of
-    steps planned one at a time."""
-    from megatron_gptoss.rollout import EmbeddedEngine
-
-    taken = []
-    real = EmbeddedEngine._take_ahead
-    monkeypatch.setattr(EmbeddedEngine, "_take_ahead", lambda self: taken.append(real(self)) or taken[-1])
-    ahead = run_sessions(learner, "padded")
-    assert sum(plan is not None for plan in taken) >= 5
+    GPU), and launch it before their tokens are read (`decode_ahead`: a row that paused meanwhile has its
+    extra token dropped) or take it where no row stopped; turns ending on stop tokens, extensions and closes
+    drop such plans. Every turn equals the one of steps planned one at a time."""
+    taken, launched = spy_on_steps_ahead(monkeypatch)
+    ahead = run_sessions(learner, "padded", launch)
+    assert sum(step is not None for step in (launched if launch else taken)) >= 5
+    assert launch or not launched
     eager = run_sessions(learner, "off")
     assert [r[0] for r in ahead] == [r[0] for r in eager]
     assert any(r[3] == "stop" for r in ahead) and any(r[3] == "length" for r in ahead)
