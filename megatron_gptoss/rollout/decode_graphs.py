@@ -29,7 +29,8 @@ capture that fails (an op that syncs or copies from the host) turns graphs off f
 says why; a step with prefill tokens: only those steps' graphs, `token_failure`) and the step runs
 eagerly. Graphs hold the cache's storage and the weights' addresses: they live
 as long as the cache (a grown pool, sleep or reconfigure drops them; `update_weights` copies in place and
-keeps them).
+keeps them). A bucket's first capture in the process runs `WARMUP_FORWARDS` forwards first (kernels
+compiled, lazy initialisations done outside the graph); its captures after a sleep run none.
 
 Host inputs arrive through pinned memory in non-blocking copies: the step's layout in the scheduler's one
 copy, the rows' seeds and counters in one more; the bucket's buffers are filled from them on the device.
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -57,6 +59,14 @@ from megatron_gptoss.rollout.sampling import sample_from_logits
 from megatron_gptoss.rollout.scheduler import staged
 
 log = logging.getLogger(__name__)
+
+# forwards run before a bucket's first capture in the process (on a side stream): its kernels compiled and
+# every lazy initialisation done outside the graph
+WARMUP_FORWARDS = 2
+# the buckets captured for each model in this process: a capture of one of them again (the graphs of a new
+# cache, after a sleep or a grown pool) runs no warm-up forward; where that capture fails, it is retried
+# after the warm-ups
+_CAPTURED: weakref.WeakKeyDictionary[torch.nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 
 # hidden states [B, H] -> fp32 logits [B, vocab_size]
 Head = Callable[[torch.Tensor], torch.Tensor]
@@ -159,6 +169,8 @@ class DecodeGraphs:
         self.max_samplers = max_samplers
         # graphs captured, and the seconds spent capturing them (warm-up forwards included), not yet taken
         self.captures, self.capture_seconds = 0, 0.0
+        # warm-up forwards run before captures (`WARMUP_FORWARDS` a bucket new to the process, else none)
+        self.warmups = 0
         self._buffers: dict[tuple, _Buffers] = {}
         # the buckets of steps with prefill tokens: (rows, widths, sampling, sampling rows)
         self._token_buffers: dict[tuple, _Buffers] = {}
@@ -242,7 +254,7 @@ class DecodeGraphs:
         if self.mode == "padded":
             hidden, drawn = self._forward(buffers)
         else:
-            if buffers.graph is None and not self._capture(buffers, prefill):
+            if buffers.graph is None and not self._capture(buffers, prefill, key):
                 return None
             assert buffers.graph is not None and buffers.hidden is not None
             buffers.graph.replay()
@@ -301,33 +313,26 @@ class DecodeGraphs:
         tokens, logprobs = sample_from_logits(self.head(last), b.params, None, b.seeds, b.counters)
         return hidden, torch.stack([tokens.double(), logprobs.float().double()])
 
-    def _capture(self, b: _Buffers, prefill: bool = False) -> bool:
-        """Warm up on a side stream, then capture; on failure turn graphs off (False): all of them, or with
-        `prefill` those of steps with prefill tokens only. The capture forbids unsafe CUDA calls to this
-        thread only ("thread_local"): the learner, or a thread receiving weights, may go on using the device
-        while a rollout thread captures."""
+    def _capture(self, b: _Buffers, prefill: bool = False, key: tuple = ()) -> bool:
+        """Capture the bucket `key`'s graph, after `WARMUP_FORWARDS` forwards on a side stream where the model
+        has not had this bucket captured in the process (none where it has: a capture that then fails is
+        retried after them); on failure turn graphs off (False): all of them, or with `prefill` those of
+        steps with prefill tokens only. The capture forbids unsafe CUDA calls to this thread only
+        ("thread_local"): the learner, or a thread receiving weights, may go on using the device while a
+        rollout thread captures."""
         start = time.perf_counter()
+        seen = _CAPTURED.setdefault(self.model, set())
         try:
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(b)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    b.hidden, b.drawn = self._forward(b)
-            except RuntimeError as err:
-                if "use_count" not in str(err):
-                    raise
-                # the pool outlived its graphs (see _drop_graphs): this and later graphs get a new one
-                self._pool = torch.cuda.graph_pool_handle()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                    b.hidden, b.drawn = self._forward(b)
-            b.graph = graph
-            stream.synchronize()  # the warm-up forwards' time counted as the capture's
+            if (prefill, key) in seen:
+                try:
+                    self._record(b, 0)
+                except RuntimeError as err:
+                    log.info("capture without warm-up failed (%s); warming up and capturing again", err)
+                    self._pool = torch.cuda.graph_pool_handle()  # whatever the failed capture left in it
+                    self._record(b, WARMUP_FORWARDS)
+            else:
+                self._record(b, WARMUP_FORWARDS)
+            seen.add((prefill, key))
             self.captures += 1
             return True
         except RuntimeError as err:  # an op that needs the host (e.g. the experts' loop backend)
@@ -344,3 +349,27 @@ class DecodeGraphs:
             return False
         finally:
             self.capture_seconds += time.perf_counter() - start
+
+    def _record(self, b: _Buffers, warmups: int) -> None:
+        """`warmups` forwards on a side stream, then b's graph captured into the graphs' pool."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(warmups):
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.warmups += warmups
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                b.hidden, b.drawn = self._forward(b)
+        except RuntimeError as err:
+            if "use_count" not in str(err):
+                raise
+            # the pool outlived its graphs (see _drop_graphs): this and later graphs get a new one
+            self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                b.hidden, b.drawn = self._forward(b)
+        b.graph = graph
+        stream.synchronize()  # the warm-up forwards' time counted as the capture's

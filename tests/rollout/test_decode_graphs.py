@@ -11,7 +11,7 @@ from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.model import GPTOSSModel, build_model
 from megatron_gptoss.ops import backend_available, batch_invariant
 from megatron_gptoss.parallel.loading import materialize
-from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams
+from megatron_gptoss.rollout import EmbeddedEngine, SamplingParams, decode_graphs
 from megatron_gptoss.rollout.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 61, 7, 7, 30, 1], [11], [8, 8, 8, 8, 8], [70, 1], [3, 1, 4, 1, 5, 9]]
@@ -216,3 +216,40 @@ def test_captured_steps_launched_ahead_equal_the_steps_read_first(monkeypatch):
     assert_same(outs, read_first, 1e-6)
     assert_same(outs, padded, 1e-6)
     assert sum(out.finish_reason == "stop" for out in outs) >= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_after_a_sleep_are_captured_without_warm_up(monkeypatch):
+    """A sleep drops the cache and its graphs; the next generation captures the same buckets again, with no
+    warm-up forward (the model had them captured in this process), and replays the tokens and log-probs of
+    the first generation; a capture without warm-up that fails is retried after the warm-ups."""
+    engine, first = generate("cuda", "auto", torch.bfloat16)
+    graphs = engine._graphs
+    assert graphs is not None and graphs.enabled, graphs and graphs.failure
+    buckets = len(graphs._buffers) + len(graphs._token_buffers)
+    assert buckets > 0 and graphs.warmups == decode_graphs.WARMUP_FORWARDS * buckets
+    engine.take_stats()
+
+    def again():
+        engine.sleep(1)
+        engine.wake_up()
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3), max_new_tokens=BUDGETS)
+        graphs = engine._graphs
+        assert graphs is not None and graphs.enabled and graphs.token_failure is None
+        assert engine.take_stats()["engine/graph_captures"] == buckets
+        assert_same(outs, first, 1e-6)
+        return graphs
+
+    assert again().warmups == 0
+    record = decode_graphs.DecodeGraphs._record
+    failed = []
+
+    def record_failing_cold(self, b, warmups):
+        if warmups == 0 and not failed:
+            failed.append(b)
+            raise RuntimeError("an op that needs its warm-up")
+        return record(self, b, warmups)
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "_record", record_failing_cold)
+    assert again().warmups == decode_graphs.WARMUP_FORWARDS and len(failed) == 1
