@@ -253,3 +253,55 @@ def test_graphs_after_a_sleep_are_captured_without_warm_up(monkeypatch):
 
     monkeypatch.setattr(decode_graphs.DecodeGraphs, "_record", record_failing_cold)
     assert again().warmups == decode_graphs.WARMUP_FORWARDS and len(failed) == 1
+
+
+def test_captures_after_a_sleep_skip_the_warm_up_cpu(monkeypatch):
+    """The warm-up bookkeeping on the CPU, where no graph is captured: `_record` stands in for the capture
+    (its warm-ups counted, the graph's replay the bucket's forward). The first generation warms up every
+    bucket, the one after a sleep none and replays the same tokens; a capture without warm-up that fails
+    is retried after the warm-ups, and the model's record is its own (a second engine warms up again)."""
+
+    class Replay:
+        def __init__(self, graphs, b):
+            self.graphs, self.b = graphs, b
+
+        def replay(self):
+            self.b.hidden, self.b.drawn = self.graphs._forward(self.b)
+
+    failing = []
+
+    def record(self, b, warmups):
+        if failing and warmups == 0:
+            failing.pop()
+            raise RuntimeError("an op that needs its warm-up")
+        for _ in range(warmups):
+            self._forward(b)
+        self.warmups += warmups
+        b.graph = Replay(self, b)
+        b.hidden, b.drawn = self._forward(b)
+
+    monkeypatch.setattr(decode_graphs.DecodeGraphs, "_record", record)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(EmbeddedEngine, "_graph_mode", lambda self: "capture")
+    engine, first = generate("cpu", "auto", torch.bfloat16)
+    graphs = engine._graphs
+    assert graphs is not None and graphs.enabled, graphs and graphs.failure
+    buckets = len(graphs._buffers) + len(graphs._token_buffers)
+    assert buckets > 1 and graphs.warmups == decode_graphs.WARMUP_FORWARDS * buckets
+    _, padded = generate("cpu", "padded", torch.bfloat16)
+    assert_same(first, padded, 0.0)  # the stand-in replays the buckets' own forwards
+
+    def again(fail: int) -> int:
+        failing.extend([True] * fail)
+        engine.sleep(1)
+        engine.wake_up()
+        outs = engine.generate(PROMPTS, SamplingParams(temperature=0.8, seed=3), max_new_tokens=BUDGETS)
+        assert engine._graphs is not None and engine._graphs is not graphs and engine._graphs.enabled
+        assert len(engine._graphs._buffers) + len(engine._graphs._token_buffers) == buckets
+        assert_same(outs, first, 0.0)
+        return engine._graphs.warmups
+
+    assert again(0) == 0
+    assert again(1) == decode_graphs.WARMUP_FORWARDS and not failing
+    other, _ = generate("cpu", "auto", torch.bfloat16)
+    assert other._graphs is not None and other._graphs.warmups == decode_graphs.WARMUP_FORWARDS * buckets
