@@ -252,11 +252,12 @@ def default_config(
     expert in [16, 128] (`moe_decode.row_tile`), so at decode sizes each hit expert's weight is read once.
     K steps of 128 values for the checkpoint's bytes, of 64 for the pairs (`benchmarks/RESULTS.md`: on an
     H200 at gpt-oss-20b width the pairs' fc1 took 148 / 220 us at 256 / 1024 rows with 64, 179 / 259 us
-    with 128; fc2 likewise)."""
+    with 128; fc2 likewise). Eight warps for the gated 128-row tiles of the checkpoint's bytes, four for the
+    pairs' (the pairs' fc1 at 2,048 rows, 512 decode slots: 322 us with four against 673 with eight)."""
     if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
         return CPU_CONFIG if byte_format == "checkpoint" else dataclasses.replace(CPU_CONFIG, decode="groups")
     block_m = row_tile(rows, experts, 2)
-    warps = 8 if gated and block_m >= 128 else 4
+    warps = 8 if gated and block_m >= 128 and byte_format != "pairs" else 4
     block_k = 64 if byte_format == "pairs" else 128
     cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
     return fit_shared_memory(cfg, _shared_memory(device), gated)
