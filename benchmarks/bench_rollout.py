@@ -31,7 +31,9 @@ Parts:
               and given to each row as its budget (no stop token): tokens/s and peak memory of the
               continuous schedule with decode graphs, then of the static one with eager decode steps
               (batches of B prompts run to their longest row: the engine before continuous batching and
-              graphs); out of memory is reported as such
+              graphs); out of memory is reported as such. Each run is timed after an untimed one of the
+              same prompts with responses of at most --warmup-response tokens (kernels compiled for the
+              run's shapes), the cache released between them
     slice     decode of a 4-layer gpt-oss-120b-width model (128 experts, top-4), random weights drawn on the
               device, per --slots
 
@@ -414,15 +416,19 @@ def part_workload(args, engine: TimedEngine, config: ModelConfig, device) -> lis
         for (schedule, graphs), admit, graph_tokens in settings:
             options = engine_options(args, slots, schedule, max(budgets), graphs, None, admit, graph_tokens)
             engine.reconfigure(options)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            engine.log = []
             row = {"part": "workload", "format": format_name(config), "slots": slots, "schedule": schedule,
                    "graphs": graphs, "admit_batch": engine.options.admit_slots(),
-                   "graph_tokens": graph_tokens, "prompts": count,
+                   "graph_tokens": graph_tokens, "warmup_response": args.warmup_response, "prompts": count,
                    "response_mean": statistics.mean(budgets), "response_max": max(budgets)}  # fmt: skip
             try:
+                if args.warmup_response:  # the timed run's kernels compiled, its buckets captured once
+                    short = [min(b, args.warmup_response) for b in budgets]
+                    engine.generate(prompts, SamplingParams(seed=4), max_new_tokens=short)
+                    engine.reconfigure(options)  # the cache sized for the timed run, as without a warm-up
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats(device)
+                engine.log = []
                 start = time.perf_counter()
                 outs = engine.generate(prompts, SamplingParams(seed=3), max_new_tokens=budgets)
                 seconds = time.perf_counter() - start
@@ -561,6 +567,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         default=[2048],
         help="workload: embedded.cuda_graph_max_tokens values, comma-separated, each run with every one (0: "
         "steps with prefill tokens run eagerly)",
+    )
+    parser.add_argument(
+        "--warmup-response",
+        type=int,
+        default=32,
+        help="workload: before each timed run the same prompts with responses of at most this many tokens, "
+        "untimed, then the cache released: the timed run's kernels are compiled and its graph buckets "
+        "captured once before (it captures them again, as a step after a sleep does; 0: none)",
     )
     parser.add_argument(
         "--decode-ahead",

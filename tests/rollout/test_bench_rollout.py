@@ -117,3 +117,29 @@ def test_workload_with_and_without_graphs_of_steps_that_prefill(tmp_path):
     assert rows[0]["tokens_per_s"] * rows[0]["seconds"] == pytest.approx(
         rows[1]["tokens_per_s"] * rows[1]["seconds"]
     )
+
+
+def test_workload_is_timed_after_a_short_untimed_run(tmp_path, monkeypatch):
+    """--warmup-response 5: each setting generates the same prompts with budgets capped at 5 first, then
+    releases the cache, then times the full budgets; 0: the timed run alone."""
+    calls = []
+    generate = bench_rollout.TimedEngine.generate
+
+    def spy(self, prompts, params, max_new_tokens=None):
+        budgets = [params.max_new_tokens] * len(prompts) if max_new_tokens is None else list(max_new_tokens)
+        calls.append((len(prompts), budgets, self._cache is None))
+        return generate(self, prompts, params, max_new_tokens)
+
+    monkeypatch.setattr(bench_rollout.TimedEngine, "generate", spy)
+    args = ["--tiny", "--part", "workload", "--ckpt", str(tmp_path), "--slots", "2"]
+    args += ["--runs", "continuous:off"]
+    rows = bench_rollout.main([*args, "--warmup-response", "5"])
+    warm, timed = calls[-2:]
+    assert warm[0] == timed[0] == rows[0]["prompts"] == 8
+    assert warm[1] == [min(b, 5) for b in timed[1]] and max(timed[1]) > 5
+    assert timed[2], "the timed run starts with the cache released"
+    assert rows[0]["warmup_response"] == 5 and rows[0]["tokens_per_s"] > 0
+    calls.clear()
+    rows = bench_rollout.main([*args, "--warmup-response", "0"])
+    assert len(calls) == 2 and max(calls[-1][1]) > 5  # the build's warm-up, then the timed run only
+    assert rows[0]["warmup_response"] == 0
