@@ -68,10 +68,13 @@ SWEEP = [
 # (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64).
 # The last two are for 64-row tiles of the pairs bytes (`benchmarks/sass_mxfp4.py --block-m 64`): fc1 at K
 # step 64 holds 167 registers, 3 programs an SM against 2 at 128; fc2 with 2 stages 128 registers, 4 an SM.
+# An eighth field caps the registers a thread (`Mxfp4Config.maxnreg`): the last three, for the pairs' 64-row
+# tiles, 4 and 5 programs an SM (fc1 spills 128 / 160 bytes a thread).
 DECODE_SWEEP = [
     (2, 64, 64, 4, 4, 0, 0), (2, 64, 128, 4, 4, 0, 64), (2, 64, 256, 4, 3, 0, 64), (2, 64, 256, 4, 3, 0, 128),
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
     (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64), (2, 64, 64, 4, 3, 0, 0), (2, 64, 128, 4, 2, 0, 0),
+    (2, 64, 64, 4, 3, 0, 0, 128), (2, 64, 64, 4, 4, 0, 0, 128), (2, 64, 64, 4, 3, 0, 0, 96),
 ]  # fmt: skip
 # the weights re-laid for the forward kernel (`mxfp4_relaid.kernel_weights`): (tiled, byte format) by name
 RELAID = {
@@ -133,12 +136,13 @@ def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str =
     fastest of each printed. A config that does not compile or run is skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
     h = mxfp4_layer("portable" if path in RELAID else path)[0](x, layers, 0, bounds)
-    for factor, block_n, block_k, warps, stages, swap, *sub_k in SWEEP if decode == "bytes" else DECODE_SWEEP:
+    for factor, block_n, block_k, warps, stages, swap, *rest in SWEEP if decode == "bytes" else DECODE_SWEEP:
+        sub_k, maxnreg = (*rest, 0, 0)[:2]
         if swap and (path in RELAID or mxfp4_gemm.kernel_for(x, path) != "scaled"):
             continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
         cfg = Mxfp4Config(
-            block_m, block_n, block_k, warps, stages, bool(swap), decode=decode, sub_k=sum(sub_k)
+            block_m, block_n, block_k, warps, stages, bool(swap), decode=decode, sub_k=sub_k, maxnreg=maxnreg
         )
         fc1, fc2 = relaid_layer(path, cfg, cfg) if path in RELAID else mxfp4_layer(path, cfg, cfg)
         try:
@@ -169,7 +173,9 @@ def describe(cfg: Mxfp4Config) -> str:
     swap = " swap" if cfg.swap else ""
     decode = "" if cfg.decode == "bytes" else f" {cfg.decode}"
     sub_k = f"/{cfg.sub_k}" if cfg.sub_k else ""
-    return f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}{sub_k} w{cfg.warps} s{cfg.stages}{swap}{decode}"
+    regs = f" r{cfg.maxnreg}" if cfg.maxnreg else ""
+    tiles = f"m{cfg.block_m} n{cfg.block_n} k{cfg.block_k}{sub_k}"
+    return f"{tiles} w{cfg.warps} s{cfg.stages}{regs}{swap}{decode}"
 
 
 def library_fc1(x, layers: Layers, i: int, bounds):

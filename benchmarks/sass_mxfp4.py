@@ -15,6 +15,7 @@ in the loop, the loop's shared-memory reads of the weight bytes (`LDS.U8` one by
 fragment), byte permutes (`PRMT`) and the decoding's bf16x2 arithmetic.
 
     python benchmarks/sass_mxfp4.py --formats pairs --block-m 64 --block-k 64 --stages 4   # 256 slots' tiles
+    python benchmarks/sass_mxfp4.py --formats pairs --block-m 64 --block-k 64 --maxnreg 128  # 4 an SM
 """
 
 from __future__ import annotations
@@ -128,7 +129,8 @@ def compile_forward(
     source = ASTSource(
         fn=mxfp4_kernels.mxfp4_fwd_kernel, signature=signature, constexprs=constexprs, attrs=attrs
     )
-    return triton.compile(source, target=target, options={"num_warps": cfg.warps, "num_stages": cfg.stages})
+    options = {"num_warps": cfg.warps, "num_stages": cfg.stages, **mxfp4_gemm._registers(cfg)}
+    return triton.compile(source, target=target, options=options)
 
 
 def _compile(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...], target: GPUTarget):
@@ -228,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sub-k", type=int, default=0, help="K values decoded at once (0: block_k)")
     parser.add_argument("--warps", type=int, default=0, help="warps a program (0: `default_config`'s)")
     parser.add_argument("--stages", type=int, default=3)
+    parser.add_argument(
+        "--maxnreg", type=int, default=0, help="registers a thread at most (0: the compiler's choice)"
+    )
     parser.add_argument("--compile-others", action="store_true", help="also compile the input-gradient and "
                         "decoding kernels per format, for sm_80 and sm_90")  # fmt: skip
     parser.add_argument(
@@ -244,17 +249,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     pieces = f" in pieces of {args.sub_k}" if args.sub_k else ""
     print(f"Triton {triton.__version__}, sm_90, gpt-oss-20b width, {args.block_m} rows a tile, K step "
-          f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, scales "
+          f"{args.block_k}{pieces}, {args.warps or 'default'} warps, {args.stages} stages, "
+          f"{args.maxnreg or 'any'} registers at most, scales "
           f"{'a step ahead' if prefetch else 'in their step'}, one K step of one program:")  # fmt: skip
     print("| layer | bytes | registers | spilled bytes | shared KiB | programs an SM | instructions | "
           + " | ".join(COUNTED) + " |")  # fmt: skip
     print("|---|---|---|---|---|---|---|" + "---|" * len(COUNTED))
     for gated in (True, False):
         for byte_format in args.formats.split(","):
-            warps = args.warps or (8 if gated and args.block_m >= 128 else 4)  # `default_config`'s
+            warps = args.warps or mxfp4_gemm.default_warps(args.block_m, gated, byte_format)
             cfg = mxfp4_gemm.Mxfp4Config(
                 block_m=args.block_m, block_n=args.block_n, block_k=args.block_k, warps=warps,
-                stages=args.stages, decode="ptx", sub_k=args.sub_k,
+                stages=args.stages, decode="ptx", sub_k=args.sub_k, maxnreg=args.maxnreg,
             )  # fmt: skip
             kernel = compile_forward(gated, args.tiled, byte_format, cfg, prefetch=prefetch)
             loop = innermost_loop(kernel.asm["cubin"])

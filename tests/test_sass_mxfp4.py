@@ -21,15 +21,12 @@ import sass_mxfp4  # noqa: E402
 pytestmark = pytest.mark.skipif(not sass_mxfp4.tools_present(), reason="Triton without its CUDA tools")
 
 
-def test_byte_formats_in_the_compiled_loop():
+def _run(args: list[str]) -> tuple[str, dict[tuple[str, str], dict[str, int]]]:
+    """sass_mxfp4.py's output and its rows by (layer, byte format), run in a child process with `args`."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_mxfp4.py"), "--compile-others"],
-                         env=env, capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
-    for byte_format in ("checkpoint", "pairs"):  # the kernels the interpreter runs but never compiles
-        for capability in (80, 90):
-            line = f"compiled: forward, input gradient and decoding, {byte_format} bytes, sm_{capability}"
-            assert line in out, out
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_mxfp4.py"), *args], env=env,
+                         capture_output=True, text=True, timeout=600, check=True).stdout  # fmt: skip
     header = next(line for line in out.splitlines() if line.startswith("| layer |"))
     columns = [c.strip() for c in header.strip("|").split("|")]
     rows = {}
@@ -37,6 +34,15 @@ def test_byte_formats_in_the_compiled_loop():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == len(columns) and cells[0] in ("fc1", "fc2"):
             rows[cells[0], cells[1]] = dict(zip(columns[2:], map(int, cells[2:])))
+    return out, rows
+
+
+def test_byte_formats_in_the_compiled_loop():
+    out, rows = _run(["--compile-others"])
+    for byte_format in ("checkpoint", "pairs"):  # the kernels the interpreter runs but never compiles
+        for capability in (80, 90):
+            line = f"compiled: forward, input gradient and decoding, {byte_format} bytes, sm_{capability}"
+            assert line in out, out
     assert len(rows) == 6, out
     for layer, steps in (("fc1", 16), ("fc2", 8)):  # wgmma's K of 16 over a step of 128, fc1's two halves
         checkpoint, shuffled, pairs = (rows[layer, f] for f in ("checkpoint", "shuffled", "pairs"))
@@ -57,3 +63,15 @@ def test_programs_per_sm_counts_each_limit():
     assert sass_mxfp4.programs_per_sm(128, 36 * 1024, 4) == 4  # 4,096 a warp: 4 programs of 4 warps
     assert sass_mxfp4.programs_per_sm(40, 100 * 1024, 4) == 2  # shared memory: 2 x 101 KiB of 228
     assert sass_mxfp4.programs_per_sm(32, 1024, 8) == 8  # warps: 64 an SM
+
+
+def test_a_register_cap_lets_more_programs_share_an_sm():
+    """--maxnreg 128 (`Mxfp4Config.maxnreg`) at the pairs' 64-row tiles: fc1 holds at most 128 registers a
+    thread and more of its programs fit an SM than the compiler's own choice lets."""
+    tiles = ["--formats", "pairs", "--block-m", "64", "--block-k", "64"]
+    free, capped = _run(tiles)[1], _run([*tiles, "--maxnreg", "128"])[1]
+    fc1, fc1_capped = free["fc1", "pairs"], capped["fc1", "pairs"]
+    assert fc1["registers"] > 128 >= fc1_capped["registers"]
+    assert fc1_capped["programs an SM"] > fc1["programs an SM"]
+    assert fc1_capped["HGMMA"] == fc1["HGMMA"] == 8  # the same products: K step 64, two halves
+    assert capped["fc2", "pairs"]["registers"] <= 128

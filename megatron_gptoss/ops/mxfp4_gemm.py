@@ -226,6 +226,10 @@ class Mxfp4Config:
     # "groups" / "ptx": K values decoded and multiplied at once inside a block_k step (a multiple of 32 that
     # divides block_k; 0: block_k): the step's loads are issued together, its decoded tile held in pieces
     sub_k: int = 0
+    # registers a thread at most (Triton's `maxnreg`; 0: the compiler's choice): fewer let more programs share
+    # an SM (sm_90, the pairs' fc1 at 64-row tiles: 168 registers, 3 programs; at 128, 4 programs and 128
+    # bytes spilled: `benchmarks/sass_mxfp4.py --maxnreg`)
+    maxnreg: int = 0
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
@@ -257,10 +261,16 @@ def default_config(
     if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
         return CPU_CONFIG if byte_format == "checkpoint" else dataclasses.replace(CPU_CONFIG, decode="groups")
     block_m = row_tile(rows, experts, 2)
-    warps = 8 if gated and block_m >= 128 and byte_format != "pairs" else 4
+    warps = default_warps(block_m, gated, byte_format)
     block_k = 64 if byte_format == "pairs" else 128
     cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
     return fit_shared_memory(cfg, _shared_memory(device), gated)
+
+
+def default_warps(block_m: int, gated: bool, byte_format: str) -> int:
+    """`default_config`'s warps a program: eight for the gated 128-row tiles of the checkpoint's bytes,
+    else four."""
+    return 8 if gated and block_m >= 128 and byte_format != "pairs" else 4
 
 
 @functools.cache
@@ -493,9 +503,16 @@ def _launch_forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
-        PREFETCH_SCALES=prefetch_scales(), num_warps=cfg.warps, num_stages=cfg.stages,
+        PREFETCH_SCALES=prefetch_scales(), num_warps=cfg.warps, num_stages=cfg.stages, **_registers(cfg),
     )  # fmt: skip
     return out
+
+
+def _registers(cfg: Mxfp4Config) -> dict[str, int]:
+    """The forward's launch option capping its registers a thread, where `cfg` sets one."""
+    if cfg.maxnreg < 0:
+        raise ValueError(f"Mxfp4Config.maxnreg must be >= 0 (0: the compiler's choice), got {cfg.maxnreg}")
+    return {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
 
 
 def _forward_any(
