@@ -41,8 +41,8 @@ allocated layer by layer during the backward, and the total is the peak of that 
 Not counted: the CUDA context and allocator fragmentation (reserved beyond allocated).
 
 With --rollout-rows, the embedded engine's paged KV cache for that many rows of --rollout-tokens tokens
-(prompt + response) is printed too, as the engine sizes it (`config.memory.kv_cache_bytes`, the same
-arithmetic the trainer uses to refuse a run that cannot fit):
+(prompt + response; the longest prompt --rollout-prompt-tokens) is printed too, as the engine sizes it
+(`config.memory.kv_cache_bytes`, the same arithmetic the trainer uses to refuse a run that cannot fit):
 
     python tools/estimate_memory.py --model gpt_oss_20b --gpus 1 --rollout-rows 256 --rollout-tokens 2048
 """
@@ -282,6 +282,9 @@ def main() -> None:
     parser.add_argument("--headroom", type=float, default=0.9, help="usable fraction of the GPU memory")
     parser.add_argument("--rollout-rows", type=int, default=0, help="rows the engine generates at once")
     parser.add_argument("--rollout-tokens", type=int, default=2048, help="prompt + response tokens per row")
+    parser.add_argument(
+        "--rollout-prompt-tokens", type=int, default=512, help="the longest prompt (its first chunk)"
+    )
     parser.add_argument("--engine-tp", type=int, default=1, help="the engine's tensor parallel size")
     parser.add_argument("--kv-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     parser.add_argument("--block-size", type=int, default=16, help="embedded.block_size")
@@ -299,10 +302,12 @@ def main() -> None:
             dtype_bytes=2 if args.kv_dtype == "bfloat16" else 4,
             block_size=args.block_size,
             max_step_tokens=args.max_step_tokens,
+            prompt_tokens=args.rollout_prompt_tokens,
         )
         print(
             f"engine KV cache: {cache / args.engine_tp / GIB:.2f} GiB per engine rank (tp {args.engine_tp}) "
-            f"for {args.rollout_rows} rows of {args.rollout_tokens} tokens ({args.kv_dtype})"
+            f"for {args.rollout_rows} rows of {args.rollout_tokens} tokens, prompts of up to "
+            f"{args.rollout_prompt_tokens} ({args.kv_dtype})"
         )
     print(" gpus  tp  cp  pp  ep   dp   weights gradients optimizer activations transient   total")
     cp_sizes = tuple(int(c) for c in args.cp.split(","))

@@ -40,22 +40,26 @@ def kv_cache_bytes(
     kv_heads: int | None = None,
     kv_blocks: int = 0,
     max_batch_slots: int = 256,
+    prompt_tokens: int = 1,
 ) -> int:
-    """Bytes of the embedded engine's paged KV cache (keys and values of every layer) when it is made for
-    `rows` sequences of up to `tokens` tokens each: `kv_blocks` blocks per full-attention layer (0: rows x
-    ceil(tokens / block_size) + 1, sized to the requests), and per sliding-window layer the blocks that the
-    rows' windows plus one step's chunk can hold, when that is less. `kv_heads`: the heads this engine
-    shard caches (default all of the model's KV heads)."""
+    """Bytes of the embedded engine's paged KV cache (keys and values of every layer) when the continuous
+    schedule makes it for `rows` sequences of up to `tokens` tokens each, the longest prompt
+    `prompt_tokens`: `kv_blocks` blocks per full-attention layer (0: rows x ceil(tokens / block_size) + 1,
+    sized to the requests), and per sliding-window layer, when that is less, the blocks that the rows'
+    windows hold with their first prefill chunk (the longest prompt's, at most `max_step_tokens`; with
+    `kv_blocks`, `max_batch_slots` rows of a whole step's chunk). `kv_heads`: the heads this engine shard
+    caches (default all of the model's KV heads)."""
     heads = model.num_query_groups if kv_heads is None else kv_heads
     per_block_layer = 2 * block_size * heads * model.head_dim * dtype_bytes
     blocks = kv_blocks or rows * math.ceil(tokens / block_size) + 1
     window_rows = max_batch_slots if kv_blocks else rows
+    chunk = max_step_tokens if kv_blocks else min(prompt_tokens, max_step_tokens)
     total = 0
     for layer in range(model.num_layers):
         window = model.window_of(layer)
         layer_blocks = blocks
         if window is not None:
-            per_window = math.ceil((window - 1 + max_step_tokens) / block_size) + 1
+            per_window = math.ceil((window - 1 + chunk) / block_size) + 1
             layer_blocks = min(blocks, window_rows * per_window + 1)
         total += max(layer_blocks, 2) * per_block_layer
     return total

@@ -580,13 +580,21 @@ class EmbeddedEngine:
 
     def _ensure_scheduler(self, rows: int, prompts: list[list[int]], most_new: int) -> Scheduler:
         """The cache and scheduler, created on first use: `kv_blocks` per full-attention pool (0: sized for
-        `rows` of these prompts, grown between steps when short); sliding-window pools get what
-        `max_batch_slots` windows can hold at most, when that is less."""
+        `rows` of these prompts, grown between steps when short); a sliding-window pool, where that is less
+        than the full pools', what its rows' windows hold at most with their first prefill chunk (a row's
+        window quota, `Scheduler._quota`): with `kv_blocks`, `max_batch_slots` rows of any chunk of at most
+        `max_step_tokens`; else `rows` of these prompts' longest chunk (grown, like a full pool, for a
+        longer one later: 512 rows of 100-token prompts under the default 2,048-token steps hold 16 blocks a
+        row instead of the 137 of a whole step's chunk)."""
         if self._scheduler is None:
             opts, bs = self.options, self.options.block_size
             longest = max(len(p) for p in prompts)
             blocks = opts.kv_blocks or rows * math.ceil((longest + most_new) / bs) + 1
-            chunk = max(opts.max_step_tokens, longest if opts.schedule == "static" else 0)
+            static = opts.schedule == "static"
+            if opts.kv_blocks:
+                chunk = max(opts.max_step_tokens, longest if static else 0)
+            else:
+                chunk = longest if static else min(longest, opts.max_step_tokens)
             per_window = math.ceil((self.config.sliding_window - 1 + chunk) / bs) + 1
             window_blocks = min(blocks, (opts.max_batch_slots if opts.kv_blocks else rows) * per_window + 1)
             self._cache = PagedKVCache(

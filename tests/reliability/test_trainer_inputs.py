@@ -84,13 +84,17 @@ def test_a_run_too_large_for_the_memory_is_refused_with_the_estimate():
 
 def test_the_kv_cache_estimate_is_the_cache_the_engine_makes():
     model = gpt_oss_tiny(vocab_size=32)  # full and sliding-window layers
-    options = EmbeddedEngineConfig(block_size=4, max_batch_slots=4, max_step_tokens=4)
-    engine = EmbeddedEngine(model, options=options)
     prompts, new = [[1, 2, 3, 4, 5]] * 3, 40
-    engine.generate(prompts, SamplingParams(max_new_tokens=new, seed=0))
-    made = engine.sleep(1)["kv_cache_bytes"]
-    estimate = kv_cache_bytes(
-        model, 3, 5 + new, dtype_bytes=4, block_size=4, max_step_tokens=4, max_batch_slots=4
+    sizes = dict(dtype_bytes=4, block_size=4, max_batch_slots=4)
+    for step in (4, 64):  # prompts chunked by the step, then prefilled whole
+        options = EmbeddedEngineConfig(block_size=4, max_batch_slots=4, max_step_tokens=step)
+        engine = EmbeddedEngine(model, options=options)
+        engine.generate(prompts, SamplingParams(max_new_tokens=new, seed=0))
+        made = engine.sleep(1)["kv_cache_bytes"]
+        assert made == kv_cache_bytes(model, 3, 5 + new, max_step_tokens=step, prompt_tokens=5, **sizes)
+    # the windows hold a row's first chunk: longer prompts, more blocks; a fixed cache, a whole step's
+    assert made > kv_cache_bytes(model, 3, 5 + new, max_step_tokens=64, prompt_tokens=1, **sizes)
+    fixed = kv_cache_bytes(model, 3, 5 + new, max_step_tokens=64, kv_blocks=100, **sizes)
+    assert fixed == kv_cache_bytes(
+        model, 3, 5 + new, max_step_tokens=64, kv_blocks=100, prompt_tokens=50, **sizes
     )
-    assert made == estimate
-    assert estimate < kv_cache_bytes(model, 3, 5 + new, dtype_bytes=4, block_size=4, max_step_tokens=4096)

@@ -169,6 +169,38 @@ def test_sliding_window_layers_hold_only_their_window(learner):
     assert all_blocks_free(engine)
 
 
+def test_sliding_window_pools_start_at_the_prompts_chunks_and_grow_for_longer_ones(learner):
+    """A growable cache (kv_blocks 0) gives each sliding-window pool what its rows' windows hold with the
+    prompts' longest first chunk, not a whole step's chunk (`max_step_tokens` 64 here would ask as much as
+    the full pools); two longer prompts joining later grow it. The generations equal those over a fixed
+    cache sized for any chunk, and every block comes back."""
+    bs, window = 4, CONFIG.sliding_window
+    opts = dict(max_batch_slots=6, block_size=bs, max_step_tokens=64)
+    short, long = prompts_of([3, 5, 2, 4], seed=9), prompts_of([30, 26], seed=10)
+    params = SamplingParams(temperature=0.9, max_new_tokens=12, seed=5)
+    outs, capacities = [], []
+    for engine in (engine_of(learner, **opts), engine_of(learner, kv_blocks=200, **opts)):
+        first = engine.start(short, params)
+        pools = engine._cache.pools
+        capacities.append([(p.window, p.capacity) for p in pools])
+        engine.advance(3)
+        later = engine.start(long, params)
+        outs.append(engine.finish(first + later))
+        capacities[-1] += [(p.window, p.capacity) for p in pools]
+        assert all_blocks_free(engine)
+    (grown, fixed) = capacities
+    full_at_start = next(cap for w, cap in grown[:2] if w is None)
+    window_at_start = next(cap for w, cap in grown[:2] if w is not None)
+    assert full_at_start == 4 * math.ceil((5 + 12) / bs)
+    assert window_at_start == 4 * (math.ceil((window - 1 + 5) / bs) + 1) < full_at_start
+    assert next(cap for w, cap in grown[2:] if w is not None) > window_at_start  # the long prompts grew it
+    whole_step = 6 * (math.ceil((window - 1 + 64) / bs) + 1)  # max_batch_slots rows of any chunk
+    assert sorted(fixed, key=str) == sorted([(None, 199), (window, whole_step)] * 2, key=str)
+    for ours, ref in zip(*outs):
+        assert ours.token_ids == ref.token_ids and len(ours.token_ids) == 12
+        assert (torch.tensor(ours.logprobs) - torch.tensor(ref.logprobs)).abs().max() <= 1e-6
+
+
 def test_too_small_a_fixed_cache_is_named():
     engine = EmbeddedEngine(CONFIG, options=EmbeddedEngineConfig(block_size=4, kv_blocks=3))
     with pytest.raises(EngineError, match="kv_blocks"):
