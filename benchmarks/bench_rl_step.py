@@ -27,7 +27,8 @@ responses run to the budget: the step is close to its largest. Prints per step t
 the engine/learner log-prob mismatch (`mismatch/abs_diff_mean`; under `moe.router_replay: r3`, the
 gpt-oss-120b recipe's, also the mismatch the learner's own routing would have had and the fraction of tokens
 it routes differently from the engine: `replay/*`), and where the generation's time went: the engine's
-decode steps (mean ms, rows per step, the share replayed from CUDA graphs) and its prefill (`engine/*`).
+decode steps (mean ms, rows per step, the share replayed from CUDA graphs), its prefill and the KV cache
+it made (`engine/*`; the cache as the sleep after generation freed it).
 The first step includes the Triton compilations and the
 capture of the decode graphs: later steps are the warm ones. No held-out evaluation runs
 (the trainer's evaluations at step 0 and at the last step would each add a generation outside the phases).
@@ -67,6 +68,7 @@ ENGINE_COLUMNS = [  # (label, metric, format) of the table of the engine's steps
     ("prefill_tokens", "engine/prefill_tokens", "{:,.0f}"),
     ("prefill_graph_frac", "engine/prefill_graph_frac", "{:.2f}"),
     ("stepping_s", "time/engine_step_s", "{:.1f}"), ("generate_s", "time/generate_s", "{:.1f}"),
+    ("kv_cache_gib", "engine/kv_cache_gib", "{:.2f}"),  # what the sleep freed (rollout.sleep_level > 0)
 ]  # fmt: skip
 
 

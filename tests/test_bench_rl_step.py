@@ -24,6 +24,7 @@ def test_tiny_step_reports_phases_and_sends_only_the_adapters(tmp_path, model, w
     # the generation's steps: one prefill step of the 4 rows' prompts, then one decode step per further token
     assert step["engine/decode_steps"] == step["engine/steps"] - 1 >= step["response/length_mean"] - 1
     assert step["engine/prefill_tokens"] > 0 and 0 < step["engine/decode_rows_mean"] <= 4
+    assert step["engine/kv_cache_gib"] > 0  # the cache the engine made, freed by its sleep (a table column)
     config = load_config(bench_rl_step.CONFIGS[model], bench_rl_step.TINY).model
     net = GPTOSSModel(config, device="meta")
     adapter_bytes = sum(4 * p.numel() for name, p in net.named_parameters() if is_adapter_param(name))
