@@ -29,6 +29,40 @@ GIB = 1024**3
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+def window_row_blocks(window: int, chunk: int, block_size: int) -> int:
+    """KV blocks a sliding-window layer group holds for one row at most: its window plus a prefill chunk of
+    `chunk` tokens (the row's quota there, at most its whole length)."""
+    return math.ceil((window - 1 + chunk) / block_size) + 1
+
+
+def pool_blocks(
+    rows: int,
+    tokens: int,
+    prompt_tokens: int,
+    window: int | None,
+    *,
+    block_size: int,
+    max_step_tokens: int,
+    kv_blocks: int,
+    max_batch_slots: int,
+    static: bool = False,
+) -> int:
+    """Blocks (null block included) of one pool of the embedded engine's cache made for `rows` sequences of
+    up to `tokens` tokens, the longest prompt `prompt_tokens`. A full-attention pool (`window` None):
+    `kv_blocks` (0: rows x ceil(tokens / block_size) + 1, sized to the requests). A sliding-window pool,
+    where less: its rows' windows with their first prefill chunk (the longest prompt's, at most
+    `max_step_tokens`, whole in the `static` schedule; with `kv_blocks`, `max_batch_slots` rows of any chunk
+    up to a whole step's)."""
+    blocks = kv_blocks or rows * math.ceil(tokens / block_size) + 1
+    if window is None:
+        return blocks
+    if kv_blocks:
+        chunk, window_rows = max(max_step_tokens, prompt_tokens if static else 0), max_batch_slots
+    else:
+        chunk, window_rows = prompt_tokens if static else min(prompt_tokens, max_step_tokens), rows
+    return min(blocks, window_rows * window_row_blocks(window, chunk, block_size) + 1)
+
+
 def kv_cache_bytes(
     model: ModelConfig,
     rows: int,
@@ -51,17 +85,13 @@ def kv_cache_bytes(
     caches (default all of the model's KV heads)."""
     heads = model.num_query_groups if kv_heads is None else kv_heads
     per_block_layer = 2 * block_size * heads * model.head_dim * dtype_bytes
-    blocks = kv_blocks or rows * math.ceil(tokens / block_size) + 1
-    window_rows = max_batch_slots if kv_blocks else rows
-    chunk = max_step_tokens if kv_blocks else min(prompt_tokens, max_step_tokens)
     total = 0
     for layer in range(model.num_layers):
-        window = model.window_of(layer)
-        layer_blocks = blocks
-        if window is not None:
-            per_window = math.ceil((window - 1 + chunk) / block_size) + 1
-            layer_blocks = min(blocks, window_rows * per_window + 1)
-        total += max(layer_blocks, 2) * per_block_layer
+        blocks = pool_blocks(
+            rows, tokens, prompt_tokens, model.window_of(layer), block_size=block_size,
+            max_step_tokens=max_step_tokens, kv_blocks=kv_blocks, max_batch_slots=max_batch_slots,
+        )  # fmt: skip
+        total += max(blocks, 2) * per_block_layer
     return total
 
 

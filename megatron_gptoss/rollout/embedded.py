@@ -27,7 +27,7 @@ and expert-parallel over several ranks (it overrides `_kv_heads`, `_logits`, `_b
 
 from __future__ import annotations
 
-import math
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +36,7 @@ import torch
 
 from megatron_gptoss.config import ModelConfig
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.config.memory import pool_blocks
 from megatron_gptoss.engine_api.protocol import Generation, SamplingParams, SessionTurn, row_budget
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.hf.convert import load_hf_tensors
@@ -398,13 +399,14 @@ class EmbeddedEngine:
             with moe_decode.decode_scope():  # few rows per expert: the decode expert kernels (16-bit, CUDA)
                 hidden, step = self._forward(plan)
             kept, tokens_back = plan.chunks, None
+        all_kept = len(kept) == len(plan.chunks)
         if self.routing is not None:
             self.routing.collect(plan)
         scheduler.computed(plan, kept)
         if plan.samplers:
             if step is not None and step.drawn is not None:
                 tokens_back = tokens_back or _TokensBack(step.drawn)
-                next_plan = scheduler.plan_ahead() if len(kept) == len(plan.chunks) else None
+                next_plan = scheduler.plan_ahead() if all_kept else None
                 if next_plan is not None and ahead and self.options.decode_ahead:
                     self._inflight = self._launch_ahead(plan, next_plan, step)
                     next_plan = None if self._inflight is not None else next_plan
@@ -414,7 +416,7 @@ class EmbeddedEngine:
                 logits = self._logits(hidden[0].index_select(0, rows))
                 tokens, logprobs = self._sample(logits, [c.seq for c in plan.samplers])
                 next_plan = None
-            live = None if len(kept) == len(plan.chunks) else {id(c.seq) for c in kept}
+            live = None if all_kept else {id(c.seq) for c in kept}
             for chunk, token, logprob in zip(plan.samplers, tokens, logprobs):
                 if live is None or id(chunk.seq) in live:
                     self._advance(chunk.seq, token, logprob)
@@ -587,19 +589,17 @@ class EmbeddedEngine:
         longer one later: 512 rows of 100-token prompts under the default 2,048-token steps hold 16 blocks a
         row instead of the 137 of a whole step's chunk)."""
         if self._scheduler is None:
-            opts, bs = self.options, self.options.block_size
+            opts = self.options
             longest = max(len(p) for p in prompts)
-            blocks = opts.kv_blocks or rows * math.ceil((longest + most_new) / bs) + 1
-            static = opts.schedule == "static"
-            if opts.kv_blocks:
-                chunk = max(opts.max_step_tokens, longest if static else 0)
-            else:
-                chunk = longest if static else min(longest, opts.max_step_tokens)
-            per_window = math.ceil((self.config.sliding_window - 1 + chunk) / bs) + 1
-            window_blocks = min(blocks, (opts.max_batch_slots if opts.kv_blocks else rows) * per_window + 1)
+            blocks_of = functools.partial(
+                pool_blocks, rows, longest + most_new, longest, block_size=opts.block_size,
+                max_step_tokens=opts.max_step_tokens, kv_blocks=opts.kv_blocks,
+                max_batch_slots=opts.max_batch_slots, static=opts.schedule == "static",
+            )  # fmt: skip
+            blocks, window_blocks = blocks_of(None), blocks_of(self.config.sliding_window)
             self._cache = PagedKVCache(
                 self.config,
-                bs,
+                opts.block_size,
                 max(blocks, 2),
                 self.dtype,
                 self.device,

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from megatron_gptoss.config.engine import EmbeddedEngineConfig
+from megatron_gptoss.config.memory import window_row_blocks
 from megatron_gptoss.engine_api.protocol import SamplingParams
 from megatron_gptoss.errors import EngineError
 from megatron_gptoss.model.paged_kv_cache import AttentionGroup, BlockPool, PagedKVCache, StepLayout
@@ -166,7 +167,7 @@ class Scheduler:
         full = math.ceil((len(seq.tokens) + seq.budget) / pool.block_size)
         if pool.window is None:
             return full
-        return min(full, math.ceil((pool.window - 1 + chunk) / pool.block_size) + 1)
+        return min(full, window_row_blocks(pool.window, chunk, pool.block_size))
 
     def _outstanding(self, index: int) -> int:
         """Blocks reserved by running sequences and not yet allocated, in pool `index`."""
