@@ -3,6 +3,8 @@
     python benchmarks/bench_attention.py                       # every case and backend that runs here
     python benchmarks/bench_attention.py --backends triton,sdpa --cases causal-4k,window128-16k
     python benchmarks/bench_attention.py --sweep --cases causal-16k   # time Triton tile configs (tuning)
+    python benchmarks/bench_attention.py --paged 512 --paged-keys 600,1500   # the paged decode kernel's
+                                    # tiles (the engine's decode rows), each against the decode tile
 
 Times are medians of `triton.testing.do_bench` (L2 flushed between repeats): forward with autograd
 recording, backward from the kept graph for a given dO (loss on the output only). `kernel ms` is the GPU
@@ -21,6 +23,7 @@ only: a reference point), eager (our reference; 4k only, it materialises the sco
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -306,6 +309,69 @@ def sweep_case(case_name):
             print(f"  {part} {c}: {type(err).__name__}: {str(err)[:120]}", flush=True)
 
 
+# paged decode tiles tried by --paged: (block_m, block_n, warps, stages); None fields are the training
+# tile's (its key block and stages: a row keeps its bits only with the training tile's key blocks)
+PAGED_TILES = [
+    (16, None, 1, None), (16, None, 2, None), (16, None, 4, None), (16, None, 4, 2), (32, None, 2, None),
+    (64, None, 4, None), (16, 32, 1, None), (16, 128, 4, None),
+]  # fmt: skip
+
+
+def paged_case(rows: int, keys: int, window: int | None, device, dtype, hq=HQ, hkv=HKV, d=D, page=16, seed=0):
+    """`triton_paged_decode`'s inputs for `rows` rows whose query sits at position keys - 1, their blocks
+    scattered over the pool (a window's table starts at the row's first block it sees)."""
+    g = torch.Generator().manual_seed(seed)
+    first = 0 if window is None else max(0, keys - window) // page
+    view = -(-keys // page) - first
+    blocks = rows * view + 1
+    k, v = (torch.randn(blocks, page, hkv, d, generator=g).to(device, dtype) for _ in range(2))
+    q = torch.randn(rows, hq, d, generator=g).to(device, dtype)
+    sinks = torch.randn(hq, generator=g).to(device)
+    table = (torch.randperm(blocks - 1, generator=g)[: rows * view] + 1).view(rows, view).to(device)
+    positions = torch.full((rows,), keys - 1, device=device)
+    return q, k, v, sinks, table, positions, positions - first * page
+
+
+def paged_sweep(rows: int, keys_list: list[int], device, dtype, timer, **shape) -> list[dict]:
+    """Each `PAGED_TILES` tile of the paged decode kernel against the decode tile (`decode_config` of the
+    training forward's), full attention and the 128-key window, timed by `timer(fn)` (ms): its error
+    against the decode tile's output (||a - b|| / ||b||; 0: the same bits) and its key/value bytes a
+    second. Returns the rows printed."""
+    from dataclasses import replace
+
+    from megatron_gptoss.ops.triton_paged_decode import decode_config, triton_paged_decode
+    from megatron_gptoss.ops.triton_sink_attention import default_config
+
+    out = []
+    print("| keys | window | tile | us | TB/s | error against the decode tile |\n|---|---|---|---|---|---|")
+    for keys in keys_list:
+        for window in (None, 128):
+            args = paged_case(rows, keys, window, device, dtype, **shape)
+            q, hkv = args[0], args[1].shape[2]
+            trained = default_config(q.shape[-1], dtype, window is not None, q.device)
+            tile = decode_config(trained, q.shape[1] // hkv)
+            ref = triton_paged_decode(*args, window=window, config=trained)
+            seen = min(keys, window or keys)
+            gbytes = rows * seen * hkv * q.shape[-1] * 2 * args[1].element_size() / 1e9
+            trials = [("decode tile", tile)]
+            for m, n, w, st in PAGED_TILES:
+                cfg = replace(trained, block_m=m, block_n=n or trained.block_n, fwd_warps=w,
+                              fwd_stages=st or trained.fwd_stages)  # fmt: skip
+                trials.append((f"{m} x {cfg.block_n} keys, {w} warps, {cfg.fwd_stages} stages", cfg))
+            for name, cfg in trials:
+                try:
+                    got = triton_paged_decode(*args, window=window, config=cfg)
+                    ms = timer(functools.partial(triton_paged_decode, *args, window=window, config=cfg))
+                except Exception as err:  # a tile that does not compile is reported, not fatal
+                    print(f"| {keys} | {window} | {name} | {type(err).__name__} | | |")
+                    continue
+                err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+                row = dict(keys=keys, window=window, tile=name, us=1e3 * ms, tbs=gbytes / ms, error=err)
+                out.append(row)
+                print(f"| {keys} | {window} | {name} | {row['us']:.1f} | {row['tbs']:.2f} | {err:.1e} |")
+    return out
+
+
 def _profiled_passes(fn, inputs, steps):
     """torch.profiler over `steps` forward + backward passes (after three unprofiled ones)."""
     params = [t for t in inputs if t.requires_grad]
@@ -346,9 +412,22 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
     parser.add_argument("--profile", action="store_true", help="per-kernel CUDA times of --backends instead")
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--paged", type=int, default=0, help="time the paged decode tiles at this many rows")
+    parser.add_argument("--paged-keys", default="600,1500", help="--paged: each row's keys, comma-separated")
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    if args.paged:
+        keys = [int(k) for k in args.paged_keys.split(",")]
+        print(f"paged decode: {args.paged} rows, {HQ} query / {HKV} KV heads, head_dim {D}, bf16, page 16")
+        paged_sweep(
+            args.paged,
+            keys,
+            torch.device("cuda"),
+            torch.bfloat16,
+            lambda fn: triton.testing.do_bench(fn, rep=200),
+        )
+        return
     if args.sweep:
         for case_name in args.cases.split(","):
             sweep_case(case_name)

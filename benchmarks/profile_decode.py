@@ -15,6 +15,10 @@ from a CUDA graph; prints the kernels by GPU time and the median time of the dec
     python benchmarks/profile_decode.py --phase mixed --slots 256 --prompt-len 100 --decode-steps 24 \
         --expert-format mxfp4-pairs --lora-rank 32 --host   # steps that prefill a prompt beside B - 1 rows
                                     # decoding: a row finishes each step and the next prompt takes its slot
+    python benchmarks/profile_decode.py --slots 512 --prompt-len 600 --expert-format mxfp4-pairs \
+        --lora-rank 32 --modes auto --window 8 --trace decode.json
+                                    # 8 steps as a rollout runs them (no sync between, steps launched
+                                    # ahead): the device's idle time per step and its longest gaps
 """
 
 from __future__ import annotations
@@ -68,9 +72,14 @@ class ProfiledEngine(EmbeddedEngine):
 
     phase: str = "decode"  # "prefill" / "mixed": the steps that prefill (beside decoding rows) are timed
 
-    def _step(self, ahead: bool = True):
-        sync(self.device)
-        start = time.perf_counter()
+    window: int = 0  # > 0: that many consecutive decode-only steps profiled as the engine runs them
+    idle: str | None = None  # the window's device idle report
+    trace: str | None = None  # where the window's Chrome trace goes, where asked for
+    _window: tuple | None = None  # (profiler, steps so far) while the window is open
+    _last: float | None = None  # when the last decode-only step was called (window mode)
+
+    def _ready(self) -> bool:
+        """Whether the next step is one of the timed ones (`phase`)."""
         scheduler = self._scheduler
         running = scheduler.running if scheduler is not None else []
         if self.phase in ("prefill", "mixed"):
@@ -83,6 +92,14 @@ class ProfiledEngine(EmbeddedEngine):
                 ready = (admits or prefilling) and any(len(s.tokens) - s.computed == 1 for s in running)
         else:
             ready = len(running) == self.rows and all(len(s.tokens) - s.computed == 1 for s in running)
+        return ready
+
+    def _step(self, ahead: bool = True):
+        if self.window:
+            return self._window_step(ahead)
+        sync(self.device)
+        start = time.perf_counter()
+        ready = self._ready()
         if ready and len(self.times) == self.profile_at and self.kernels is None:
             cuda = self.device.type == "cuda"
             activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -106,6 +123,36 @@ class ProfiledEngine(EmbeddedEngine):
             self.times.append(time.perf_counter() - start)
         return plan
 
+    def _window_step(self, ahead: bool):
+        """--window: no sync between steps, so that a step launched ahead overlaps the host's work as in a
+        rollout; a decode-only step is timed from its call to the next one's, and `window` of them from the
+        `profile_at`-th are profiled together (device kernels and host calls)."""
+        ready = self._ready()
+        now = time.perf_counter()
+        if ready and self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now if ready else None
+        if ready and self._window is None and self.idle is None and len(self.times) == self.profile_at:
+            activities = [ProfilerActivity.CPU] + (
+                [ProfilerActivity.CUDA] if self.device.type == "cuda" else []
+            )
+            prof = profile(activities=activities)
+            prof.__enter__()
+            self._window = (prof, 0)
+        plan = super()._step(ahead)
+        if self._window is not None:
+            prof, steps = self._window[0], self._window[1] + 1
+            self._window = (prof, steps)
+            if steps == self.window or not ready:
+                sync(self.device)
+                prof.__exit__(None, None, None)
+                self._window = None
+                self.kernels = {name: t / steps for name, t in kernel_times(prof).items()}
+                self.idle = idle_report(prof, steps)
+                if self.trace:
+                    prof.export_chrome_trace(self.trace)
+        return plan
+
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -122,6 +169,48 @@ def kernel_times(prof) -> dict[str, float]:
         micros = getattr(event, "self_device_time_total", None) or getattr(event, "self_cpu_time_total", 0)
         out[event.name] += micros * 1e-6
     return dict(out)
+
+
+def idle_report(prof, steps: int, top: int = 10, small_us: float = 20.0) -> str:
+    """Where the device stood idle over a profiled window of `steps` steps: its span, busy time (the union of
+    its kernels and copies) and idle time per step, the idle split into gaps under `small_us` (between the
+    kernels of a graph or a launch sequence) and longer ones, and the `top` longest gaps with the host calls
+    in flight across each and the kernel that ended it."""
+    device, host = [], []
+    for event in prof.events():
+        span = (event.time_range.start, event.time_range.end, event.name)
+        (device if "CUDA" in str(getattr(event, "device_type", "")) else host).append(span)
+    if not device:
+        return "no device events (CPU run): no idle report"
+    device.sort()
+    busy, gaps = 0.0, []
+    start, end = device[0][0], device[0][1]
+    for s, e, name in device[1:]:
+        if s > end:
+            busy += end - start
+            gaps.append((end, s, name))
+            start = s
+        end = max(end, e)
+    busy += end - start
+    span = max(e for _, e, _ in device) - device[0][0]
+    small = sum(b - a for a, b, _ in gaps if b - a < small_us)
+    large = [g for g in gaps if g[1] - g[0] >= small_us]
+
+    def ms(us: float) -> str:  # per step
+        return f"{us / steps / 1e3:.2f} ms"
+
+    lines = [
+        f"device over {steps} steps (per step): span {ms(span)}, busy {ms(busy)}, idle {ms(span - busy)}: "
+        f"{ms(small)} in {len(gaps) - len(large)} gaps under {small_us:.0f} us, "
+        f"{ms(sum(b - a for a, b, _ in large))} in {len(large)} longer",
+        "| gap us | at ms | host calls in flight across it (us) | kernel after it |",
+        "|---|---|---|---|",
+    ]
+    for a, b, name in sorted(large, key=lambda g: g[0] - g[1])[:top]:
+        over = sorted((min(e, b) - max(s, a), n) for s, e, n in host if s < b and e > a)[::-1][:3]
+        calls = ", ".join(f"{short(n, 40)} ({t:.0f})" for t, n in over) or "none"
+        lines.append(f"| {b - a:.0f} | {(a - device[0][0]) / 1e3:.2f} | {calls} | {short(name, 50)} |")
+    return "\n".join(lines)
 
 
 def short(name: str, width: int = 70) -> str:
@@ -157,6 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         "prefill a prompt beside decoding rows",
     )  # fmt: skip
     parser.add_argument("--chunk", type=int, default=4096, help="prompt tokens a step prefills, at most")
+    parser.add_argument(
+        "--window", type=int, default=0,
+        help="profile this many consecutive decode-only steps without a sync between them (steps launched "
+        "ahead overlap the host's work, as in a rollout): the device's idle time and its longest gaps",
+    )  # fmt: skip
+    parser.add_argument("--trace", help="with --window: write the window's Chrome trace to this path")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -212,6 +307,7 @@ def profile_run(
     engine.host = cProfile.Profile() if args.host else None
     engine.want_ops, engine.ops = args.ops, None
     engine.phase = args.phase
+    engine.window, engine.idle, engine.trace, engine._last = args.window, None, args.trace, None
     # mixed: past the first prompts' chunks that prefill beside rows already decoding
     profile_at = {"prefill": 1, "mixed": first - 1 + min(args.decode_steps, slots) // 2}
     engine.profile_at = profile_at.get(args.phase, min(8, args.decode_steps // 2))
@@ -238,6 +334,9 @@ def profile_run(
     print("| kernel | ms | share |\n|---|---|---|")
     for name, seconds in sorted(kernels.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"| {short(name)} | {1e3 * seconds:.3f} | {seconds / max(total, 1e-12):.1%} |")
+    if engine.idle is not None:
+        print(f"the {args.window} profiled steps launched as in a rollout, no sync between them: "
+              f"{engine.idle}")  # fmt: skip
     if engine.ops is not None:
         print(f"ops of the profiled step:\n{engine.ops}")
     if engine.host is not None:

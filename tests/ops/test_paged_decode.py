@@ -94,18 +94,21 @@ def test_paged_decode_rejects_bad_inputs():
         triton_paged_decode(q, pool, pool, sinks[:3], table, pos, pos)
 
 
-def test_decode_tile_is_one_warpgroup_of_a_two_warpgroup_training_tile():
+def test_decode_tile_is_one_warp_of_the_training_tile():
+    """A training tile with 16 rows a warp (the full-attention 128 x 8 warps, the window's 64 x 4) decodes on
+    16 rows over one warp, its BLOCK_N and stages kept, for groups of up to 16 heads; other tiles (fp32 on a
+    GPU, the interpreter's) and larger groups keep the training tile."""
     from megatron_gptoss.ops.triton_paged_decode import decode_config
     from megatron_gptoss.ops.triton_sink_attention import default_config
 
     gpu = torch.device("cuda")
-    full = decode_config(default_config(64, torch.bfloat16, False, gpu))
-    trained = default_config(64, torch.bfloat16, False, gpu)
-    assert (full.block_m, full.fwd_warps, full.block_n) == (64, 4, trained.block_n)
-    for windowed, dtype, device in (
-        (True, torch.bfloat16, gpu),
-        (False, torch.float32, gpu),
-        (False, torch.float32, torch.device("cpu")),
-    ):
-        kept = default_config(64, dtype, windowed, device)
+    for windowed in (False, True):
+        trained = default_config(64, torch.bfloat16, windowed, gpu)
+        tile = decode_config(trained, group=8)
+        assert trained.block_m == 16 * trained.fwd_warps >= 64
+        assert (tile.block_m, tile.fwd_warps) == (16, 1)
+        assert (tile.block_n, tile.fwd_stages) == (trained.block_n, trained.fwd_stages)
+        assert decode_config(trained, group=32) == trained
+    for dtype, device in ((torch.float32, gpu), (torch.float32, torch.device("cpu"))):
+        kept = default_config(64, dtype, False, device)
         assert decode_config(kept) == kept
