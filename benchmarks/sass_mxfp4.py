@@ -12,7 +12,9 @@ rows), with Triton's specialization of integers divisible by 16 and 16-byte alig
 registers a thread, bytes a thread spilled to local memory, shared memory a program, programs that fit an
 SM at once (its registers, shared memory and warps: how many warps hide each other's latency), instructions
 in the loop, the loop's shared-memory reads of the weight bytes (`LDS.U8` one byte, `LDSM` a matrix-unit
-fragment), byte permutes (`PRMT`) and the decoding's bf16x2 arithmetic.
+fragment), byte permutes (`PRMT`), the decoding's bf16x2 arithmetic, the matrix unit's instructions
+(`HGMMA`) and the block's barriers (`BAR.SYNC`: each one holds every warp of the program until the slowest
+arrives, so a K step's barriers chain its warps' latencies).
 
     python benchmarks/sass_mxfp4.py --formats pairs --block-m 64 --block-k 64 --stages 4   # 256 slots' tiles
     python benchmarks/sass_mxfp4.py --formats pairs --block-m 64 --block-k 64 --maxnreg 128  # 4 an SM
@@ -38,7 +40,7 @@ from megatron_gptoss.ops import mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
 
 EXPERTS, WIDTH = 32, 2880
 TARGET = GPUTarget("cuda", 90, 32)
-COUNTED = ("LDS.U8", "LDSM", "PRMT", "HFMA2", "HMUL2", "HGMMA")
+COUNTED = ("LDS.U8", "LDSM", "PRMT", "HFMA2", "HMUL2", "HGMMA", "BAR.SYNC")
 
 
 # An SM of sm_90 (H100, H200): registers, shared memory a program may be given, warps

@@ -55,6 +55,7 @@ def test_byte_formats_in_the_compiled_loop():
         assert shuffled["instructions"] < checkpoint["instructions"]
         for row in (checkpoint, shuffled, pairs):  # 16 rows a tile: nothing spilled, several programs an SM
             assert row["spilled bytes"] == 0 and row["programs an SM"] >= 2
+            assert 1 <= row["BAR.SYNC"] <= 8  # the stage barrier (its loads seen by all warps), a few more
 
 
 def test_programs_per_sm_counts_each_limit():
