@@ -350,7 +350,6 @@ def paged_sweep(rows: int, keys_list: list[int], device, dtype, timer, **shape) 
             q, hkv = args[0], args[1].shape[2]
             trained = default_config(q.shape[-1], dtype, window is not None, q.device)
             tile = decode_config(trained, q.shape[1] // hkv)
-            ref = triton_paged_decode(*args, window=window, config=trained)
             seen = min(keys, window or keys)
             gbytes = rows * seen * hkv * q.shape[-1] * 2 * args[1].element_size() / 1e9
             trials = [("decode tile", tile)]
@@ -358,10 +357,11 @@ def paged_sweep(rows: int, keys_list: list[int], device, dtype, timer, **shape) 
                 cfg = replace(trained, block_m=m, block_n=n or trained.block_n, fwd_warps=w,
                               fwd_stages=st or trained.fwd_stages)  # fmt: skip
                 trials.append((f"{m} x {cfg.block_n} keys, {w} warps, {cfg.fwd_stages} stages", cfg))
+            ref = triton_paged_decode(*args, window=window, config=trained)  # the engine's: the decode tile
             for name, cfg in trials:
-                try:
-                    got = triton_paged_decode(*args, window=window, config=cfg)
-                    ms = timer(functools.partial(triton_paged_decode, *args, window=window, config=cfg))
+                try:  # each tile as given (`tile`): not mapped to its decode tile as a training config is
+                    run = functools.partial(triton_paged_decode, *args, window=window, tile=cfg)
+                    got, ms = run(), timer(run)
                 except Exception as err:  # a tile that does not compile is reported, not fatal
                     print(f"| {keys} | {window} | {name} | {type(err).__name__} | | |")
                     continue

@@ -154,6 +154,7 @@ def triton_paged_decode(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     config: KernelConfig | None = None,
+    tile: KernelConfig | None = None,
 ):
     """Attention of one new query per row against its keys in a paged cache, no gradient.
 
@@ -164,7 +165,8 @@ def triton_paged_decode(
     block_table[b, (j - shift) // page] at offset (j - shift) % page, shift = positions[b] - q_view[b].
     Returns out [B, Hq, D] in q's dtype (and LSE [B, Hq] fp32, sink included). Nothing is checked on the
     device (no host sync): the table must cover every visible key of its row. `config`: the training
-    forward's (default `default_config`), run with its `decode_config` tile."""
+    forward's (default `default_config`), run with its `decode_config` tile; `tile`: run this tile as given
+    instead (benchmarks of other tiles: a tile other than the decode tile need not keep the training bits)."""
     if q.dim() != 3 or k_pool.dim() != 4 or k_pool.shape != v_pool.shape:
         raise AttentionInputError(
             f"paged decode expects q [B, Hq, D] and k/v pools [blocks, page, Hkv, D], got "
@@ -194,7 +196,7 @@ def triton_paged_decode(
         raise AttentionInputError(f"window must be >= 1 (query sees itself), got {window}")
     _check(q, k_pool, v_pool, softmax_scale)
     group = hq // hkv
-    cfg = decode_config(config or default_config(d, q.dtype, window is not None, q.device), group)
+    cfg = tile or decode_config(config or default_config(d, q.dtype, window is not None, q.device), group)
     if group > cfg.block_m:
         raise AttentionInputError(f"{group} query heads per KV head exceed the tile's {cfg.block_m} rows")
     if k_pool.stride(-1) != 1 or v_pool.stride(-1) != 1 or q.stride(-1) != 1:

@@ -112,3 +112,34 @@ def test_decode_tile_is_one_warp_of_the_training_tile():
     for dtype, device in ((torch.float32, gpu), (torch.float32, torch.device("cpu"))):
         kept = default_config(64, dtype, False, device)
         assert decode_config(kept) == kept
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU Triton tests need TRITON_INTERPRET=1"
+)
+def test_paged_decode_runs_a_given_tile_as_given(monkeypatch):
+    """`tile` is launched as given, never mapped by `decode_config` as a training `config` is (a benchmark
+    times a 64-row tile over 4 warps, which `decode_config` would turn into 16 rows): the decode tile given
+    so equals the default launch bit for bit, and a tile narrower than the group is refused with its own
+    row count."""
+    import dataclasses
+
+    from megatron_gptoss.ops import triton_paged_decode as module
+    from megatron_gptoss.ops.triton_sink_attention import default_config
+
+    args, _ = paged_case([37, 20, 5, 1, 16], 4, 2, 16, 4, None, torch.float32, "cpu")
+    trained = default_config(16, torch.float32, False, torch.device("cpu"))
+    tile = module.decode_config(trained, 2)
+    default = module.triton_paged_decode(*args)
+
+    def mapped(*_):
+        raise AssertionError("decode_config applied to a given tile")
+
+    monkeypatch.setattr(module, "decode_config", mapped)
+    assert torch.equal(module.triton_paged_decode(*args, tile=tile), default)
+    wide = dataclasses.replace(trained, block_m=64, fwd_warps=4)
+    torch.testing.assert_close(module.triton_paged_decode(*args, tile=wide), default, rtol=1e-5, atol=1e-6)
+    with pytest.raises(AttentionInputError, match="exceed the tile's 1 rows"):
+        module.triton_paged_decode(*args, tile=dataclasses.replace(trained, block_m=1))
+    with pytest.raises(AssertionError, match="decode_config applied"):
+        module.triton_paged_decode(*args, config=trained)
