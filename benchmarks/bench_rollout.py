@@ -45,7 +45,8 @@ engine of a LoRA run holds them beside the shared frozen base; the roofline then
 --expert-format bf16,mxfp4 runs the decode part (and the prefill part) once per format, one engine in memory
 at a time: bf16 holds the experts dequantized (as above); mxfp4 holds the checkpoint's MXFP4 bytes as they are
 (`model.expert_format: mxfp4`, the engine's MXFP4 expert GEMMs), every other weight the same; mxfp4-pairs
-the same bytes re-encoded for the kernels (`model.mxfp4_byte_format: pairs`). Each row's roofline counts
+the same bytes re-encoded for the kernels (`model.mxfp4_byte_format: pairs`), mxfp4-tiled the pairs stored
+tile by tile (`tiled_pairs`). Each row's roofline counts
 the bytes that format reads: 4.25 bits per MXFP4 expert value (a 4-bit code and a shared 8-bit scale per 32
 values).
 
@@ -108,13 +109,17 @@ FORMATS = {
     "bf16": {"expert_format": "bf16"},
     "mxfp4": {"expert_format": "mxfp4", "mxfp4_byte_format": "checkpoint"},
     "mxfp4-pairs": {"expert_format": "mxfp4", "mxfp4_byte_format": "pairs"},
+    "mxfp4-tiled": {"expert_format": "mxfp4", "mxfp4_byte_format": "tiled_pairs"},
 }
 
 
 def format_name(config) -> str:
     """The --expert-format name of how `config` holds its experts."""
-    pairs = config.expert_format == "mxfp4" and config.mxfp4_byte_format == "pairs"
-    return "mxfp4-pairs" if pairs else config.expert_format
+    fields = {name: getattr(config, name) for name in ("expert_format", "mxfp4_byte_format")}
+    for name, held in FORMATS.items():
+        if held.items() <= fields.items():
+            return name
+    raise ValueError(f"no --expert-format holds experts as {fields}")
 
 
 def sync(device: torch.device) -> None:
@@ -604,7 +609,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         type=lambda s: s.split(","),
         default=["bf16"],
         help="decode, prefill and workload parts: how the engine holds the experts, comma-separated: bf16 "
-        "(dequantized), mxfp4 (the checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels); one "
+        "(dequantized), mxfp4 (the checkpoint's 4-bit bytes), mxfp4-pairs (re-encoded for the kernels), "
+        "mxfp4-tiled (the pairs tile by tile); one "
         "engine per format, in order",
     )
     args = parser.parse_args(argv)

@@ -11,9 +11,11 @@ from megatron_gptoss.errors import ConfigError
 ATTENTION_BACKENDS = ("auto", "eager", "flex", "triton", "fa4")
 EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
 EXPERT_FORMATS = ("bf16", "mxfp4")
-MXFP4_BYTE_FORMATS = ("checkpoint", "pairs")  # `ops.mxfp4_gemm`'s byte formats a model may hold
+# `ops.mxfp4_bytes.HELD_FORMATS`: the formats a model's MXFP4 weights may be held in
+MXFP4_BYTE_FORMATS = ("checkpoint", "pairs", "tiled_pairs")
 # Values per MXFP4 block and bits per stored value (4-bit codes plus one 8-bit scale per 32 values).
 MXFP4_BLOCK = 32
+MXFP4_TILE = 64  # "tiled_pairs": rows and inputs of a stored tile (`ops.mxfp4_bytes.TILE_ROWS`, `TILE_K`)
 MXFP4_BITS = 4.25
 
 
@@ -86,7 +88,9 @@ class ModelConfig:
     # bytes in memory: "checkpoint" as the released checkpoints store them, or "pairs"
     # (`ops.mxfp4_bytes.pair_words`: each block as four 32-bit words that decode into bf16 pairs with a shift,
     # a mask and one multiply, about half the decode kernels' instructions; scale bytes 2..128 only, i.e.
-    # weights up to 12 in magnitude). Run checkpoints and exports hold the released bytes either way.
+    # weights up to 12 in magnitude), or "tiled_pairs" (the pairs stored tile by tile, 64 rows by 64 inputs a
+    # tile, so that the decode kernels read a tile as one contiguous run; hidden_size and intermediate_size
+    # multiples of 64). Run checkpoints and exports hold the released bytes either way.
     mxfp4_byte_format: str = "checkpoint"
     # Recompute each layer's activations in the backward pass.
     activation_checkpointing: bool = False
@@ -166,6 +170,13 @@ class ModelConfig:
             raise ConfigError(
                 f"model.mxfp4_byte_format={self.mxfp4_byte_format!r} not in {MXFP4_BYTE_FORMATS}"
             )
+        if self.mxfp4_byte_format == "tiled_pairs":
+            for name in ("hidden_size", "intermediate_size"):  # the experts' widths, in and out
+                if getattr(self, name) % MXFP4_TILE:
+                    raise ConfigError(
+                        f"model.mxfp4_byte_format='tiled_pairs' stores {MXFP4_TILE} x {MXFP4_TILE} tiles: "
+                        f"model.{name}={getattr(self, name)} is not a multiple of {MXFP4_TILE} (use 'pairs')"
+                    )
         if self.expert_format == "mxfp4":
             for name in ("hidden_size", "intermediate_size"):  # the experts' input widths
                 if getattr(self, name) % MXFP4_BLOCK:

@@ -14,7 +14,9 @@ bf16); `parallel.loading` fills the buffers from a checkpoint or quantizes a ran
 `ops.mxfp4_bytes.pair_words` (same shapes and size; decoded with about half the kernels' instructions): every
 writer goes through `copy_packed_` / `copy_experts_`, which take the released bytes and re-encode them, and
 every reader passes the format on (`dequantize`, the expert GEMMs), so checkpoints, exports and weight syncs
-keep the released bytes.
+keep the released bytes. "tiled_pairs" holds the pairs' bytes and the scales stored tile by tile as well
+(`ops.mxfp4_bytes.tile_experts`: the same shapes, each expert's bytes permuted), so that the decode kernels
+read each tile of a K step as one contiguous run; it needs both widths to be multiples of 64.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.ops.mxfp4_bytes import (
     BLOCK,
     BLOCK_BYTES,
+    byte_format_of,
     check_held_format,
     check_pairs_scales,
+    check_tileable,
+    is_tiled,
     pair_words,
+    tile_experts,
 )
 from megatron_gptoss.ops.mxfp4_gemm import dequantize
 
@@ -36,7 +42,7 @@ from megatron_gptoss.ops.mxfp4_gemm import dequantize
 class MXFP4Weight(nn.Module):
     """Expert weights [experts, out_features, in_features] as MXFP4 buffers `blocks` and `scales` (zero until
     filled). `dtype`: the dtype the weight is used in (the run's dtype: the experts' inputs and biases);
-    `byte_format`: how `blocks` holds the bytes ("checkpoint" or "pairs", module doc)."""
+    `byte_format`: how `blocks` holds the bytes ("checkpoint", "pairs" or "tiled_pairs", module doc)."""
 
     blocks: torch.Tensor
     scales: torch.Tensor
@@ -50,6 +56,8 @@ class MXFP4Weight(nn.Module):
         self.byte_format = byte_format
         if in_features % BLOCK:
             raise ValueError(f"an MXFP4 weight needs in_features divisible by {BLOCK}, got {in_features}")
+        if is_tiled(byte_format):
+            check_tileable(out_features, in_features, "this MXFP4 expert weight")
         groups = in_features // BLOCK
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.register_buffer(
@@ -102,13 +110,16 @@ class MXFP4Weight(nn.Module):
         scales [n, out, in / 32] (None: left as they are), blocks re-encoded into `byte_format`. The "pairs"
         format refuses scales outside 2..128 (weights beyond 12 in magnitude) with an error naming the
         range."""
+        pairs, tiled = byte_format_of(self.byte_format) == "pairs", is_tiled(self.byte_format)
         if scales is not None:
-            if self.byte_format == "pairs":
+            if pairs:
                 remedy = ": use model.mxfp4_byte_format=checkpoint"
                 check_pairs_scales(scales, "these experts' scales", remedy)
+            scales = tile_experts(scales) if tiled else scales
             self.scales[first : first + scales.shape[0]].copy_(scales)
         if blocks is not None:
-            blocks = pair_words(blocks) if self.byte_format == "pairs" else blocks
+            blocks = pair_words(blocks) if pairs else blocks
+            blocks = tile_experts(blocks) if tiled else blocks
             self.blocks[first : first + blocks.shape[0]].copy_(blocks)
 
 

@@ -6,6 +6,12 @@ uint8 [..., 16] (one block in the last dimension, blocks in K's order) and makes
     shuffled     `shuffle_bytes`: each block as the transpose of its [4, 4] view (its own inverse)
     pairs        `pair_words` / `unpair_words`: four 32-bit words a block, word a the 8 codes lane a of a
                  quad of the matrix unit's operand takes, placed so that a shift and a mask give bf16 pairs
+
+A held format names the byte format and the order of an expert's blocks (HELD_FORMATS): "checkpoint" and
+"pairs" row-major ([E, out, in / 32] blocks, each row's in K's order); "tiled_pairs" the pairs' bytes stored
+tile by tile (`tile_experts` / `untile_experts`: the same shapes and bytes, permuted within each expert) so
+that the [TILE_ROWS, TILE_K / 2] bytes and [TILE_ROWS, TILE_K / 32] scales the forward kernel reads at one K
+step of one column block are each one contiguous run, not TILE_ROWS runs a row apart.
 """
 
 from __future__ import annotations
@@ -15,16 +21,63 @@ from torch import Tensor
 
 BLOCK = 32  # values per MXFP4 block
 BLOCK_BYTES = BLOCK // 2
-HELD_FORMATS = ("checkpoint", "pairs")  # the byte formats a model's MXFP4 weights may hold
+HELD_FORMATS = ("checkpoint", "pairs", "tiled_pairs")  # the formats a model's MXFP4 weights may be held in
 PAIRS_SCALES = (2, 128)  # the scale bytes "pairs" decodes exactly (weights up to 12 in magnitude)
+TILE_ROWS = 64  # "tiled_pairs": output rows of a tile (the kernels' block_n)
+TILE_K = 64  # "tiled_pairs": input columns of a tile (the kernels' block_k; two blocks of 32)
 
 
 def check_held_format(byte_format: str) -> None:
     """Refuses a byte format a model's MXFP4 weights cannot be held in (HELD_FORMATS)."""
     if byte_format not in HELD_FORMATS:
-        raise ValueError(
-            f"MXFP4 weights are held in byte format 'checkpoint' or 'pairs', got {byte_format!r}"
-        )
+        raise ValueError(f"MXFP4 weights are held in one of {HELD_FORMATS}, got {byte_format!r}")
+
+
+def byte_format_of(held: str) -> str:
+    """The byte format of a held format's blocks ("tiled_pairs": "pairs")."""
+    check_held_format(held)
+    return "pairs" if held == "tiled_pairs" else held
+
+
+def is_tiled(held: str) -> bool:
+    """Whether a held format stores each expert's blocks tile by tile (`tile_experts`)."""
+    return held == "tiled_pairs"
+
+
+def check_tileable(out_features: int, in_features: int, what: str = "this weight") -> None:
+    """Refuses a weight [out, in] whose rows or columns do not fill whole tiles (TILE_ROWS x TILE_K), naming
+    the width that does not."""
+    for name, width, tile in (("out", out_features, TILE_ROWS), ("in", in_features, TILE_K)):
+        if width % tile:
+            raise ValueError(f"held format 'tiled_pairs' stores {TILE_ROWS} x {TILE_K} tiles; {what} has "
+                             f"{name}_features={width}, not a multiple of {tile}")  # fmt: skip
+
+
+def _tile_view(t: Tensor) -> Tensor:
+    """blocks [E, R, G, 16] or scales [E, R, G] viewed as [E, R / TILE_ROWS, TILE_ROWS, G / per_tile,
+    per_tile, (16)] (per_tile = TILE_K / 32 blocks a tile row)."""
+    e, r, g = t.shape[:3]
+    check_tileable(r, g * BLOCK, f"a weight of {tuple(t.shape)} bytes")
+    per_tile = TILE_K // BLOCK
+    return t.reshape(e, r // TILE_ROWS, TILE_ROWS, g // per_tile, per_tile, *t.shape[3:])
+
+
+def tile_experts(t: Tensor) -> Tensor:
+    """Row-major blocks [E, R, G, 16] (or scales [E, R, G]) -> the same shape stored tile by tile: expert e's
+    tile (row block b, K step s) is one contiguous run at offset (b G / per_tile + s) x tile size, its rows
+    TILE_ROWS x (per_tile blocks) in order (per_tile = TILE_K / 32). R and 32 G must be multiples of
+    TILE_ROWS and TILE_K. A copy."""
+    v = _tile_view(t)
+    return v.transpose(2, 3).contiguous().reshape(t.shape)
+
+
+def untile_experts(t: Tensor) -> Tensor:
+    """`tile_experts`' inverse: blocks or scales stored tile by tile -> row-major (a copy)."""
+    e, r, g = t.shape[:3]
+    check_tileable(r, g * BLOCK, f"a weight of {tuple(t.shape)} bytes")
+    per_tile = TILE_K // BLOCK
+    v = t.reshape(e, r // TILE_ROWS, g // per_tile, TILE_ROWS, per_tile, *t.shape[3:])
+    return v.transpose(2, 3).contiguous().reshape(t.shape)
 
 
 def check_pairs_scales(scales: Tensor, what: str = "these scales", remedy: str = "") -> None:

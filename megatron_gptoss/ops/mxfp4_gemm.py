@@ -60,7 +60,18 @@ from torch import Tensor
 from megatron_gptoss.ops import fused_moe
 from megatron_gptoss.ops.fused_moe import _cdiv, expert_of_rows
 from megatron_gptoss.ops.moe_decode import row_tile
-from megatron_gptoss.ops.mxfp4_bytes import BLOCK, BLOCK_BYTES, check_held_format, unpair_words
+from megatron_gptoss.ops.mxfp4_bytes import (
+    BLOCK,
+    BLOCK_BYTES,
+    TILE_K,
+    TILE_ROWS,
+    byte_format_of,
+    check_held_format,
+    check_tileable,
+    is_tiled,
+    unpair_words,
+    untile_experts,
+)
 
 PATHS = ("auto", "portable", "scaled", "dequantized", "reference")
 PORTABLE_MAX_ROWS = 1024  # auto: the portable kernel up to this many rows (256 decode slots at top-4)
@@ -150,9 +161,12 @@ def dequantize(blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: 
     """blocks [..., G, 16] uint8 and scales [..., G] uint8 -> values [..., G * 32] in `dtype`: value 2j of a
     block from the low nibble of byte j, 2j + 1 from the high nibble, times 2 ** (s - 127); decoded in fp32,
     then rounded to `dtype` (exact in bf16 and fp32). The same values as `hf.mxfp4.dequantize_mxfp4`. Blocks
-    in `byte_format` "pairs" (`mxfp4_bytes.pair_words`) are read back to the checkpoint's bytes first."""
+    in `byte_format` "pairs" (`mxfp4_bytes.pair_words`) are read back to the checkpoint's bytes first;
+    "tiled_pairs" ([E, out, in / 32, 16] stored tile by tile) are put back in rows first."""
     check_held_format(byte_format)
-    if byte_format == "pairs":
+    if is_tiled(byte_format):
+        blocks, scales = untile_experts(blocks), untile_experts(scales)
+    if byte_format_of(byte_format) == "pairs":
         blocks = unpair_words(blocks)
     magnitudes = torch.tensor(_FP4_MAGNITUDES, dtype=torch.float32)
     values = torch.cat([magnitudes, -magnitudes])
@@ -257,20 +271,25 @@ def default_config(
     K steps of 128 values for the checkpoint's bytes, of 64 for the pairs (`benchmarks/RESULTS.md`: on an
     H200 at gpt-oss-20b width the pairs' fc1 took 148 / 220 us at 256 / 1024 rows with 64, 179 / 259 us
     with 128; fc2 likewise). Eight warps for the gated 128-row tiles of the checkpoint's bytes, four for the
-    pairs' (the pairs' fc1 at 2,048 rows, 512 decode slots: 322 us with four against 673 with eight)."""
+    pairs' (the pairs' fc1 at 2,048 rows, 512 decode slots: 322 us with four against 673 with eight).
+    `byte_format` is a held format (`mxfp4_bytes.HELD_FORMATS`): "tiled_pairs" takes its tiles' shape
+    (TILE_ROWS x TILE_K, the pairs' on a GPU), forward and input gradient."""
+    tiles = {"block_n": TILE_ROWS, "block_k": TILE_K, "bwd_block_k": TILE_K} if is_tiled(byte_format) else {}
     if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
-        return CPU_CONFIG if byte_format == "checkpoint" else dataclasses.replace(CPU_CONFIG, decode="groups")
+        if byte_format == "checkpoint":
+            return CPU_CONFIG
+        return dataclasses.replace(CPU_CONFIG, decode="groups", **tiles)
     block_m = row_tile(rows, experts, 2)
     warps = default_warps(block_m, gated, byte_format)
-    block_k = 64 if byte_format == "pairs" else 128
+    block_k = 64 if byte_format_of(byte_format) == "pairs" else 128
     cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
-    return fit_shared_memory(cfg, _shared_memory(device), gated)
+    return dataclasses.replace(fit_shared_memory(cfg, _shared_memory(device), gated), **tiles)
 
 
 def default_warps(block_m: int, gated: bool, byte_format: str) -> int:
     """`default_config`'s warps a program: eight for the gated 128-row tiles of the checkpoint's bytes,
     else four."""
-    return 8 if gated and block_m >= 128 and byte_format != "pairs" else 4
+    return 8 if gated and block_m >= 128 and byte_format_of(byte_format) != "pairs" else 4
 
 
 @functools.cache
@@ -358,7 +377,7 @@ def kernel_for(x: Tensor, path: str | None = None, byte_format: str = "checkpoin
     if path == "auto" and (x.shape[0] <= PORTABLE_MAX_ROWS or torch.cuda.is_current_stream_capturing()):
         return "portable"  # a graph would keep the dequantized path's transient weights for its lifetime
     if path == "scaled" or x.dtype != torch.bfloat16:
-        return "portable" if byte_format == "pairs" else "scaled"  # tl.dot_scaled reads the released bytes
+        return "portable" if byte_format != "checkpoint" else "scaled"  # dot_scaled reads the released bytes
     return "dequantized"
 
 
@@ -366,8 +385,12 @@ def dequantize_kernel(
     blocks: Tensor, scales: Tensor, dtype: torch.dtype, byte_format: str = "checkpoint"
 ) -> Tensor:
     """`dequantize` by one Triton launch (CUDA, or the CPU under TRITON_INTERPRET=1): the same values in
-    `dtype` (bf16, fp16 or fp32), scales up to 240 (2 ** 113; the kernels' range)."""
+    `dtype` (bf16, fp16 or fp32), scales up to 240 (2 ** 113; the kernels' range). Blocks held
+    "tiled_pairs" are put back in rows first (a transient copy of the bytes)."""
     _check_weights(blocks, scales)
+    if is_tiled(byte_format):
+        blocks, scales = untile_experts(blocks), untile_experts(scales)
+    byte_format = byte_format_of(byte_format)
     blocks, scales = blocks.contiguous(), scales.contiguous()
     out = torch.empty(*scales.shape, BLOCK, dtype=dtype, device=blocks.device)
     groups = scales.numel()
@@ -437,6 +460,28 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
 
 
+def _tiled_layout(n: int, k: int, cfg: Mxfp4Config) -> tuple[int, ...]:
+    """The forward kernel's tile addressing of blocks and scales held "tiled_pairs" (`mxfp4_bytes.
+    tile_experts`; each expert contiguous): the tiles of a half (fc1's gate, up) n k / 2 bytes apart, a
+    column block's K steps in order, each tile TILE_ROWS rows of TILE_K / 2 bytes (scales: / 16). The
+    kernel's tiles must be the held ones."""
+    if (cfg.block_n, cfg.block_k) != (TILE_ROWS, TILE_K):
+        raise ValueError(f"weights held 'tiled_pairs' are read in their {TILE_ROWS} x {TILE_K} tiles; "
+                         f"the kernel's are {cfg.block_n} x {cfg.block_k}")  # fmt: skip
+    check_tileable(n, k, f"a weight of {n} output columns a half")
+    row_b, row_s = TILE_K // 2, TILE_K // BLOCK
+    return (n * k // 2, TILE_ROWS * k // 2, TILE_ROWS * row_b, row_b,
+            n * k // BLOCK, TILE_ROWS * k // BLOCK, TILE_ROWS * row_s, row_s)  # fmt: skip
+
+
+def _tiled_weights(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """blocks and scales held "tiled_pairs" with each expert's bytes contiguous (a slice of experts is not
+    copied)."""
+    if not blocks[:1].is_contiguous():
+        blocks = blocks.contiguous()
+    return blocks, scales if scales[:1].is_contiguous() else scales.contiguous()
+
+
 def _row_major_layout(blocks: Tensor, scales: Tensor, n: int, cfg: Mxfp4Config) -> tuple[int, ...]:
     """The forward kernel's tile addressing (wb_half, wb_col, wb_step, wb_row, then the same for the
     scales; the kernels' module doc) of row-major blocks [E, R, K / 32, 16] and scales [E, R, K / 32]."""
@@ -449,17 +494,22 @@ def _forward(
     gated: bool, limit: float, alpha: float, kernel: str, config: Mxfp4Config | None,
     out_dtype: torch.dtype | None = None, byte_format: str = "checkpoint",
 ) -> Tensor:  # fmt: skip
-    """One launch of the forward kernel over row-major weights (bytes in `byte_format`); the output in x's
-    dtype (`out_dtype`: another, which the products and their sums with the addend are rounded to instead:
-    the tests' fp32 view of the bf16 kernels under the interpreter)."""
-    blocks, scales = _kernel_layout(blocks, scales)
+    """One launch of the forward kernel over the weights as held (`byte_format`, a held format: row-major
+    bytes, or the pairs tile by tile); the output in x's dtype (`out_dtype`: another, which the products and
+    their sums with the addend are rounded to instead: the tests' fp32 view of the bf16 kernels under the
+    interpreter)."""
+    tiled = is_tiled(byte_format)
+    blocks, scales = _tiled_weights(blocks, scales) if tiled else _kernel_layout(blocks, scales)
     e, rows_w = blocks.shape[:2]
     n = rows_w // 2 if gated else rows_w
     cfg = default_config(x.shape[0], e, x.device, gated, byte_format) if config is None else config
-    layout = _row_major_layout(blocks, scales, n, cfg)
+    if tiled:
+        layout = _tiled_layout(n, blocks.shape[2] * BLOCK, cfg)
+    else:
+        layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
         x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype,
-        BYTE_FORMATS.index(byte_format),
+        BYTE_FORMATS.index(byte_format_of(byte_format)),
     )  # fmt: skip
 
 
@@ -541,22 +591,33 @@ def _forward_any(
 
 def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dtype: torch.dtype,
                 config: Mxfp4Config | None, byte_format: str = "checkpoint") -> Tensor:  # fmt: skip
+    """grad_x = grad_y W[e] by the input-gradient kernel over the weights as held (`byte_format`)."""
     grad = _contiguous_rows(grad.to(dtype))
-    blocks, scales = _kernel_layout(blocks, scales)
+    tiled = is_tiled(byte_format)
+    blocks, scales = _tiled_weights(blocks, scales) if tiled else _kernel_layout(blocks, scales)
     m, n = grad.shape
     e = blocks.shape[0]
     k = blocks.shape[2] * BLOCK
     grad_x = grad.new_empty(m, k)
     if m == 0:
         return grad_x
-    cfg = default_config(m, e, grad.device, False) if config is None else config
+    cfg = default_config(m, e, grad.device, False, byte_format) if config is None else config
+    # strides of a row, of a tile's row block and K step (row-major: rows only)
+    strides = (blocks.stride(1), scales.stride(1), 0, 0, 0, 0)
+    if tiled:
+        if cfg.bwd_block_k != TILE_K or TILE_ROWS % cfg.bwd_block_r:
+            raise ValueError(f"weights held 'tiled_pairs' need bwd_block_k {TILE_K} and bwd_block_r dividing "
+                             f"{TILE_ROWS}, got {cfg}")  # fmt: skip
+        layout = _tiled_layout(n, k, dataclasses.replace(cfg, block_n=TILE_ROWS, block_k=TILE_K))
+        strides = (layout[3], layout[7], layout[1], layout[2], layout[5], layout[6])
     grid = (_cdiv(k, cfg.bwd_block_k), e, _split(m, e, cfg.bwd_block_m))
     _kernels().mxfp4_bwd_kernel[grid](
-        grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), blocks.stride(1),
-        scales.stride(0), scales.stride(1), grad_x.stride(0),
+        grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), strides[0],
+        scales.stride(0), strides[1], grad_x.stride(0), *strides[2:],
         BLOCK_M=cfg.bwd_block_m, BLOCK_R=cfg.bwd_block_r, BLOCK_K=cfg.bwd_block_k,
-        DOT_PRECISION="ieee" if dtype == torch.float32 else None, BYTE_FORMAT=BYTE_FORMATS.index(byte_format),
-        PTX=_ptx_decodes(grad, dtype), num_warps=cfg.bwd_warps,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        BYTE_FORMAT=BYTE_FORMATS.index(byte_format_of(byte_format)), PTX=_ptx_decodes(grad, dtype),
+        TILE_ROWS=TILE_ROWS if tiled else 0, num_warps=cfg.bwd_warps,
     )  # fmt: skip
     return grad_x
 

@@ -6,8 +6,9 @@ the low nibble for even k) and `Ws` [E, N, K / 32] scale bytes (2 ** (s - 127) f
 Rows are sorted by expert (expert e: rows [bounds[e], bounds[e + 1]), `bounds` int32 [E + 1]).
 
 The forward kernel addresses the weights tile by tile, so that they may be stored row-major or
-tile-contiguous (`mxfp4_relaid.kernel_weights`): byte j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column
-block c and K step t, in half h (fc1's [gate; up]), sits at Wb + e stride_wbe + h wb_half + c wb_col +
+tile-contiguous (`mxfp4_relaid.kernel_weights`; a model's "tiled_pairs", `mxfp4_bytes.tile_experts`): byte
+j < BLOCK_K / 2 of row n < BLOCK_N of the tile at column block c and K step t, in half h (fc1's [gate; up]),
+sits at Wb + e stride_wbe + h wb_half + c wb_col +
 t wb_step + n wb_row + j (the scales likewise with ws_*, j < BLOCK_K / 32). Row-major: wb_half = N S,
 wb_col = BLOCK_N S, wb_step = BLOCK_K / 2, wb_row = S (S the row stride); tile-contiguous: each tile's
 [BLOCK_N, BLOCK_K / 2] bytes one contiguous run, wb_row = BLOCK_K / 2.
@@ -508,14 +509,17 @@ def mxfp4_fwd_kernel(
 @triton.jit
 def mxfp4_bwd_kernel(
     G, Wb, Ws, GX, bounds, N, K, stride_g, stride_wbe, stride_wbn, stride_wse, stride_wsn, stride_gx,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr, PTX: tl.constexpr,
+    wb_col, wb_step, ws_col, ws_step, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BYTE_FORMAT: tl.constexpr, PTX: tl.constexpr, TILE_ROWS: tl.constexpr,
 ):  # fmt: skip
     """GX[r, k] = sum_n G[r, n] W[e][n, k] for the rows r of expert e and the program's columns k (block
     c of BLOCK_K columns of K), G [M, N] with unit stride along N, accumulated in fp32 over N in BLOCK_R
     steps from 0 up, rounded once to GX's dtype. BYTE_FORMAT 0: the checkpoint's bytes, the even and odd
     columns decoded and multiplied apart; 2: byte format 2 ("pairs"), the tile decoded in K's order by
-    `_decode_pairs` (PTX: its inline assembly) and multiplied at once: the same sums over N."""
+    `_decode_pairs` (PTX: its inline assembly) and multiplied at once: the same sums over N. TILE_ROWS > 0
+    (format 2 only): the weights stored tile by tile (`mxfp4_bytes.tile_experts`), the tile of row block b
+    and K step s at b wb_col + s wb_step (scales: ws_*), its rows stride_wbn (stride_wsn) apart; BLOCK_K
+    is the tiles' K step and BLOCK_R divides TILE_ROWS."""
     HALF: tl.constexpr = BLOCK_K // 2
     e = tl.program_id(1)
     start = tl.load(bounds + e)
@@ -546,12 +550,17 @@ def mxfp4_bwd_kernel(
             if BYTE_FORMAT == 2:
                 k0 = tl.program_id(0) * BLOCK_K
                 local = tl.arange(0, BLOCK_R)
-                ws_n = ws_base + n0 * stride_wsn
-                scale = _scale_tile(ws_n, local, n_ok, k0, k0, K, stride_wsn, BLOCK_K // 32)
+                if TILE_ROWS > 0:  # the tile holding rows n0.. at K step program_id(0), from its column 0
+                    b, r = n0 // TILE_ROWS, n0 % TILE_ROWS
+                    wb_n = wb_base + b * wb_col + tl.program_id(0) * wb_step + r * stride_wbn
+                    ws_n = ws_base + b * ws_col + tl.program_id(0) * ws_step + r * stride_wsn
+                    k_in = 0
+                else:
+                    wb_n, ws_n, k_in = wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, k0
+                scale = _scale_tile(ws_n, local, n_ok, k_in, k0, K, stride_wsn, BLOCK_K // 32)
                 w = _decode_pairs(
-                    wb_base + n0 * stride_wbn, scale, local, n_ok, k0, k0, K, stride_wbn, dtype, BLOCK_R,
-                    BLOCK_K, PTX,
-                )  # fmt: skip
+                    wb_n, scale, local, n_ok, k_in, k0, K, stride_wbn, dtype, BLOCK_R, BLOCK_K, PTX
+                )
                 both_t = tl.dot(tl.trans(w), tl.trans(g), both_t, input_precision=DOT_PRECISION)
             else:
                 w_mask = n_ok[:, None] & k_ok[None, :]

@@ -19,7 +19,7 @@ from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
 from megatron_gptoss.model import GPTOSSModel
 from megatron_gptoss.model.lora import is_adapter_param
 from megatron_gptoss.model.mxfp4_weight import MXFP4Weight, frozen_base, mxfp4_weights
-from megatron_gptoss.ops.mxfp4_bytes import pair_words
+from megatron_gptoss.ops.mxfp4_bytes import pair_words, tile_experts
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.parallel.loading import init_parallel, load_hf_parallel
 
@@ -199,6 +199,15 @@ def test_module_conversions_keep_the_bytes_and_move_the_dtype():
     assert experts.linear_fc1.dtype == experts.linear_fc1.bias.dtype == torch.bfloat16
 
 
+@torch.no_grad()
+def _same_adapters(model: GPTOSSModel, other: GPTOSSModel) -> None:
+    """Random adapters (B nonzero) drawn into `model` and copied into `other` (the same architecture)."""
+    for (name, p), q in zip(model.named_parameters(), other.parameters()):
+        if is_adapter_param(name):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+            q.copy_(p)
+
+
 def test_pairs_byte_format_loads_computes_and_exports_as_the_released_bytes(tmp_path):
     """`model.mxfp4_byte_format: pairs`: a released-layout checkpoint loads into `pair_words`' re-encoding of
     its bytes (the same scales), the random initialisation likewise, and the model computes, and exports,
@@ -221,10 +230,7 @@ def test_pairs_byte_format_loads_computes_and_exports_as_the_released_bytes(tmp_
         )
         assert torch.equal(weight.dequantize(torch.float32), plain[name].dequantize(torch.float32)), name
     with torch.no_grad():
-        for (name, p), q in zip(models["pairs"].named_parameters(), models["checkpoint"].parameters()):
-            if is_adapter_param(name):  # the same adapters on both
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-                q.copy_(p)
+        _same_adapters(models["pairs"], models["checkpoint"])
         tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
         assert torch.equal(models["pairs"](tokens), models["checkpoint"](tokens))
         exported = load_hf(save_hf(models["pairs"], tmp_path / "export", dtype=torch.float32))
@@ -240,3 +246,41 @@ def test_pairs_byte_format_loads_computes_and_exports_as_the_released_bytes(tmp_
         weight.copy_packed_(plain[next(iter(plain))].blocks, torch.full_like(weight.scales, 129))
     with pytest.raises(ConfigError, match="model.mxfp4_byte_format='nibbles'"):
         dataclasses.replace(config, mxfp4_byte_format="nibbles")
+
+
+def test_tiled_pairs_load_compute_and_export_as_the_released_bytes(tmp_path):
+    """`model.mxfp4_byte_format: tiled_pairs`: a released-layout checkpoint loads into the pairs' bytes and
+    the scales stored tile by tile (`tile_experts`), the random initialisation likewise, and the model
+    computes, and exports, exactly what the released bytes give; widths that are not multiples of 64 are
+    refused by the config and by the weight."""
+    ref = reference_model(2, tiny_config(hidden_size=128, intermediate_size=128))
+    path = write_mxfp4_checkpoint(ref, tmp_path / "mxfp4")
+    config = dataclasses.replace(ref.config, lora=LORA, expert_format="mxfp4")
+    tiled_config = dataclasses.replace(config, mxfp4_byte_format="tiled_pairs")
+    plain_model, tiled_model = GPTOSSModel(config), GPTOSSModel(tiled_config)
+    for model in (plain_model, tiled_model):
+        load_hf_parallel([model], path, ONE, model.config)
+    plain = mxfp4_weights(plain_model)
+    for name, weight in mxfp4_weights(tiled_model).items():
+        assert weight.byte_format == "tiled_pairs"
+        assert torch.equal(weight.blocks, tile_experts(pair_words(plain[name].blocks))), name
+        assert torch.equal(weight.scales, tile_experts(plain[name].scales)), name
+        assert not torch.equal(weight.scales, plain[name].scales), name
+        assert torch.equal(weight.dequantize(torch.float32), plain[name].dequantize(torch.float32)), name
+    tokens = torch.randint(0, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _same_adapters(tiled_model, plain_model)
+        out = tiled_model(tokens)
+        assert out.isfinite().all() and torch.equal(out, plain_model(tokens))
+        exported = load_hf(save_hf(tiled_model, tmp_path / "export", dtype=torch.float32))
+        assert rel_err(exported(tokens), plain_model(tokens)) <= 1e-5
+    init = GPTOSSModel(tiled_config)
+    init_parallel([init], tiled_config, ONE, seed=5)
+    drawn = GPTOSSModel(config)
+    init_parallel([drawn], config, ONE, seed=5)
+    for name, weight in mxfp4_weights(init).items():
+        assert torch.equal(weight.dequantize(), mxfp4_weights(drawn)[name].dequantize()), name
+    with pytest.raises(ConfigError, match="model.hidden_size=32 is not a multiple of 64"):
+        dataclasses.replace(tiny_config(), mxfp4_byte_format="tiled_pairs")
+    with pytest.raises(ValueError, match="out_features=96, not a multiple of 64"):
+        MXFP4Weight(2, 96, 64, byte_format="tiled_pairs")

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from helpers.triton_cpu import interpreted
 
+from megatron_gptoss.config.model import MXFP4_BYTE_FORMATS, MXFP4_TILE
 from megatron_gptoss.hf.mxfp4 import dequantize_mxfp4
 from megatron_gptoss.ops import fused_moe, mxfp4_bytes, mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
 from megatron_gptoss.ops.mxfp4_gemm import (
@@ -496,8 +497,72 @@ def test_pairs_byte_format_through_every_path(gated):
     assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
     decoded = mxfp4_gemm.dequantize_kernel(pairs, scales, torch.float32, "pairs")
     assert torch.equal(decoded, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
-    with pytest.raises(ValueError, match="byte format 'checkpoint' or 'pairs', got 'shuffled'"):
+    with pytest.raises(ValueError, match="held in one of .*, got 'shuffled'"):
         grouped_linear_mxfp4(x, pairs, scales, bounds, "portable", TILES, None, "shuffled")
+
+
+def test_tiles_put_each_k_step_of_a_row_block_in_one_run():
+    """`tile_experts`: expert e's tile (row block b, K step t) holds rows 64 b .. of K columns 64 t .. as one
+    contiguous run in order, `untile_experts` gives the row-major bytes back, scales alike; widths that do
+    not fill whole tiles are refused, naming the width."""
+    blocks, scales = weights(2, 128, 192, seed=41)  # 2 row blocks x 3 K steps a expert
+    tiled, tiled_scales = mxfp4_bytes.tile_experts(blocks), mxfp4_bytes.tile_experts(scales)
+    assert tiled.shape == blocks.shape and tiled_scales.shape == scales.shape
+    flat, flat_scales = tiled.reshape(2, -1), tiled_scales.reshape(2, -1)
+    run, run_scales = 64 * 32, 64 * 2  # a tile's bytes and scale bytes
+    for e, b, t in [(0, 0, 0), (0, 1, 2), (1, 0, 1), (1, 1, 0)]:
+        start = (b * 3 + t) * run
+        expect = blocks[e, 64 * b : 64 * (b + 1), 2 * t : 2 * t + 2].reshape(-1)
+        assert torch.equal(flat[e, start : start + run], expect), (e, b, t)
+        start = (b * 3 + t) * run_scales
+        expect = scales[e, 64 * b : 64 * (b + 1), 2 * t : 2 * t + 2].reshape(-1)
+        assert torch.equal(flat_scales[e, start : start + run_scales], expect), (e, b, t)
+    assert torch.equal(mxfp4_bytes.untile_experts(tiled), blocks)
+    assert torch.equal(mxfp4_bytes.untile_experts(tiled_scales), scales)
+    assert MXFP4_BYTE_FORMATS == mxfp4_bytes.HELD_FORMATS  # the config's names are the held formats
+    assert MXFP4_TILE == mxfp4_bytes.TILE_ROWS == mxfp4_bytes.TILE_K
+    with pytest.raises(ValueError, match="out_features=96, not a multiple of 64"):
+        mxfp4_bytes.tile_experts(blocks[:, :96])
+    with pytest.raises(ValueError, match="in_features=160, not a multiple of 64"):
+        mxfp4_bytes.tile_experts(scales[:, :, :5])
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_tiled_pairs_through_every_path(gated):
+    """Weights held "tiled_pairs" (the pairs' bytes and the scales tile by tile): the forward (the portable
+    kernel at the held 64 x 64 tiles, over 2 K steps and experts over several row tiles), the input gradient
+    (the backward kernel addressing the tiles), the reference path and the whole-weight decoding give exactly
+    what the checkpoint's bytes give, addend included; tiles other than the held ones are refused."""
+    counts, out, k = [7, 0, 21], 64, 128
+    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=43)
+    scales = scales.clamp(max=128)
+    held = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(blocks))
+    held_scales = mxfp4_bytes.tile_experts(scales)
+    x, bounds = rows(counts, k, seed=43)
+    addend = torch.randn(x.shape[0], blocks.shape[1], generator=torch.Generator().manual_seed(44))
+    fmt = "tiled_pairs"
+    assert mxfp4_gemm.default_config(28, 3, x.device, gated, fmt).block_n == 64
+    if gated:
+        call = functools.partial(fc1_swiglu_mxfp4, x, bias=None, bounds=bounds, limit=LIMIT, alpha=ALPHA,
+                                 path="portable", addend=addend)  # fmt: skip
+        ours, ref = call(held, held_scales, byte_format=fmt), call(blocks, scales, config=TILES)
+    else:
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        ours = grouped_linear_mxfp4(xs[0], held, held_scales, bounds, "portable", None, addend, fmt)
+        ref = grouped_linear_mxfp4(xs[1], blocks, scales, bounds, "portable", TILES, addend)
+        g = torch.randn_like(ref)
+        ours.backward(g)
+        ref.backward(g)
+        assert xs[1].grad.abs().sum() > 0 and torch.equal(xs[0].grad, xs[1].grad)
+    assert ref.abs().sum() > 0 and torch.equal(ours, ref)
+    swiglu = (LIMIT, ALPHA) if gated else None
+    ours = reference_dequantized(x, held, held_scales, bounds, None, swiglu, addend, fmt)
+    assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
+    decoded = mxfp4_gemm.dequantize_kernel(held, held_scales, torch.float32, fmt)
+    assert torch.equal(decoded, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
+    with pytest.raises(ValueError, match="read in their 64 x 64 tiles; the kernel's are 16 x 64"):
+        grouped_linear_mxfp4(x, held, held_scales, bounds, "portable", TILES, None, fmt)
 
 
 @interpreted

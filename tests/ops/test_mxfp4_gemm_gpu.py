@@ -251,20 +251,24 @@ def test_relaid_weights_equal_the_row_major_kernel(tokens):
                 assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
 
 
+@pytest.mark.parametrize("held", ["pairs", "tiled_pairs"])
 @pytest.mark.parametrize("tokens", [64, 256, 2048])
-def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens):
+def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens, held):
     """Weights held in byte format "pairs" (`mxfp4_bytes.pair_words`; the inputs' scales 2^-6 .. 2^-4 lie in
-    its range): fc1 + SwiGLU, fc2 and fc2's input gradient on the auto path (the portable kernel with the
-    pairs' inline assembly up to 1,024 rows, the dequantized path above) bit for bit what the checkpoint's
-    bytes give, though their default K steps differ (64 values against 128: the products' fp32 sums run
-    over K in the same order)."""
+    its range), row-major or tile by tile (`tile_experts`): fc1 + SwiGLU, fc2 and fc2's input gradient on
+    the auto path (the portable kernel with the pairs' inline assembly up to 1,024 rows, the dequantized path
+    above) bit for bit what the checkpoint's bytes give, though their default K steps differ (64 values
+    against 128: the products' fp32 sums run over K in the same order)."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
     p1, p2 = mxfp4_bytes.pair_words(b1), mxfp4_bytes.pair_words(b2)
+    q1, q2 = s1, s2
+    if held == "tiled_pairs":
+        p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (p1, p2, s1, s2))
     h = fc1_swiglu_mxfp4(x, b1, s1, bias, bounds, LIMIT, ALPHA)
-    assert torch.equal(fc1_swiglu_mxfp4(x, p1, s1, bias, bounds, LIMIT, ALPHA, byte_format="pairs"), h)
+    assert torch.equal(fc1_swiglu_mxfp4(x, p1, q1, bias, bounds, LIMIT, ALPHA, byte_format=held), h)
     hs = [h.clone().requires_grad_(True) for _ in range(2)]
     y = grouped_linear_mxfp4(hs[0], b2, s2, bounds)
-    y_pairs = grouped_linear_mxfp4(hs[1], p2, s2, bounds, byte_format="pairs")
+    y_pairs = grouped_linear_mxfp4(hs[1], p2, q2, bounds, byte_format=held)
     assert torch.equal(y_pairs, y)
     g = torch.randn_like(y)
     y.backward(g)

@@ -131,15 +131,16 @@ def test_trainer_mismatch_ep2_gpu(checkpoint, tmp_path):
     check(run_trainer(checkpoint, tmp_path / "ep2", 2), "ep2")
 
 
-CASES = [("mxfp4", 8), ("bf16", 128), ("mxfp4", 128), ("mxfp4-pairs", 8)]
+CASES = [("mxfp4", 8), ("bf16", 128), ("mxfp4", 128), ("mxfp4-pairs", 8), ("mxfp4-tiled_pairs", 8)]
+IDS = ["mxfp4", "e128", "mxfp4-e128", "pairs", "tiled_pairs"]
 
 
-@pytest.mark.parametrize(("expert_format", "experts"), CASES, ids=["mxfp4", "e128", "mxfp4-e128", "pairs"])
+@pytest.mark.parametrize(("expert_format", "experts"), CASES, ids=IDS)
 def test_trainer_mismatch_lora_world1_gpu(tmp_path, expert_format, experts):
     """LoRA (rank 4 on attention and every expert, the recipes' adapters) over a random base at gpt-oss-20b
     width: MXFP4 experts (the engine's MXFP4 kernels against the learner's dequantized path), gpt-oss-120b's
     expert count (128, top-4) with bf16 experts, both together, and MXFP4 experts held in the pairs byte
-    format (`model.mxfp4_byte_format`); the world-1 bounds."""
+    format, row-major and tile by tile (`model.mxfp4_byte_format`); the world-1 bounds."""
     held, _, byte_format = expert_format.partition("-")
     overrides = (f"model.expert_format={held}", f"model.num_experts={experts}", "model.lora.rank=4",
                  "model.lora.alpha=8.0", f"model.mxfp4_byte_format={byte_format or 'checkpoint'}",

@@ -1,7 +1,7 @@
 """Two RL steps of the demo (configs/demo_cpu.yaml) with LoRA over MXFP4 experts, held as the checkpoints
-store them and in the pairs byte format: the random experts are quantized once, the embedded engine shares
-the learner's 4-bit base, every step logs finite metrics (the engine/learner mismatch among them), the
-checkpoint stores the adapters alone, the final HF export loads."""
+store them and as the pairs' bytes stored tile by tile: the random experts are quantized once, the embedded
+engine shares the learner's 4-bit base, every step logs finite metrics (the engine/learner mismatch among
+them), the checkpoint stores the adapters alone, the final HF export loads."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from megatron_gptoss.trainer import loop
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("byte_format", ["checkpoint", "pairs"])
+@pytest.mark.parametrize("byte_format", ["checkpoint", "tiled_pairs"])
 def test_two_demo_steps_with_lora_over_mxfp4_experts(tmp_path, byte_format):
     overrides = ["model.expert_format=mxfp4", "model.lora.rank=4", "model.num_layers=2",
                  f"model.mxfp4_byte_format={byte_format}",
