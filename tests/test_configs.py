@@ -60,7 +60,7 @@ def test_layout_fits_its_world_at_full_and_tiny_size(name):
     validate_layout(cfg.parallel, cfg.model, world)
     p = cfg.parallel
     stages = p.pipeline_model_parallel_size * p.virtual_pipeline_model_parallel_size
-    width = 32 * p.tensor_model_parallel_size
+    width = 64 * p.tensor_model_parallel_size  # whole 64 x 64 tiles for the MXFP4 experts held tiled
     layers = max(stages, len(p.pipeline_layers) and sum(p.pipeline_layers))
     tiny = [f"model.hidden_size={width}", "model.head_dim=16", f"model.num_layers={layers}",
             f"model.intermediate_size={width}", "model.vocab_size=200"]  # fmt: skip

@@ -79,7 +79,7 @@ def test_readme_quickstart_commands_at_tiny_width(tmp_path):
     overrides = [w for w in train if re.fullmatch(r"[a-z_]+\.[a-z_]+=.+", w)]
     assert {o.split("=")[0] for o in overrides} == {"run.init_from_hf", "data.train_files", "data.eval_files"}
 
-    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=32",
+    tiny = ["model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=64",
             "model.num_attention_heads=2", "model.num_query_groups=1", "model.head_dim=16",
             "model.num_experts=4", "model.max_position_embeddings=1024",
             "model.attention_backend=eager"]  # fmt: skip

@@ -53,14 +53,15 @@ def launched(words: list[str]) -> tuple[str, int, list[str]]:
 
 
 def tiny(cfg: TrainConfig) -> list[str]:
-    """Overrides shrinking the model to hidden 64 and keeping it a fit for both of the config's layouts:
+    """Overrides shrinking the model to hidden and intermediate 64 (whole tiles for MXFP4 experts held
+    "tiled_pairs") and keeping it a fit for both of the config's layouts:
     layers a multiple of the pipeline stages, heads and KV heads divisible by tp, experts by both ep;
     eager attention (the CPU's reference kernel; Triton's runs under its slow interpreter here)."""
     p, r = cfg.parallel, cfg.rollout
     stages = p.pipeline_model_parallel_size * p.virtual_pipeline_model_parallel_size
     experts = math.lcm(p.expert_model_parallel_size, r.expert_parallel_size, cfg.model.moe_router_topk)
     tp = math.lcm(p.tensor_model_parallel_size, r.tensor_parallel_size)
-    return [f"model.num_layers={max(2, stages)}", "model.hidden_size=64", "model.intermediate_size=32",
+    return [f"model.num_layers={max(2, stages)}", "model.hidden_size=64", "model.intermediate_size=64",
             f"model.num_attention_heads={2 * tp}", f"model.num_query_groups={tp}", "model.head_dim=16",
             f"model.num_experts={experts}", "model.max_position_embeddings=1024",
             "model.attention_backend=eager"]  # fmt: skip

@@ -274,16 +274,22 @@ def default_config(
     pairs' (the pairs' fc1 at 2,048 rows, 512 decode slots: 322 us with four against 673 with eight).
     `byte_format` is a held format (`mxfp4_bytes.HELD_FORMATS`): "tiled_pairs" takes its tiles' shape
     (TILE_ROWS x TILE_K, the pairs' on a GPU), forward and input gradient."""
-    tiles = {"block_n": TILE_ROWS, "block_k": TILE_K, "bwd_block_k": TILE_K} if is_tiled(byte_format) else {}
     if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
         if byte_format == "checkpoint":
             return CPU_CONFIG
-        return dataclasses.replace(CPU_CONFIG, decode="groups", **tiles)
+        return _held_tiles(dataclasses.replace(CPU_CONFIG, decode="groups"), byte_format)
     block_m = row_tile(rows, experts, 2)
     warps = default_warps(block_m, gated, byte_format)
     block_k = 64 if byte_format_of(byte_format) == "pairs" else 128
     cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
-    return dataclasses.replace(fit_shared_memory(cfg, _shared_memory(device), gated), **tiles)
+    return _held_tiles(fit_shared_memory(cfg, _shared_memory(device), gated), byte_format)
+
+
+def _held_tiles(cfg: Mxfp4Config, byte_format: str) -> Mxfp4Config:
+    """cfg with the tiles weights held in `byte_format` are stored in ("tiled_pairs"), else cfg."""
+    if not is_tiled(byte_format):
+        return cfg
+    return dataclasses.replace(cfg, block_n=TILE_ROWS, block_k=TILE_K, bwd_block_k=TILE_K)
 
 
 def default_warps(block_m: int, gated: bool, byte_format: str) -> int:
@@ -386,19 +392,20 @@ def dequantize_kernel(
 ) -> Tensor:
     """`dequantize` by one Triton launch (CUDA, or the CPU under TRITON_INTERPRET=1): the same values in
     `dtype` (bf16, fp16 or fp32), scales up to 240 (2 ** 113; the kernels' range). Blocks held
-    "tiled_pairs" are put back in rows first (a transient copy of the bytes)."""
+    "tiled_pairs" are read tile by tile and written in rows."""
     _check_weights(blocks, scales)
-    if is_tiled(byte_format):
-        blocks, scales = untile_experts(blocks), untile_experts(scales)
-    byte_format = byte_format_of(byte_format)
     blocks, scales = blocks.contiguous(), scales.contiguous()
     out = torch.empty(*scales.shape, BLOCK, dtype=dtype, device=blocks.device)
     groups = scales.numel()
+    tiled = is_tiled(byte_format)
+    if tiled:
+        check_tileable(scales.shape[1], scales.shape[2] * BLOCK, f"a weight of {tuple(blocks.shape)} bytes")
     if groups:
         grid = (_cdiv(groups, _DEQUANTIZE_GROUPS),)
         _kernels().mxfp4_dequant_kernel[grid](
-            blocks, scales, out, groups, BLOCK_G=_DEQUANTIZE_GROUPS,
-            BYTE_FORMAT=BYTE_FORMATS.index(byte_format), PTX=_ptx_decodes(blocks, dtype),
+            blocks, scales, out, groups, scales.shape[2], scales.shape[1] * scales.shape[2],
+            BLOCK_G=_DEQUANTIZE_GROUPS, BYTE_FORMAT=BYTE_FORMATS.index(byte_format_of(byte_format)),
+            PTX=_ptx_decodes(blocks, dtype), TILE_ROWS=TILE_ROWS if tiled else 0, TILE_GROUPS=TILE_K // BLOCK,
         )  # fmt: skip
     return out.reshape(*scales.shape[:-1], scales.shape[-1] * BLOCK)
 

@@ -582,19 +582,17 @@ def mxfp4_bwd_kernel(
 
 @triton.jit
 def mxfp4_dequant_kernel(
-    blocks_ptr,
-    scales_ptr,
-    out_ptr,
-    groups,
-    BLOCK_G: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr,
-    PTX: tl.constexpr,
-):
+    blocks_ptr, scales_ptr, out_ptr, groups, row_groups, expert_groups, BLOCK_G: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PTX: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_GROUPS: tl.constexpr,
+):  # fmt: skip
     """`groups` blocks of 32 values (bytes [groups, 16], scales [groups], both contiguous) -> out [groups, 32]
     in out's dtype, exactly: value 2j of a block from the low nibble of byte j, 2j + 1 from the high one,
     times the block's scale (`_decode`'s arithmetic); BYTE_FORMAT 2: the blocks in byte format 2 ("pairs"),
     decoded by `_decode_pairs` (each block a row of 32 values; PTX, bf16 out on NVIDIA GPUs: its inline
-    assembly). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G)."""
+    assembly). Program p decodes blocks [p BLOCK_G, (p + 1) BLOCK_G). TILE_ROWS > 0: the blocks and scales
+    stored tile by tile (`mxfp4_bytes.tile_experts`: each expert's expert_groups blocks as tiles of TILE_ROWS
+    rows x TILE_GROUPS blocks, a row block's K steps in order), each block written at its row-major place
+    (rows of row_groups blocks)."""
     g = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
     inside = g < groups
     if BYTE_FORMAT == 2:
@@ -615,5 +613,13 @@ def mxfp4_dequant_kernel(
         values = tl.reshape(
             tl.join(even, odd), (BLOCK_G, 32)
         )  # [BLOCK_G, 16, 2]: values 2j, 2j + 1 side by side
-    offsets = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    dest = g
+    if TILE_ROWS > 0:  # stored block g -> (expert, row block, K step, row, block of the step) -> row-major
+        tile: tl.constexpr = TILE_ROWS * TILE_GROUPS
+        local = g % expert_groups
+        row_block, in_block = local // (row_groups * TILE_ROWS), local % (row_groups * TILE_ROWS)
+        step, in_tile = in_block // tile, in_block % tile
+        row = row_block * TILE_ROWS + in_tile // TILE_GROUPS
+        dest = g - local + row * row_groups + step * TILE_GROUPS + in_tile % TILE_GROUPS
+    offsets = dest[:, None] * 32 + tl.arange(0, 32)[None, :]
     tl.store(out_ptr + offsets, values.to(out_ptr.dtype.element_ty), mask=inside[:, None])
