@@ -8,9 +8,10 @@ released checkpoints' layout; the engine copies the bytes into its MXFP4 weights
   ep2 / tp2 learner (gathered on dst).
 - a learner holding MXFP4 experts itself (LoRA over a 4-bit base) exports them dequantized, adapters merged,
   or re-quantized for an MXFP4 engine.
-- fan-out on 2 gloo ranks, ep2 learner into ep2 and tp1-replica engines: after a sync every engine rank's
-  blocks and scales equal `quantize_mxfp4` of the learner's weights (its experts), its dense parameters the
-  learner's; the engine generates.
+- fan-out on 2 gloo ranks, ep2 learner into ep2 (bytes held as released, pairs, tiled pairs) and
+  tp1-replica engines: after a sync every engine rank's blocks and scales equal `quantize_mxfp4` of the
+  learner's weights (its experts) in the engine's held format, its dense parameters the learner's; the
+  engine generates.
 """
 
 import dataclasses
@@ -28,12 +29,12 @@ from megatron_gptoss.hf.convert import iter_hf_tensors
 from megatron_gptoss.hf.mxfp4 import pack_expert_weight, quantize_mxfp4
 from megatron_gptoss.model import build_model
 from megatron_gptoss.model.mxfp4_weight import mxfp4_weights
-from megatron_gptoss.ops.mxfp4_bytes import pair_words
+from megatron_gptoss.ops.mxfp4_bytes import pair_words, tile_experts
 from megatron_gptoss.parallel.dims import Layout, ParallelDims
 from megatron_gptoss.rollout import SamplingParams
 from megatron_gptoss.rollout.parallel_embedded import ParallelEmbeddedEngine
 
-CONFIG = gpt_oss_tiny(num_experts=8)
+CONFIG = gpt_oss_tiny(num_experts=8, hidden_size=64, intermediate_size=64)  # whole tiles for "tiled_pairs"
 PACKED = EngineLayout(expert_format="mxfp4")
 BUCKET = 8 * 1024
 TIMEOUT = 180.0
@@ -72,7 +73,8 @@ def test_plan_sends_expert_weights_as_blocks_and_scales():
         f"model.layers.0.mlp.experts.gate_up_proj_blocks[{start}:{stop}]",
         f"model.layers.0.mlp.experts.gate_up_proj_scales[{start}:{stop}]",
     )
-    assert first.shapes == ((stop - start, 64, 1, 16), (stop - start, 64, 1))
+    rows, groups = 2 * CONFIG.intermediate_size, CONFIG.hidden_size // 32  # fc1: [gate; up] x hidden
+    assert first.shapes == ((stop - start, rows, groups, 16), (stop - start, rows, groups))
     assert sum(t.experts[1] - t.experts[0] for t in fc1) == 8
     assert first.nbytes <= 2048 or stop - start == 1  # the bucket bound counts the packed bytes
     bias = next(t for t in plan if t.ours == "decoder.layers.0.mlp.experts.linear_fc1.bias")
@@ -156,7 +158,10 @@ def fanout_on_ranks(state, engines):
             local = weight.shape[0]
             first = edims.coord("ep") * local
             blocks, scales = quantize_mxfp4(state[name][first : first + local])  # our [gate; up] rows
-            blocks = pair_words(blocks) if byte_format == "pairs" else blocks  # the engine's re-encoding
+            if byte_format != "checkpoint":  # the engine's re-encoding (and tiling)
+                blocks = pair_words(blocks)
+            if byte_format == "tiled_pairs":
+                blocks, scales = tile_experts(blocks), tile_experts(scales)
             if not (torch.equal(weight.blocks, blocks) and torch.equal(weight.scales, scales)):
                 wrong.append(name)
         for name, param in engine.model.named_parameters():
@@ -184,6 +189,7 @@ def test_fanout_fills_the_engine_blocks_with_the_quantized_learner_weights():
     engines = {
         "ep2": dict(expert_model_parallel_size=2), "tp1": {},
         "ep2-pairs": dict(expert_model_parallel_size=2, byte_format="pairs"),  # `model.mxfp4_byte_format`
+        "ep2-tiled": dict(expert_model_parallel_size=2, byte_format="tiled_pairs"),
     }  # fmt: skip
     per_rank = pool(2).run(fanout_on_ranks, state, engines, timeout=TIMEOUT)
     for rank, result in enumerate(per_rank):
