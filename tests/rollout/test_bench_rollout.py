@@ -64,12 +64,13 @@ def test_decode_with_adapters_counts_their_bytes(tmp_path):
 
 
 def test_decode_per_expert_format_names_each_row(tmp_path):
-    """--expert-format bf16,mxfp4,mxfp4-pairs: one engine a format, each row named by it, the MXFP4 ones
-    reading 4.25 bits an expert value whatever their byte format; an unknown format is refused."""
+    """--expert-format bf16,mxfp4,mxfp4-pairs,mxfp4-tiled: one engine a format, each row named by it, the
+    MXFP4 ones reading 4.25 bits an expert value whatever their byte format and layout; an unknown format
+    is refused."""
     args = ["--tiny", "--part", "decode", "--ckpt", str(tmp_path), "--slots", "2", "--decode-steps", "3"]
-    rows = bench_rollout.main([*args, "--expert-format", "bf16,mxfp4,mxfp4-pairs"])
-    assert [r["format"] for r in rows] == ["bf16", "mxfp4", "mxfp4-pairs"]
-    assert rows[1]["gbytes_read"] == rows[2]["gbytes_read"] < rows[0]["gbytes_read"]
+    rows = bench_rollout.main([*args, "--expert-format", "bf16,mxfp4,mxfp4-pairs,mxfp4-tiled"])
+    assert [r["format"] for r in rows] == ["bf16", "mxfp4", "mxfp4-pairs", "mxfp4-tiled"]
+    assert rows[1]["gbytes_read"] == rows[2]["gbytes_read"] == rows[3]["gbytes_read"] < rows[0]["gbytes_read"]
     assert all(r["step_ms"] > 0 for r in rows)
     with pytest.raises(SystemExit):
         bench_rollout.main([*args, "--expert-format", "nf4"])
