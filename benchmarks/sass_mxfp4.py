@@ -36,7 +36,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from megatron_gptoss.ops import mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
+from megatron_gptoss.ops import mxfp4_bytes, mxfp4_gemm, mxfp4_kernels, mxfp4_relaid
 
 EXPERTS, WIDTH = 32, 2880
 TARGET = GPUTarget("cuda", 90, 32)
@@ -147,30 +147,27 @@ def _compile(fn, types: dict[str, str], constants: dict, aligned: tuple[str, ...
 
 def compile_others(byte_format: str, capability: int) -> None:
     """The forward (fc1 at 16 rows), input-gradient and whole-weight decoding kernels for `byte_format`
-    compiled for sm_`capability` (bf16, their assembly where it applies): a compiler failure raises (the
-    interpreter never compiles)."""
+    compiled for sm_`capability` (bf16, their assembly where it applies; the pairs also as a model holds them
+    tile by tile, "tiled_pairs"): a compiler failure raises (the interpreter never compiles)."""
     target = GPUTarget("cuda", capability, 32)
     cfg = mxfp4_gemm.Mxfp4Config(block_m=16, block_n=64, block_k=128, warps=4, stages=3, decode="ptx")
     compile_forward(True, False, byte_format, cfg, target)
     fmt, ptx = mxfp4_gemm.BYTE_FORMATS.index(byte_format), byte_format != "checkpoint"
-    ints = {n: "i32" for n in ("N", "K", "stride_g", "stride_wbn", "stride_wsn", "stride_gx", "groups")}
-    types = {**ints, "G": "*bf16", "Wb": "*u8", "Ws": "*u8", "GX": "*bf16", "bounds": "*i32",
-             "stride_wbe": "i64", "stride_wse": "i64", "blocks_ptr": "*u8", "scales_ptr": "*u8",
-             "out_ptr": "*bf16"}  # fmt: skip
-    backward = {
-        "BLOCK_M": 64,
-        "BLOCK_R": 64,
-        "BLOCK_K": 64,
-        "DOT_PRECISION": "tf32",
-        "BYTE_FORMAT": fmt,
-        "PTX": ptx,
-    }
+    names = ("N", "K", "stride_g", "stride_wbn", "stride_wsn", "stride_gx", "groups", "wb_col", "wb_step",
+             "ws_col", "ws_step", "row_groups", "expert_groups")  # fmt: skip
+    types = {**dict.fromkeys(names, "i32"), "G": "*bf16", "Wb": "*u8", "Ws": "*u8", "GX": "*bf16",
+             "bounds": "*i32", "stride_wbe": "i64", "stride_wse": "i64", "blocks_ptr": "*u8",
+             "scales_ptr": "*u8", "out_ptr": "*bf16"}  # fmt: skip
     aligned = ("G", "Wb", "Ws", "GX", "bounds", "N", "K", "stride_g", "stride_wbn", "stride_gx", "stride_wbe")
-    _compile(mxfp4_kernels.mxfp4_bwd_kernel, types, backward, aligned, target)
-    dequant = {"BLOCK_G": 64, "BYTE_FORMAT": fmt, "PTX": ptx}
-    _compile(
-        mxfp4_kernels.mxfp4_dequant_kernel, types, dequant, ("blocks_ptr", "scales_ptr", "out_ptr"), target
-    )
+    tiles = (0, mxfp4_bytes.TILE_ROWS) if byte_format == "pairs" else (0,)
+    for tile_rows in tiles:
+        backward = {"BLOCK_M": 64, "BLOCK_R": 64, "BLOCK_K": 64, "DOT_PRECISION": "tf32", "BYTE_FORMAT": fmt,
+                    "PTX": ptx, "TILE_ROWS": tile_rows}  # fmt: skip
+        _compile(mxfp4_kernels.mxfp4_bwd_kernel, types, backward, aligned, target)
+        dequant = {"BLOCK_G": 64, "BYTE_FORMAT": fmt, "PTX": ptx, "TILE_ROWS": tile_rows,
+                   "TILE_GROUPS": mxfp4_bytes.TILE_K // mxfp4_bytes.BLOCK}  # fmt: skip
+        pointers = ("blocks_ptr", "scales_ptr", "out_ptr")
+        _compile(mxfp4_kernels.mxfp4_dequant_kernel, types, dequant, pointers, target)
 
 
 def innermost_loop(cubin: bytes) -> LoopCount:
