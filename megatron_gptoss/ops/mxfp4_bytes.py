@@ -53,13 +53,13 @@ def check_tileable(out_features: int, in_features: int, what: str = "this weight
                              f"{name}_features={width}, not a multiple of {tile}")  # fmt: skip
 
 
-def _tile_view(t: Tensor) -> Tensor:
-    """blocks [E, R, G, 16] or scales [E, R, G] viewed as [E, R / TILE_ROWS, TILE_ROWS, G / per_tile,
-    per_tile, (16)] (per_tile = TILE_K / 32 blocks a tile row)."""
+def _tile_dims(t: Tensor) -> tuple[int, int, int, int]:
+    """(E, row blocks, K steps, blocks a tile row) of blocks [E, R, G, 16] or scales [E, R, G] in
+    TILE_ROWS x TILE_K tiles; refuses widths that do not fill whole tiles."""
     e, r, g = t.shape[:3]
     check_tileable(r, g * BLOCK, f"a weight of {tuple(t.shape)} bytes")
     per_tile = TILE_K // BLOCK
-    return t.reshape(e, r // TILE_ROWS, TILE_ROWS, g // per_tile, per_tile, *t.shape[3:])
+    return e, r // TILE_ROWS, g // per_tile, per_tile
 
 
 def tile_experts(t: Tensor) -> Tensor:
@@ -67,16 +67,15 @@ def tile_experts(t: Tensor) -> Tensor:
     tile (row block b, K step s) is one contiguous run at offset (b G / per_tile + s) x tile size, its rows
     TILE_ROWS x (per_tile blocks) in order (per_tile = TILE_K / 32). R and 32 G must be multiples of
     TILE_ROWS and TILE_K. A copy."""
-    v = _tile_view(t)
+    e, blocks, steps, per_tile = _tile_dims(t)
+    v = t.reshape(e, blocks, TILE_ROWS, steps, per_tile, *t.shape[3:])
     return v.transpose(2, 3).contiguous().reshape(t.shape)
 
 
 def untile_experts(t: Tensor) -> Tensor:
     """`tile_experts`' inverse: blocks or scales stored tile by tile -> row-major (a copy)."""
-    e, r, g = t.shape[:3]
-    check_tileable(r, g * BLOCK, f"a weight of {tuple(t.shape)} bytes")
-    per_tile = TILE_K // BLOCK
-    v = t.reshape(e, r // TILE_ROWS, g // per_tile, TILE_ROWS, per_tile, *t.shape[3:])
+    e, blocks, steps, per_tile = _tile_dims(t)
+    v = t.reshape(e, blocks, steps, TILE_ROWS, per_tile, *t.shape[3:])
     return v.transpose(2, 3).contiguous().reshape(t.shape)
 
 

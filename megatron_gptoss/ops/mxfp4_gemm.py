@@ -467,14 +467,10 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
 
 
-def _tiled_layout(n: int, k: int, cfg: Mxfp4Config) -> tuple[int, ...]:
-    """The forward kernel's tile addressing of blocks and scales held "tiled_pairs" (`mxfp4_bytes.
-    tile_experts`; each expert contiguous): the tiles of a half (fc1's gate, up) n k / 2 bytes apart, a
-    column block's K steps in order, each tile TILE_ROWS rows of TILE_K / 2 bytes (scales: / 16). The
-    kernel's tiles must be the held ones."""
-    if (cfg.block_n, cfg.block_k) != (TILE_ROWS, TILE_K):
-        raise ValueError(f"weights held 'tiled_pairs' are read in their {TILE_ROWS} x {TILE_K} tiles; "
-                         f"the kernel's are {cfg.block_n} x {cfg.block_k}")  # fmt: skip
+def _tiled_layout(n: int, k: int) -> tuple[int, ...]:
+    """The kernels' tile addressing (`_row_major_layout`'s order) of blocks and scales held "tiled_pairs"
+    (`mxfp4_bytes.tile_experts`; each expert contiguous): the tiles of a half (fc1's gate, up) n k / 2 bytes
+    apart, a column block's K steps in order, each tile TILE_ROWS rows of TILE_K / 2 bytes (scales: / 16)."""
     check_tileable(n, k, f"a weight of {n} output columns a half")
     row_b, row_s = TILE_K // 2, TILE_K // BLOCK
     return (n * k // 2, TILE_ROWS * k // 2, TILE_ROWS * row_b, row_b,
@@ -511,7 +507,10 @@ def _forward(
     n = rows_w // 2 if gated else rows_w
     cfg = default_config(x.shape[0], e, x.device, gated, byte_format) if config is None else config
     if tiled:
-        layout = _tiled_layout(n, blocks.shape[2] * BLOCK, cfg)
+        if (cfg.block_n, cfg.block_k) != (TILE_ROWS, TILE_K):
+            raise ValueError(f"weights held 'tiled_pairs' are read in their {TILE_ROWS} x {TILE_K} tiles; "
+                             f"the kernel's are {cfg.block_n} x {cfg.block_k}")  # fmt: skip
+        layout = _tiled_layout(n, blocks.shape[2] * BLOCK)
     else:
         layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
@@ -609,18 +608,17 @@ def _input_grad(grad: Tensor, blocks: Tensor, scales: Tensor, bounds: Tensor, dt
     if m == 0:
         return grad_x
     cfg = default_config(m, e, grad.device, False, byte_format) if config is None else config
-    # strides of a row, of a tile's row block and K step (row-major: rows only)
-    strides = (blocks.stride(1), scales.stride(1), 0, 0, 0, 0)
+    # a row's stride, and a tile's row block's and K step's (row-major: rows only)
+    wb_row, ws_row, wb_col, wb_step, ws_col, ws_step = blocks.stride(1), scales.stride(1), 0, 0, 0, 0
     if tiled:
         if cfg.bwd_block_k != TILE_K or TILE_ROWS % cfg.bwd_block_r:
             raise ValueError(f"weights held 'tiled_pairs' need bwd_block_k {TILE_K} and bwd_block_r dividing "
                              f"{TILE_ROWS}, got {cfg}")  # fmt: skip
-        layout = _tiled_layout(n, k, dataclasses.replace(cfg, block_n=TILE_ROWS, block_k=TILE_K))
-        strides = (layout[3], layout[7], layout[1], layout[2], layout[5], layout[6])
+        _, wb_col, wb_step, wb_row, _, ws_col, ws_step, ws_row = _tiled_layout(n, k)
     grid = (_cdiv(k, cfg.bwd_block_k), e, _split(m, e, cfg.bwd_block_m))
     _kernels().mxfp4_bwd_kernel[grid](
-        grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), strides[0],
-        scales.stride(0), strides[1], grad_x.stride(0), *strides[2:],
+        grad, blocks, scales, grad_x, bounds, n, k, grad.stride(0), blocks.stride(0), wb_row,
+        scales.stride(0), ws_row, grad_x.stride(0), wb_col, wb_step, ws_col, ws_step,
         BLOCK_M=cfg.bwd_block_m, BLOCK_R=cfg.bwd_block_r, BLOCK_K=cfg.bwd_block_k,
         DOT_PRECISION="ieee" if dtype == torch.float32 else None,
         BYTE_FORMAT=BYTE_FORMATS.index(byte_format_of(byte_format)), PTX=_ptx_decodes(grad, dtype),
