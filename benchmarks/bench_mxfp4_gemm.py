@@ -280,7 +280,8 @@ def relaid_layer(
 
     def run(x, blocks, scales, bias, bounds, gated: bool, i: int, cfg: Mxfp4Config | None):
         if cfg is None:
-            cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated, byte_format)
+            held = mxfp4_relaid.held_like(byte_format)
+            cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated, held)
             cfg = dataclasses.replace(cfg, decode=decode)
         weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, byte_format)
         return mxfp4_relaid.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)

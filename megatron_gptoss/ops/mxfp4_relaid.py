@@ -104,6 +104,13 @@ def kernel_weights(
     return KernelWeights(blocks, scales, n, k, gated, block_n, block_k, tiled, byte_format)
 
 
+def held_like(byte_format: str) -> str:
+    """The held format (`mxfp4_bytes.HELD_FORMATS`) whose `default_config` tiles suit BYTE_FORMATS'
+    `byte_format`: the pairs' for the pairs, the checkpoint's for the shuffled bytes (decoded a block vector
+    at a time, as the checkpoint's are by the "groups" decoding)."""
+    return "pairs" if byte_format == "pairs" else "checkpoint"
+
+
 def forward_kernel_weights(
     x: Tensor, weights: KernelWeights, bias: Tensor | None, bounds: Tensor, limit: float = 0.0,
     alpha: float = 0.0, config: Mxfp4Config | None = None, addend: Tensor | None = None,
@@ -129,7 +136,7 @@ def forward_kernel_weights(
         raise ValueError(f"addend must be [M, out] = [{x.shape[0]}, {out}], got {tuple(addend.shape)}")
     cfg = config
     if cfg is None:
-        cfg = default_config(x.shape[0], e, x.device, weights.gated, weights.byte_format)
+        cfg = default_config(x.shape[0], e, x.device, weights.gated, held_like(weights.byte_format))
         cfg = dataclasses.replace(cfg, block_n=weights.block_n, block_k=weights.block_k, sub_k=0)
     if (cfg.block_n, cfg.block_k) != (weights.block_n, weights.block_k):
         raise ValueError(f"the kernel's tiles {cfg.block_n} x {cfg.block_k} must be the weights' "

@@ -433,6 +433,18 @@ def test_kernel_weights_keep_every_byte(gated):
     assert torch.equal(shuffled.scales, scales)
 
 
+def test_every_relaid_byte_format_has_held_tiles():
+    """Re-laid weights of each kernel byte format take the tiles of a held format (`mxfp4_relaid.held_like`:
+    `default_config` refuses the shuffled bytes, which no model holds): the pairs' for the pairs (K steps
+    of 64 on a GPU), the checkpoint's for the rest."""
+    for byte_format in mxfp4_gemm.BYTE_FORMATS:
+        held = mxfp4_relaid.held_like(byte_format)
+        mxfp4_bytes.check_held_format(held)
+        assert (held == "pairs") == (byte_format == "pairs"), byte_format
+    with pytest.raises(ValueError, match="shuffled"):
+        mxfp4_bytes.check_held_format("shuffled")
+
+
 def test_pair_words_decode_to_the_weights():
     """Byte format "pairs" (`pair_words`) read back by the kernels' rule (word a of a block: pair i from slot
     i's bits, as a bf16 of 2 ** -126 times the FP4 value) gives every code of every byte at K 2 (a + 4 i) + t,
