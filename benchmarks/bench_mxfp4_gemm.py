@@ -65,23 +65,25 @@ SWEEP = [
     (2, 64, 128, 4, 2, 0), (2, 64, 128, 4, 5, 0), (1, 64, 128, 4, 3, 0), (2, 32, 256, 4, 4, 0),
 ]  # fmt: skip
 # the same fields and `Mxfp4Config.sub_k`, tried by --sweep portable/<decode> for the block-vector decodings
-# (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64).
-# The last two are for 64-row tiles of the pairs bytes (`benchmarks/sass_mxfp4.py --block-m 64`): fc1 at K
-# step 64 holds 167 registers, 3 programs an SM against 2 at 128; fc2 with 2 stages 128 registers, 4 an SM.
-# An eighth field caps the registers a thread (`Mxfp4Config.maxnreg`): the last three, for the pairs' 64-row
-# tiles, 4 and 5 programs an SM (fc1 spills 128 / 160 bytes a thread). The last three keep the 64 x 64 tiles
-# a model's "tiled_pairs" holds and put more of its K steps in flight (5 and 6 stages: at 16-row tiles about
-# 6.3 KB a stage, so 3 programs an SM still fit) or run them on two warps (mma.sync, no warpgroup). The two
-# before them: 128 weight rows a program over two warpgroups (each decodes its own 64 rows), so each K step's
-# tile of x, loaded once for them all, serves twice the columns: at 2,048 rows x's tiles (re-read by every
-# column block: 531 MB a layer from L2 at 64 columns) outweigh the weight bytes (141 MB for fc2) 4 to 1.
+# (sm_90, fc1 at 16 rows, PTX: 73 registers a thread at K step 64, 158 at 128, 106 at 256 in pieces of 64); an
+# eighth field caps the registers a thread (`Mxfp4Config.maxnreg`). The later rows, by purpose:
 DECODE_SWEEP = [
     (2, 64, 64, 4, 4, 0, 0), (2, 64, 128, 4, 4, 0, 64), (2, 64, 256, 4, 3, 0, 64), (2, 64, 256, 4, 3, 0, 128),
     (2, 128, 128, 8, 4, 0, 64), (2, 64, 128, 4, 3, 0, 0), (2, 64, 128, 8, 3, 0, 0), (2, 32, 128, 4, 4, 0, 64),
-    (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64), (2, 64, 64, 4, 3, 0, 0), (2, 64, 128, 4, 2, 0, 0),
+    (2, 64, 256, 8, 3, 0, 64), (1, 64, 128, 4, 4, 0, 64),
+    # 64-row tiles of the pairs bytes (`benchmarks/sass_mxfp4.py --block-m 64`): fc1 at K step 64 holds 167
+    # registers, 3 programs an SM against 2 at 128; fc2 with 2 stages 128 registers, 4 an SM
+    (2, 64, 64, 4, 3, 0, 0), (2, 64, 128, 4, 2, 0, 0),
+    # the same capped: 4 and 5 programs an SM (fc1 spills 128 / 160 bytes a thread)
     (2, 64, 64, 4, 3, 0, 0, 128), (2, 64, 64, 4, 4, 0, 0, 128), (2, 64, 64, 4, 3, 0, 0, 96),
-    (2, 128, 64, 8, 3, 0, 0), (2, 128, 64, 8, 4, 0, 0), (2, 64, 64, 4, 5, 0, 0), (2, 64, 64, 4, 6, 0, 0),
-    (2, 64, 64, 2, 4, 0, 0),
+    # 128 weight rows a program over two warpgroups (each decodes its own 64 rows), so each K step's tile of
+    # x, loaded once for them all, serves twice the columns: at 2,048 rows x's tiles (re-read by every column
+    # block: 531 MB a layer from L2 at 64 columns) outweigh the weight bytes (141 MB for fc2) 4 to 1
+    (2, 128, 64, 8, 3, 0, 0), (2, 128, 64, 8, 4, 0, 0),
+    # the 64 x 64 tiles a model's "tiled_pairs" holds with more of its K steps in flight (5 and 6 stages: at
+    # 16-row tiles about 6.3 KB a stage, so 3 programs an SM still fit), or on two warps (mma.sync, no
+    # warpgroup)
+    (2, 64, 64, 4, 5, 0, 0), (2, 64, 64, 4, 6, 0, 0), (2, 64, 64, 2, 4, 0, 0),
 ]  # fmt: skip
 # the weights re-laid for the forward kernel (`mxfp4_relaid.kernel_weights`): (tiled, byte format) by name
 RELAID = {
