@@ -11,6 +11,8 @@
     python benchmarks/bench_mxfp4_gemm.py --tokens 64,256 --relaid --sweep pairs/ptx
                                     # the portable kernel over the weights re-laid (RELAID), and the
                                     # fastest of DECODE_SWEEP's tiles for one of them
+    python benchmarks/bench_mxfp4_gemm.py --tokens 256,512 --relaid --full-tiles
+                                    # and every program at its full row tile (no half-height tails)
     python benchmarks/bench_mxfp4_gemm.py --tiny                   # toy widths: CPU (TRITON_INTERPRET=1)
 
 Shapes: 32 experts (`--experts`; gpt-oss-120b has 128), top-4 random routing of N tokens (N * 4 expert-sorted
@@ -276,11 +278,12 @@ def tiles_of(cache: dict, blocks, scales, gated: bool, i: int, block_n: int, blo
 
 
 def relaid_layer(
-    layout: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None, decode: str = "ptx"
+    layout: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None, decode: str = "ptx",
+    half_tail: bool | None = None,
 ):  # fmt: skip
     """(fc1, fc2) of the portable kernel over the weights re-laid as RELAID[layout] (`mxfp4_gemm.
-    forward_kernel_weights`; the tiles of cfg1 / cfg2, else `default_config`'s with `decode`): the time were
-    the experts stored that way."""
+    forward_kernel_weights`; the tiles of cfg1 / cfg2, else `default_config`'s with `decode`, and
+    `half_tail` where given): the time were the experts stored that way."""
     tiled, byte_format = RELAID[layout]
     cache: dict[tuple, mxfp4_relaid.KernelWeights] = {}
 
@@ -289,6 +292,7 @@ def relaid_layer(
             held = mxfp4_relaid.held_like(byte_format)
             cfg = mxfp4_gemm.default_config(x.shape[0], blocks.shape[0], x.device, gated, held)
             cfg = dataclasses.replace(cfg, decode=decode)
+            cfg = cfg if half_tail is None else dataclasses.replace(cfg, half_tail=half_tail)
         weights = tiles_of(cache, blocks, scales, gated, i, cfg.block_n, cfg.block_k, tiled, byte_format)
         return mxfp4_relaid.forward_kernel_weights(x, weights, bias, bounds, LIMIT, ALPHA, cfg)
 
@@ -389,6 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--floor", action="store_true", help="also time the loads without decoding")
     parser.add_argument("--relaid", action="store_true",
                         help="also time the portable kernel over the weights re-laid (RELAID)")  # fmt: skip
+    parser.add_argument("--full-tiles", action="store_true",
+                        help="with --relaid: also time every program at its full row tile (no half-height "
+                        "tail tiles, `Mxfp4Config.half_tail`)")  # fmt: skip
     parser.add_argument("--experts", type=int, default=32, help="experts a layer (gpt-oss-120b: 128)")
     parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
@@ -443,6 +450,15 @@ def run(args: argparse.Namespace) -> int:
         if args.relaid:
             decode = "ptx" if device.type == "cuda" else "groups"
             candidates += [(f"mxfp4 {r}/{decode}", *relaid_layer(r, decode=decode), 4.25) for r in RELAID]
+            if args.full_tiles:
+                candidates += [
+                    (
+                        f"mxfp4 {r}/{decode} full-height tiles",
+                        *relaid_layer(r, decode=decode, half_tail=False),
+                        4.25,
+                    )
+                    for r in RELAID
+                ]
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
             ks = (64, 128, 256) if device.type == "cuda" else (32,)

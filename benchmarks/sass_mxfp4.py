@@ -110,6 +110,7 @@ def compile_forward(
         "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": cfg.block_k, "DOT_PRECISION": "tf32",
         "X_FORMAT": "bf16", "DECODE": mxfp4_gemm.DECODES.index("ptx"), "SUB_K": cfg.sub_k or cfg.block_k,
         "BYTE_FORMAT": mxfp4_gemm.BYTE_FORMATS.index(byte_format), "PREFETCH_SCALES": prefetch,
+        "HALF_TAIL": mxfp4_gemm.half_tail(cfg, "portable"),
     }  # fmt: skip
     integers = _arguments(gated, tiled, cfg)
     names = list(inspect.signature(mxfp4_kernels.mxfp4_fwd_kernel.fn).parameters)

@@ -244,6 +244,10 @@ class Mxfp4Config:
     # an SM (sm_90, the pairs' fc1 at 64-row tiles: 168 registers, 3 programs; at 128, 4 programs and 128
     # bytes spilled: `benchmarks/sass_mxfp4.py --maxnreg`)
     maxnreg: int = 0
+    # portable kernel, row tiles of 32 rows or more: a program whose rows fill at most half its row tile runs
+    # a tile of half the height, the matrix unit's products over padding rows halved (the same values either
+    # way; `default_config` sets it for fc1)
+    half_tail: bool = False
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
@@ -272,6 +276,8 @@ def default_config(
     H200 at gpt-oss-20b width the pairs' fc1 took 148 / 220 us at 256 / 1024 rows with 64, 179 / 259 us
     with 128; fc2 likewise). Eight warps for the gated 128-row tiles of the checkpoint's bytes, four for the
     pairs' (the pairs' fc1 at 2,048 rows, 512 decode slots: 322 us with four against 673 with eight).
+    Half-height tail tiles (`Mxfp4Config.half_tail`) for fc1: on an H200 over the pairs tile by tile its
+    fc1 took 260 / 187 us against 277 / 199 at 2,048 / 1,024 rows, fc2 158 / 103 us against 150 / 100.
     `byte_format` is a held format (`mxfp4_bytes.HELD_FORMATS`): "tiled_pairs" takes its tiles' shape
     (TILE_ROWS x TILE_K, the pairs' on a GPU), forward and input gradient."""
     if device.type != "cuda":  # the interpreter's tiles; the other byte formats need a block-vector decoding
@@ -281,7 +287,9 @@ def default_config(
     block_m = row_tile(rows, experts, 2)
     warps = default_warps(block_m, gated, byte_format)
     block_k = 64 if byte_format_of(byte_format) == "pairs" else 128
-    cfg = Mxfp4Config(block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx")
+    cfg = Mxfp4Config(
+        block_m=block_m, block_n=64, block_k=block_k, warps=warps, stages=3, decode="ptx", half_tail=gated
+    )
     return _held_tiles(fit_shared_memory(cfg, _shared_memory(device), gated), byte_format)
 
 
@@ -559,9 +567,17 @@ def _launch_forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
-        PREFETCH_SCALES=prefetch_scales(), num_warps=cfg.warps, num_stages=cfg.stages, **_registers(cfg),
+        PREFETCH_SCALES=prefetch_scales(), HALF_TAIL=half_tail(cfg, kernel), num_warps=cfg.warps,
+        num_stages=cfg.stages, **_registers(cfg),
     )  # fmt: skip
     return out
+
+
+def half_tail(cfg: Mxfp4Config, kernel: str) -> bool:
+    """Whether the forward kernel runs an expert's last row tile at half height where it is at most half full
+    (`Mxfp4Config.half_tail`; the portable kernel at row tiles of 32 or more: the matrix unit's tiles are 16
+    rows at least)."""
+    return cfg.half_tail and kernel != "scaled" and cfg.block_m >= 32
 
 
 def _registers(cfg: Mxfp4Config) -> dict[str, int]:

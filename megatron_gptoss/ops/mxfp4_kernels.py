@@ -443,13 +443,56 @@ def _scaled_products(
 
 
 @triton.jit
+def _row_tile(
+    X, wb_base, ws_base, Add, Out, r0, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half, wb_col,
+    wb_step, wb_row, ws_half, ws_col, ws_step, ws_row, stride_add, stride_out, limit, alpha,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
+    SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+):  # fmt: skip
+    """`mxfp4_fwd_kernel`'s rows r0 .. r0 + BLOCK_M (those below `end`) at the program's columns: products,
+    epilogue, store."""
+    rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_ok = rows < end
+    if SCALED:
+        lo, hi = _scaled_products(
+            X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, wb_row, ws_row, wb_half, ws_half,
+            GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+        )  # fmt: skip
+    else:
+        lo, hi = _portable_products(
+            X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
+            wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE,
+            SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
+        )  # fmt: skip
+    # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded again, as
+    # a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
+    mask = row_ok[:, None] & col_ok[None, :]
+    add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
+    lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
+    if HAS_BIAS:
+        lo += b_lo[None, :]
+    if GATED:
+        hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
+        if HAS_BIAS:
+            hi += b_hi[None, :]
+        gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
+        res = (up + 1.0) * (gate * s)
+    else:
+        res = lo
+    out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def mxfp4_fwd_kernel(
     X, Wb, Ws, Bias, Add, Out, bounds, N, K, stride_x, stride_wbe, wb_half, wb_col, wb_step, wb_row,
     stride_wse, ws_half, ws_col, ws_step, ws_row, stride_be, stride_add, stride_out, limit, alpha,
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr, HALF_TAIL: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -458,7 +501,11 @@ def mxfp4_fwd_kernel(
     bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
     (+ bias). The weights addressed tile by tile (wb_*, ws_*: module doc; the scaled kernel reads the
     row-major layout only). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module
-    doc; DECODE, SUB_K and PREFETCH_SCALES: `_portable_products`)."""
+    doc; DECODE, SUB_K and PREFETCH_SCALES: `_portable_products`).
+
+    HALF_TAIL: a program whose rows fill at most half a row tile (at decode sizes, an expert's only tile)
+    runs a tile of BLOCK_M / 2 rows, its own compiled loop: the matrix unit's products over padding rows
+    halve, the weight is decoded as often. Each output is the same sum in the same order at either height."""
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)
@@ -469,41 +516,27 @@ def mxfp4_fwd_kernel(
     col_ok = cols < N
     wb_base = Wb + e.to(tl.int64) * stride_wbe
     ws_base = Ws + e.to(tl.int64) * stride_wse
+    b_lo = tl.zeros([BLOCK_N], dtype=tl.float32)
+    b_hi = b_lo
     if HAS_BIAS:
         b_lo = tl.load(Bias + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
         if GATED:
             b_hi = tl.load(Bias + e * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)
-    for r0 in range(first, end, tl.num_programs(2) * BLOCK_M):
-        rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-        row_ok = rows < end
-        if SCALED:
-            lo, hi = _scaled_products(
-                X, wb_base, ws_base, rows, row_ok, cols, col_ok, K, stride_x, wb_row, ws_row, wb_half,
-                ws_half, GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, X_FORMAT,
+    if HALF_TAIL and end - first <= BLOCK_M // 2:
+        _row_tile(
+            X, wb_base, ws_base, Add, Out, first, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half,
+            wb_col, wb_step, wb_row, ws_half, ws_col, ws_step, ws_row, stride_add, stride_out, limit, alpha,
+            GATED, HAS_BIAS, HAS_ADD, SCALED, SWAP, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, X_FORMAT,
+            DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
+        )  # fmt: skip
+    else:
+        for r0 in range(first, end, tl.num_programs(2) * BLOCK_M):
+            _row_tile(
+                X, wb_base, ws_base, Add, Out, r0, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half,
+                wb_col, wb_step, wb_row, ws_half, ws_col, ws_step, ws_row, stride_add, stride_out, limit,
+                alpha, GATED, HAS_BIAS, HAS_ADD, SCALED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
+                X_FORMAT, DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
             )  # fmt: skip
-        else:
-            lo, hi = _portable_products(
-                X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
-                wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
-            )  # fmt: skip
-        # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
-        # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
-        mask = row_ok[:, None] & col_ok[None, :]
-        add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
-        lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
-        if HAS_BIAS:
-            lo += b_lo[None, :]
-        if GATED:
-            hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
-            if HAS_BIAS:
-                hi += b_hi[None, :]
-            gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
-            res = (up + 1.0) * (gate * s)
-        else:
-            res = lo
-        out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
 
 
 @triton.jit

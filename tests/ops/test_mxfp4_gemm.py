@@ -643,3 +643,45 @@ def test_a_register_cap_reaches_the_launch(monkeypatch):
     assert (
         mxfp4_gemm.default_warps(128, True, "pairs") == mxfp4_gemm.default_warps(64, True, "checkpoint") == 4
     )
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_half_height_tail_tiles(monkeypatch, gated):
+    """`Mxfp4Config.half_tail` at 32-row tiles: experts of 5 and 16 rows (at most half a tile: the 16-row
+    loop), 17 and 70 rows (the full loop; 70 over three tiles) and none. The launch carries HALF_TAIL (a spy),
+    the products equal those at full height and lie within 1e-6 of the reference; the scaled kernel and
+    16-row tiles never take the half-height loop."""
+    counts, n, k = [5, 16, 0, 17, 70], 40, 96
+    blocks, scales = weights(len(counts), (2 if gated else 1) * n, k, seed=47)
+    x, bounds = rows(counts, k, seed=47)
+    bias = torch.randn(len(counts), (2 if gated else 1) * n, generator=torch.Generator().manual_seed(48))
+    ref = reference_dequantized(x, blocks, scales, bounds, bias, (LIMIT, ALPHA) if gated else None, None)
+    kernels = mxfp4_gemm._kernels()
+    launches = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs["HALF_TAIL"])
+                return kernels.mxfp4_fwd_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(mxfp4_gemm, "_kernels", lambda: type("K", (), {"mxfp4_fwd_kernel": Spy()}))
+    out = {}
+    for half in (True, False):
+        tiles = dataclasses.replace(TILES, block_m=32, half_tail=half)
+        if gated:
+            out[half] = fc1_swiglu_mxfp4(x, blocks, scales, bias, bounds, LIMIT, ALPHA, "portable", tiles)
+        else:
+            y = grouped_linear_mxfp4(x, blocks, scales, bounds, "portable", tiles)
+            out[half] = y + bias.repeat_interleave(torch.tensor(counts), dim=0)
+    assert launches == [True, False]
+    assert out[True].abs().sum() > 0 and torch.equal(out[True], out[False])
+    assert rel_err(out[True], ref) <= 1e-6
+    tall = dataclasses.replace(TILES, block_m=32, half_tail=True)
+    assert mxfp4_gemm.half_tail(tall, "portable")
+    assert not mxfp4_gemm.half_tail(tall, "scaled")
+    assert not mxfp4_gemm.half_tail(dataclasses.replace(tall, block_m=16), "portable")
+    assert not Mxfp4Config(32, 64, 64, 4, 3).half_tail  # off unless asked (`default_config`: fc1's on a GPU)

@@ -276,6 +276,36 @@ def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens, held):
     assert hs[0].grad.abs().sum() > 0 and torch.equal(hs[1].grad, hs[0].grad)
 
 
+@pytest.mark.parametrize("tokens", [256, 512])
+def test_half_height_tail_tiles_change_no_bit(tokens):
+    """`Mxfp4Config.half_tail` (fc1's default): at 1,024 / 2,048 rows (64- / 128-row tiles, about half the
+    experts' rows fitting half a tile) the programs that run half-height tiles give every output bit for bit
+    as the full-height tiles do, fc1 + SwiGLU (with and without an addend) and fc2, over the pairs held
+    tile by tile."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+    counts = (bounds[1:] - bounds[:-1]).tolist()
+
+    def configs(gated: bool) -> list[mxfp4_gemm.Mxfp4Config]:
+        cfg = mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated, "tiled_pairs")
+        assert cfg.half_tail is gated and cfg.block_m >= 64  # fc1's default
+        assert 0 < sum(0 < c <= cfg.block_m // 2 for c in counts) < EXPERTS, (counts, cfg.block_m)  # both run
+        return [dataclasses.replace(cfg, half_tail=half) for half in (True, False)]
+
+    h = [fc1_swiglu_mxfp4(x, p1, q1, bias, bounds, LIMIT, ALPHA, "portable", c, byte_format="tiled_pairs")
+         for c in configs(True)]  # fmt: skip
+    assert h[0].abs().sum() > 0 and torch.equal(h[0], h[1])
+    update = 0.1 * torch.randn(x.shape[0], 2 * WIDTH, device="cuda").bfloat16()  # an adapter's, as in LoRA
+    h_add = [fc1_swiglu_mxfp4(x, p1, q1, bias, bounds, LIMIT, ALPHA, "portable", c, update, "tiled_pairs")
+             for c in configs(True)]  # fmt: skip
+    assert not torch.equal(h_add[0], h[0]) and torch.equal(h_add[0], h_add[1])
+    y = [
+        grouped_linear_mxfp4(h[0], p2, q2, bounds, "portable", c, byte_format="tiled_pairs")
+        for c in configs(False)
+    ]
+    assert y[0].abs().sum() > 0 and torch.equal(y[0], y[1])
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
