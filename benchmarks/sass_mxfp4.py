@@ -111,6 +111,7 @@ def compile_forward(
         "X_FORMAT": "bf16", "DECODE": mxfp4_gemm.DECODES.index("ptx"), "SUB_K": cfg.sub_k or cfg.block_k,
         "BYTE_FORMAT": mxfp4_gemm.BYTE_FORMATS.index(byte_format), "PREFETCH_SCALES": prefetch,
         "HALF_TAIL": mxfp4_gemm.half_tail(cfg, "portable"),
+        "SUB_ROWS": mxfp4_bytes.TILE_ROWS if tiled else 0,
     }  # fmt: skip
     integers = _arguments(gated, tiled, cfg)
     names = list(inspect.signature(mxfp4_kernels.mxfp4_fwd_kernel.fn).parameters)

@@ -475,14 +475,15 @@ def _kernel_layout(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
     return blocks, scales if scales.stride(2) == 1 else scales.contiguous()
 
 
-def _tiled_layout(n: int, k: int) -> tuple[int, ...]:
+def _tiled_layout(n: int, k: int, tiles_a_block: int = 1) -> tuple[int, ...]:
     """The kernels' tile addressing (`_row_major_layout`'s order) of blocks and scales held "tiled_pairs"
     (`mxfp4_bytes.tile_experts`; each expert contiguous): the tiles of a half (fc1's gate, up) n k / 2 bytes
-    apart, a column block's K steps in order, each tile TILE_ROWS rows of TILE_K / 2 bytes (scales: / 16)."""
+    apart, a column block (`tiles_a_block` row blocks of TILE_ROWS rows) its K steps in order, each tile
+    TILE_ROWS rows of TILE_K / 2 bytes (scales: / 16)."""
     check_tileable(n, k, f"a weight of {n} output columns a half")
     row_b, row_s = TILE_K // 2, TILE_K // BLOCK
-    return (n * k // 2, TILE_ROWS * k // 2, TILE_ROWS * row_b, row_b,
-            n * k // BLOCK, TILE_ROWS * k // BLOCK, TILE_ROWS * row_s, row_s)  # fmt: skip
+    return (n * k // 2, tiles_a_block * TILE_ROWS * k // 2, TILE_ROWS * row_b, row_b,
+            n * k // BLOCK, tiles_a_block * TILE_ROWS * k // BLOCK, TILE_ROWS * row_s, row_s)  # fmt: skip
 
 
 def _tiled_weights(blocks: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
@@ -515,26 +516,30 @@ def _forward(
     n = rows_w // 2 if gated else rows_w
     cfg = default_config(x.shape[0], e, x.device, gated, byte_format) if config is None else config
     if tiled:
-        if (cfg.block_n, cfg.block_k) != (TILE_ROWS, TILE_K):
-            raise ValueError(f"weights held 'tiled_pairs' are read in their {TILE_ROWS} x {TILE_K} tiles; "
-                             f"the kernel's are {cfg.block_n} x {cfg.block_k}")  # fmt: skip
-        layout = _tiled_layout(n, blocks.shape[2] * BLOCK)
+        if cfg.block_k != TILE_K or cfg.block_n % TILE_ROWS:
+            raise ValueError(
+                f"weights held 'tiled_pairs' are read in their {TILE_ROWS} x {TILE_K} tiles: the kernel's "
+                f"block_n must be a multiple of {TILE_ROWS} and its block_k {TILE_K}, got {cfg.block_n} x "
+                f"{cfg.block_k}"
+            )
+        layout = _tiled_layout(n, blocks.shape[2] * BLOCK, cfg.block_n // TILE_ROWS)
     else:
         layout = _row_major_layout(blocks, scales, n, cfg)
     return _launch_forward(
         x, blocks, scales, layout, n, bias, addend, bounds, gated, limit, alpha, kernel, cfg, out_dtype,
-        BYTE_FORMATS.index(byte_format_of(byte_format)),
+        BYTE_FORMATS.index(byte_format_of(byte_format)), TILE_ROWS if tiled else 0,
     )  # fmt: skip
 
 
 def _launch_forward(
     x: Tensor, wb: Tensor, ws: Tensor, layout: tuple[int, ...], n: int, bias: Tensor | None,
     addend: Tensor | None, bounds: Tensor, gated: bool, limit: float, alpha: float, kernel: str,
-    cfg: Mxfp4Config, out_dtype: torch.dtype | None, byte_format: int,
+    cfg: Mxfp4Config, out_dtype: torch.dtype | None, byte_format: int, sub_rows: int = 0,
 ) -> Tensor:  # fmt: skip
     """The forward kernel over weights wb / ws (expert e at wb[e], ws[e]) addressed by `layout`
-    (`_row_major_layout`'s, or an `mxfp4_relaid.KernelWeights`'s), their bytes in
-    BYTE_FORMATS[byte_format]."""
+    (`_row_major_layout`'s, `_tiled_layout`'s, or an `mxfp4_relaid.KernelWeights`'s), their bytes in
+    BYTE_FORMATS[byte_format]; `sub_rows` (0: none): a column block's rows stored in tiles of that many
+    (`_tiled_layout`'s row blocks)."""
     x = _contiguous_rows(x)
     bias = bias if bias is None else _contiguous_rows(bias)
     addend = addend if addend is None else _contiguous_rows(addend)
@@ -567,8 +572,8 @@ def _launch_forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
-        PREFETCH_SCALES=prefetch_scales(), HALF_TAIL=half_tail(cfg, kernel), num_warps=cfg.warps,
-        num_stages=cfg.stages, **_registers(cfg),
+        PREFETCH_SCALES=prefetch_scales(), HALF_TAIL=half_tail(cfg, kernel), SUB_ROWS=sub_rows,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_registers(cfg),
     )  # fmt: skip
     return out
 

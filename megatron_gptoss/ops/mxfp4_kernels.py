@@ -135,34 +135,34 @@ fma.rn.bf16x2 $3, o1, sc23, z;
 
 
 @triton.jit
-def _scale_tile(ws_tile, local, col_ok, k_in, kg, K, ws_row, GROUPS: tl.constexpr):
-    """[BLOCK_N, GROUPS] uint8: the scale bytes of the tile's rows `local` for its K columns k_in .. k_in +
-    32 GROUPS - 1 (the weight's kg ..; blocks from K up, and rows not col_ok, read as 0)."""
+def _scale_tile(ws_tile, rows_s, col_ok, k_in, kg, K, GROUPS: tl.constexpr):
+    """[BLOCK_N, GROUPS] uint8: the scale bytes of the tile's rows (each at its byte offset rows_s) for its K
+    columns k_in .. k_in + 32 GROUPS - 1 (the weight's kg ..; blocks from K up, and rows not col_ok, read as
+    0)."""
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
     # one 32-byte sector of a row's scales serves 1024 / BLOCK_K steps in the row-major layout: left to L2's
     # default policy (the weight bytes, read once, are evicted first)
-    return tl.load(ws_tile + local[:, None] * ws_row + (k_in // 32 + g)[None, :], mask=mask, other=0)
+    return tl.load(ws_tile + rows_s[:, None] + (k_in // 32 + g)[None, :], mask=mask, other=0)
 
 
 @triton.jit
 def _decode_groups(
-    wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE: tl.constexpr,
+    wb_tile, scale, rows_b, col_ok, k_in, kg, K, DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PTX: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
-    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows `local` at its K
-    columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight, masked from K up),
-    the bytes read as 16-byte vectors and each block's scale (`scale`: `_scale_tile`'s) broadcast over its
-    16 bytes. PTX (bf16 on
-    NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes 2..240 (values 2 ** -126 .. 6 * 2 **
-    113: normal bf16); else by `_fp4_values` and `_scale_values`. BYTE_FORMAT 0: the checkpoint's bytes; 1:
-    each 16-byte block stored as the transpose of its [4, 4] view (`mxfp4_bytes.shuffle_bytes`: byte 4 b + a
-    at 4 a + b), so that the bytes one thread of the matrix unit's operand needs (every fourth) come from
-    shared memory as one vector. (Format 2: `_decode_pairs`.)"""
+    """(even, odd) [BLOCK_N, BLOCK_K / 2] in DTYPE: the weight values of the tile's rows (at byte offsets
+    rows_b) at its K columns k_in + 2 j and k_in + 2 j + 1 (`_decode`'s; K column kg + 2 j of the weight,
+    masked from K up), the bytes read as 16-byte vectors and each block's scale (`scale`: `_scale_tile`'s)
+    broadcast over its 16 bytes. PTX (bf16 on NVIDIA GPUs): decoded by `_E2M1_BF16_PTX`, exact for scale bytes
+    2..240 (values 2 ** -126 .. 6 * 2 ** 113: normal bf16); else by `_fp4_values` and `_scale_values`.
+    BYTE_FORMAT 0: the checkpoint's bytes; 1: each 16-byte block stored as the transpose of its [4, 4] view
+    (`mxfp4_bytes.shuffle_bytes`: byte 4 b + a at 4 a + b), so that the bytes one thread of the matrix unit's
+    operand needs (every fourth) come from shared memory as one vector. (Format 2: `_decode_pairs`.)"""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
-    ptrs = wb_tile + local[:, None, None] * wb_row + (k_in // 2) + (g * 16)[None, :, None]
+    ptrs = wb_tile + rows_b[:, None, None] + (k_in // 2) + (g * 16)[None, :, None]
     byte = tl.load(ptrs + tl.arange(0, 16)[None, None, :], mask=mask[:, :, None], other=0,
                    eviction_policy="evict_first")  # fmt: skip
     if BYTE_FORMAT == 1:  # the 16-byte runs viewed as [4, 4]: [N, g, a, b] = stored byte 16 g + 4 a + b
@@ -187,7 +187,7 @@ def _decode_groups(
 
 @triton.jit
 def _decode_tile(
-    wb_tile, ws_tile, scale, local, col_ok, k_in, kg, K, wb_row, ws_row, DTYPE: tl.constexpr,
+    wb_tile, ws_tile, scale, rows_b, rows_s, col_ok, k_in, kg, K, DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr, SUB_K: tl.constexpr, DECODE: tl.constexpr, BYTE_FORMAT: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_N, SUB_K] in DTYPE, K's order: the values of the tile's rows at its K columns k_in .. k_in +
@@ -195,20 +195,17 @@ def _decode_tile(
     `_decode_groups`, 2 the same through PTX, both with `scale`, the piece's `_scale_tile`) from bytes in
     BYTE_FORMAT (0 and 1: `_decode_groups`', 2: `_decode_pairs`')."""
     if BYTE_FORMAT == 2:
-        return _decode_pairs(
-            wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2
-        )
+        return _decode_pairs(wb_tile, scale, rows_b, col_ok, k_in, kg, K, DTYPE, BLOCK_N, SUB_K, DECODE == 2)
     if DECODE == 0:
         jj = tl.arange(0, SUB_K // 2)
         mask = col_ok[:, None] & ((kg // 2 + jj) < K // 2)[None, :]
-        b_ptrs = wb_tile + local[:, None] * wb_row + (k_in // 2 + jj)[None, :]
-        s_ptrs = ws_tile + local[:, None] * ws_row + ((k_in // 2 + jj) // 16)[None, :]
+        b_ptrs = wb_tile + rows_b[:, None] + (k_in // 2 + jj)[None, :]
+        s_ptrs = ws_tile + rows_s[:, None] + ((k_in // 2 + jj) // 16)[None, :]
         even, odd = _decode(b_ptrs, s_ptrs, mask, DTYPE)
     else:
         even, odd = _decode_groups(
-            wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE, BLOCK_N, SUB_K, DECODE == 2,
-            BYTE_FORMAT,
-        )  # fmt: skip
+            wb_tile, scale, rows_b, col_ok, k_in, kg, K, DTYPE, BLOCK_N, SUB_K, DECODE == 2, BYTE_FORMAT
+        )
     return _interleave(even, odd, BLOCK_N, SUB_K)
 
 
@@ -274,19 +271,20 @@ def _pair_value(word, factor, v: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _decode_pairs(
-    wb_tile, scale, local, col_ok, k_in, kg, K, wb_row, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
+    wb_tile, scale, rows_b, col_ok, k_in, kg, K, DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
-    """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows at its K columns
-    k_in .. (the weight's kg .., masked from K up), read as 32-bit words [N, g, a] (a block's four words
-    side by side: 16-byte vectors), each decoded into its 8 values with its block's scale (`scale`:
-    `_scale_tile`'s; PTX: `_PAIRS_BF16_PTX`, one word a call; else the same bits by `_pair_value` in fp32),
+    """[BLOCK_N, BLOCK_K] in DTYPE, K's order: byte format 2's words of the tile's rows (at byte offsets
+    rows_b, multiples of 16) at its K columns k_in .. (the weight's kg .., masked from K up), read as 32-bit
+    words [N, g, a] (a block's four words side by side: 16-byte vectors), each decoded into its 8 values
+    with its block's scale (`scale`: `_scale_tile`'s; PTX: `_PAIRS_BF16_PTX`, one word a call; else the same
+    bits by `_pair_value` in fp32),
     then put in K's order: 32 g + 8 i + 2 a + t."""
     GROUPS: tl.constexpr = BLOCK_K // 32
     g = tl.arange(0, GROUPS)
     mask = col_ok[:, None] & ((kg // 32 + g) < K // 32)[None, :]
     words = wb_tile.to(tl.pointer_type(tl.int32))  # the tile's byte offsets are multiples of 16
-    ptrs = words + local[:, None, None] * (wb_row // 4) + (k_in // 8) + (g * 4)[None, :, None]
+    ptrs = words + (rows_b // 4)[:, None, None] + (k_in // 8) + (g * 4)[None, :, None]
     word = tl.load(ptrs + tl.arange(0, 4)[None, None, :], mask=mask[:, :, None], other=0,
                    eviction_policy="evict_first")  # fmt: skip
     exponent = (scale.to(tl.int32) + 126)[:, :, None]  # 2 ** (s - 1): the bf16 exponent field s + 126
@@ -321,10 +319,12 @@ def _portable_products(
     X, wb_e, ws_e, rows, row_ok, c, N, K, stride_x, wb_half, wb_col, wb_step, wb_row, ws_half, ws_col,
     ws_step, ws_row, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr, SUB_ROWS: tl.constexpr,
 ):  # fmt: skip
     """(lo, hi) fp32 [BLOCK_M, BLOCK_N]: x[rows] W[cols]^T and, GATED, x[rows] W[N + cols]^T for the
-    columns of block c, the weights addressed tile by tile (module doc). Each BLOCK_K step is decoded and
+    columns of block c, the weights addressed tile by tile (module doc). SUB_ROWS (0: BLOCK_N): the block's
+    rows come in stored tiles of SUB_ROWS rows, consecutive tiles wb_col / (BLOCK_N / SUB_ROWS) bytes apart
+    (scales: ws_col / ...), each row wb_row bytes after the one before. Each BLOCK_K step is decoded and
     multiplied in SUB_K pieces (`_decode_tile`; BLOCK_K with DECODE 0), from k0 up: the step's loads are
     issued together, its decoded values held SUB_K at a time, in K's order before their `tl.dot`.
 
@@ -338,25 +338,32 @@ def _portable_products(
     PREFETCH: tl.constexpr = PREFETCH_SCALES and SUB_K == BLOCK_K and DECODE != 0
     local = tl.arange(0, BLOCK_N)
     col_ok = c * BLOCK_N + local < N
+    if SUB_ROWS == 0 or SUB_ROWS == BLOCK_N:
+        rows_b = local * wb_row
+        rows_s = local * ws_row
+    else:
+        PER_BLOCK: tl.constexpr = BLOCK_N // SUB_ROWS
+        rows_b = (local // SUB_ROWS) * (wb_col // PER_BLOCK) + (local % SUB_ROWS) * wb_row
+        rows_s = (local // SUB_ROWS) * (ws_col // PER_BLOCK) + (local % SUB_ROWS) * ws_row
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
     dtype = X.dtype.element_ty
     wb_c = wb_e + c * wb_col
     ws_c = ws_e + c * ws_col
     if PREFETCH:  # step 0's scales; each step then loads the next one's
-        s_lo = _scale_tile(ws_c, local, col_ok, 0, 0, K, ws_row, GROUPS)
+        s_lo = _scale_tile(ws_c, rows_s, col_ok, 0, 0, K, GROUPS)
         s_hi = s_lo
         if GATED:
-            s_hi = _scale_tile(ws_c + ws_half, local, col_ok, 0, 0, K, ws_row, GROUPS)
+            s_hi = _scale_tile(ws_c + ws_half, rows_s, col_ok, 0, 0, K, GROUPS)
     for k0 in range(0, K, BLOCK_K):
         wb_t = wb_c + (k0 // BLOCK_K) * wb_step
         ws_t = ws_c + (k0 // BLOCK_K) * ws_step
         if PREFETCH:
             scale_lo, scale_hi = s_lo, s_hi
             ws_next, k_next = ws_t + ws_step, k0 + BLOCK_K
-            s_lo = _scale_tile(ws_next, local, col_ok, 0, k_next, K, ws_row, GROUPS)
+            s_lo = _scale_tile(ws_next, rows_s, col_ok, 0, k_next, K, GROUPS)
             if GATED:
-                s_hi = _scale_tile(ws_next + ws_half, local, col_ok, 0, k_next, K, ws_row, GROUPS)
+                s_hi = _scale_tile(ws_next + ws_half, rows_s, col_ok, 0, k_next, K, GROUPS)
         for k1 in tl.static_range(0, BLOCK_K, SUB_K):
             ks = k0 + k1 + tl.arange(0, SUB_K)
             xt = tl.load(
@@ -366,17 +373,17 @@ def _portable_products(
                 eviction_policy="evict_last",
             )  # [SUB_K, BLOCK_M]
             if not PREFETCH:
-                scale_lo = _scale_tile(ws_t, local, col_ok, k1, k0 + k1, K, ws_row, GROUPS)
+                scale_lo = _scale_tile(ws_t, rows_s, col_ok, k1, k0 + k1, K, GROUPS)
             w = _decode_tile(
-                wb_t, ws_t, scale_lo, local, col_ok, k1, k0 + k1, K, wb_row, ws_row, dtype, BLOCK_N, SUB_K,
+                wb_t, ws_t, scale_lo, rows_b, rows_s, col_ok, k1, k0 + k1, K, dtype, BLOCK_N, SUB_K,
                 DECODE, BYTE_FORMAT,
             )  # fmt: skip
             lo = tl.dot(w, xt, lo, input_precision=DOT_PRECISION)
             if GATED:
                 if not PREFETCH:
-                    scale_hi = _scale_tile(ws_t + ws_half, local, col_ok, k1, k0 + k1, K, ws_row, GROUPS)
+                    scale_hi = _scale_tile(ws_t + ws_half, rows_s, col_ok, k1, k0 + k1, K, GROUPS)
                 w = _decode_tile(
-                    wb_t + wb_half, ws_t + ws_half, scale_hi, local, col_ok, k1, k0 + k1, K, wb_row, ws_row,
+                    wb_t + wb_half, ws_t + ws_half, scale_hi, rows_b, rows_s, col_ok, k1, k0 + k1, K,
                     dtype, BLOCK_N, SUB_K, DECODE, BYTE_FORMAT,
                 )  # fmt: skip
                 hi = tl.dot(w, xt, hi, input_precision=DOT_PRECISION)
@@ -449,7 +456,7 @@ def _row_tile(
     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr, SCALED: tl.constexpr,
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
-    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr,
+    BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr, SUB_ROWS: tl.constexpr,
 ):  # fmt: skip
     """`mxfp4_fwd_kernel`'s rows r0 .. r0 + BLOCK_M (those below `end`) at the program's columns: products,
     epilogue, store."""
@@ -464,7 +471,7 @@ def _row_tile(
         lo, hi = _portable_products(
             X, wb_base, ws_base, rows, row_ok, tl.program_id(0), N, K, stride_x, wb_half, wb_col, wb_step,
             wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE,
-            SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
+            SUB_K, BYTE_FORMAT, PREFETCH_SCALES, SUB_ROWS,
         )  # fmt: skip
     # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded again, as
     # a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
@@ -493,6 +500,7 @@ def mxfp4_fwd_kernel(
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
     BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr, HALF_TAIL: tl.constexpr,
+    SUB_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -501,7 +509,7 @@ def mxfp4_fwd_kernel(
     bias. Not GATED: W [E, N, K], Bias [E, N], Add [M, N]; Out = rounded product (+ Add[r, c], rounded again)
     (+ bias). The weights addressed tile by tile (wb_*, ws_*: module doc; the scaled kernel reads the
     row-major layout only). SCALED: the products by `tl.dot_scaled`, else by the in-register decoding (module
-    doc; DECODE, SUB_K and PREFETCH_SCALES: `_portable_products`).
+    doc; DECODE, SUB_K, PREFETCH_SCALES and SUB_ROWS: `_portable_products`).
 
     HALF_TAIL: a program whose rows fill at most half a row tile (at decode sizes, an expert's only tile)
     runs a tile of BLOCK_M / 2 rows, its own compiled loop: the matrix unit's products over padding rows
@@ -527,7 +535,7 @@ def mxfp4_fwd_kernel(
             X, wb_base, ws_base, Add, Out, first, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half,
             wb_col, wb_step, wb_row, ws_half, ws_col, ws_step, ws_row, stride_add, stride_out, limit, alpha,
             GATED, HAS_BIAS, HAS_ADD, SCALED, SWAP, BLOCK_M // 2, BLOCK_N, BLOCK_K, DOT_PRECISION, X_FORMAT,
-            DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
+            DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES, SUB_ROWS,
         )  # fmt: skip
     else:
         for r0 in range(first, end, tl.num_programs(2) * BLOCK_M):
@@ -535,7 +543,7 @@ def mxfp4_fwd_kernel(
                 X, wb_base, ws_base, Add, Out, r0, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half,
                 wb_col, wb_step, wb_row, ws_half, ws_col, ws_step, ws_row, stride_add, stride_out, limit,
                 alpha, GATED, HAS_BIAS, HAS_ADD, SCALED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
-                X_FORMAT, DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES,
+                X_FORMAT, DECODE, SUB_K, BYTE_FORMAT, PREFETCH_SCALES, SUB_ROWS,
             )  # fmt: skip
 
 
@@ -590,9 +598,9 @@ def mxfp4_bwd_kernel(
                     k_in = 0
                 else:
                     wb_n, ws_n, k_in = wb_base + n0 * stride_wbn, ws_base + n0 * stride_wsn, k0
-                scale = _scale_tile(ws_n, local, n_ok, k_in, k0, K, stride_wsn, BLOCK_K // 32)
+                scale = _scale_tile(ws_n, local * stride_wsn, n_ok, k_in, k0, K, BLOCK_K // 32)
                 w = _decode_pairs(
-                    wb_n, scale, local, n_ok, k_in, k0, K, stride_wbn, dtype, BLOCK_R, BLOCK_K, PTX
+                    wb_n, scale, local * stride_wbn, n_ok, k_in, k0, K, dtype, BLOCK_R, BLOCK_K, PTX
                 )
                 both_t = tl.dot(tl.trans(w), tl.trans(g), both_t, input_precision=DOT_PRECISION)
             else:
@@ -631,9 +639,9 @@ def mxfp4_dequant_kernel(
     if BYTE_FORMAT == 2:
         base = tl.program_id(0).to(tl.int64) * BLOCK_G
         local = tl.arange(0, BLOCK_G)
-        scale = _scale_tile(scales_ptr + base, local, inside, 0, 0, 32, 1, 1)
+        scale = _scale_tile(scales_ptr + base, local, inside, 0, 0, 32, 1)
         values = _decode_pairs(
-            blocks_ptr + base * 16, scale, local, inside, 0, 0, 32, 16,
+            blocks_ptr + base * 16, scale, local * 16, inside, 0, 0, 32,
             out_ptr.dtype.element_ty if PTX else tl.float32, BLOCK_G, 32, PTX,
         )  # fmt: skip
     else:

@@ -573,8 +573,34 @@ def test_tiled_pairs_through_every_path(gated):
     assert torch.equal(ours, reference_dequantized(x, blocks, scales, bounds, None, swiglu, addend))
     decoded = mxfp4_gemm.dequantize_kernel(held, held_scales, torch.float32, fmt)
     assert torch.equal(decoded, mxfp4_gemm.dequantize(blocks, scales, torch.float32))
-    with pytest.raises(ValueError, match="read in their 64 x 64 tiles; the kernel's are 16 x 64"):
+    with pytest.raises(ValueError, match="block_n must be a multiple of 64 and its block_k 64, got 16 x 64"):
         grouped_linear_mxfp4(x, held, held_scales, bounds, "portable", TILES, None, fmt)
+
+
+@interpreted
+@pytest.mark.parametrize("gated", [False, True])
+def test_tiled_pairs_in_blocks_of_two_tiles(gated):
+    """The forward over weights held "tiled_pairs" with 128 columns a program: each block's rows from two
+    stored 64-row tiles (`_tiled_layout`'s row blocks; `SUB_ROWS`), at 192 columns a half, so the second
+    block's second tile lies past the weight and is masked; exactly the products of one tile a program and
+    of the checkpoint's bytes."""
+    counts, out, k = [7, 0, 21], 192, 128
+    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=45)
+    scales = scales.clamp(max=128)
+    held = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(blocks))
+    held_scales = mxfp4_bytes.tile_experts(scales)
+    x, bounds = rows(counts, k, seed=45)
+    fmt = "tiled_pairs"
+    one = mxfp4_gemm.default_config(x.shape[0], len(counts), x.device, gated, fmt)
+    two = dataclasses.replace(one, block_n=2 * MXFP4_TILE)
+    if gated:
+        call = functools.partial(fc1_swiglu_mxfp4, x, bias=None, bounds=bounds, limit=LIMIT, alpha=ALPHA,
+                                 path="portable")  # fmt: skip
+    else:
+        call = functools.partial(grouped_linear_mxfp4, x, bounds=bounds, path="portable")
+    ours = call(held, held_scales, config=two, byte_format=fmt)
+    assert ours.abs().sum() > 0 and torch.equal(ours, call(held, held_scales, config=one, byte_format=fmt))
+    assert torch.equal(ours, call(blocks, scales, config=TILES))
 
 
 @interpreted
