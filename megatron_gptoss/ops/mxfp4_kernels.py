@@ -344,6 +344,7 @@ def _portable_products(
     else:
         PER_BLOCK: tl.constexpr = BLOCK_N // SUB_ROWS
         rows_b = (local // SUB_ROWS) * (wb_col // PER_BLOCK) + (local % SUB_ROWS) * wb_row
+        rows_b = tl.multiple_of(rows_b, 16)  # whole 16-byte vectors (the division hides it from the compiler)
         rows_s = (local // SUB_ROWS) * (ws_col // PER_BLOCK) + (local % SUB_ROWS) * ws_row
     lo = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     hi = lo
