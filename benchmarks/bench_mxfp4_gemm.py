@@ -23,6 +23,8 @@ biases. One expert layer = fc1 + bias + clamped SwiGLU, then fc2 + bias:
     mxfp4 <relaid>/<decode>  the portable kernel over the weights re-laid (`--relaid`: RELAID's layouts by
                    `mxfp4_relaid.kernel_weights`, run by `forward_kernel_weights`; fc2's bias added in its
                    epilogue)
+    mxfp4 <held>   the portable kernel over the weights as a model holds them in HELD's byte formats
+                   (`--held`; `model.mxfp4_byte_format`): `mxfp4 <path>` with `byte_format`
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
                    `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
     bf16 decode    `moe_decode.decode_fc1` / `decode_fc2` on the dequantized weights (the engine's bf16 path;
@@ -50,7 +52,7 @@ import triton
 import triton.language as tl
 from bench_moe_decode import copy_rate, rel_err, time_per_layer
 
-from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_gemm, mxfp4_relaid
+from megatron_gptoss.ops import fused_moe, moe_decode, mxfp4_bytes, mxfp4_gemm, mxfp4_relaid
 from megatron_gptoss.ops.mxfp4_gemm import Mxfp4Config
 
 LIMIT, ALPHA, TOPK = 7.0, 1.702, 4
@@ -92,6 +94,8 @@ RELAID = {
     "tiled": (True, "checkpoint"), "shuffled": (False, "shuffled"), "tiled+shuffled": (True, "shuffled"),
     "pairs": (False, "pairs"), "tiled+pairs": (True, "pairs"),
 }  # fmt: skip
+# the byte formats a model holds besides the checkpoint's (`mxfp4_bytes.HELD_FORMATS`), timed by --held
+HELD = ("pairs", "tiled_pairs")
 
 
 class Layers:
@@ -141,21 +145,56 @@ def mxfp4_layer(
     return fc1, fc2
 
 
+def held_layer(byte_format: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None):
+    """(fc1, fc2) of the portable kernel over each layer's weights held in `byte_format` (HELD; encoded once
+    per benchmark), at cfg1 / cfg2's tiles, else `default_config`'s for that format."""
+    cache: dict[tuple[int, bool], tuple] = {}
+
+    def held(blocks, scales, i: int, gated: bool):
+        if (i, gated) not in cache:
+            words = mxfp4_bytes.pair_words(blocks)
+            if mxfp4_bytes.is_tiled(byte_format):
+                words, scales = mxfp4_bytes.tile_experts(words), mxfp4_bytes.tile_experts(scales)
+            cache[i, gated] = words, scales
+        return cache[i, gated]
+
+    def fc1(x, layers: Layers, i: int, bounds):
+        blocks, scales = held(*layers.fc1[i], i, True)
+        return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, "portable",
+                                           cfg1, byte_format=byte_format)  # fmt: skip
+
+    def fc2(h, layers: Layers, i: int, bounds):
+        blocks, scales = held(*layers.fc2[i], i, False)
+        y = mxfp4_gemm.grouped_linear_mxfp4(
+            h, blocks, scales, bounds, "portable", cfg2, byte_format=byte_format
+        )
+        return fused_moe.expert_bias(y, layers.b2[i], bounds)
+
+    return fc1, fc2
+
+
+def layer_of(path: str, cfg1: Mxfp4Config, cfg2: Mxfp4Config):
+    """(fc1, fc2) of a swept path at these tiles: a RELAID layout, a HELD format or an MXFP4 path."""
+    if path in RELAID:
+        return relaid_layer(path, cfg1, cfg2)
+    return held_layer(path, cfg1, cfg2) if path in HELD else mxfp4_layer(path, cfg1, cfg2)
+
+
 def sweep(path: str, layers: Layers, x, bounds, reps: int, device, decode: str = "bytes"):
     """(best fc1 config, best fc2 config) of `path` over SWEEP (DECODE_SWEEP with the portable kernel's
     `decode` other than "bytes") at these rows: each config checked, then fc1 and fc2 timed alone; the three
     fastest of each printed. A config that does not compile or run is skipped."""
     found: dict[str, list[tuple[float, Mxfp4Config]]] = {"fc1": [], "fc2": []}
-    h = mxfp4_layer("portable" if path in RELAID else path)[0](x, layers, 0, bounds)
+    h = mxfp4_layer("portable" if path in RELAID or path in HELD else path)[0](x, layers, 0, bounds)
     for factor, block_n, block_k, warps, stages, swap, *rest in SWEEP if decode == "bytes" else DECODE_SWEEP:
         sub_k, maxnreg = (*rest, 0, 0)[:2]
-        if swap and (path in RELAID or mxfp4_gemm.kernel_for(x, path) != "scaled"):
+        if swap and (path in RELAID or path in HELD or mxfp4_gemm.kernel_for(x, path) != "scaled"):
             continue
         block_m = moe_decode.row_tile(x.shape[0], layers.experts, factor)
         cfg = Mxfp4Config(
             block_m, block_n, block_k, warps, stages, bool(swap), decode=decode, sub_k=sub_k, maxnreg=maxnreg
         )
-        fc1, fc2 = relaid_layer(path, cfg, cfg) if path in RELAID else mxfp4_layer(path, cfg, cfg)
+        fc1, fc2 = layer_of(path, cfg, cfg)
         try:
             if not check(f"{path} {describe(cfg)}", fc1, fc2, layers, x, bounds, verbose=False):
                 print(f"    {path} {describe(cfg)}: wrong results, skipped")
@@ -388,11 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decodes", default="bytes", help=f"portable decodings timed ({decodes})")
     parser.add_argument("--sweep", nargs="?", const="", default=None,
                         help="also time the SWEEP tiles of each MXFP4 path; with a value, of these comma-"
-                        "separated paths, portable/<decode> or <RELAID name>/<decode> (DECODE_SWEEP's "
+                        "separated paths, portable/<decode>, <RELAID name>/<decode> or <HELD format>/ptx "
+                        "(DECODE_SWEEP's "
                         "tiles)")  # fmt: skip
     parser.add_argument("--floor", action="store_true", help="also time the loads without decoding")
     parser.add_argument("--relaid", action="store_true",
                         help="also time the portable kernel over the weights re-laid (RELAID)")  # fmt: skip
+    parser.add_argument(
+        "--held",
+        action="store_true",
+        help="also time the portable kernel over the weights as a model holds them (HELD)",
+    )
     parser.add_argument("--full-tiles", action="store_true",
                         help="with --relaid: also time every program at its full row tile (no half-height "
                         "tail tiles, `Mxfp4Config.half_tail`)")  # fmt: skip
@@ -445,7 +490,7 @@ def run(args: argparse.Namespace) -> int:
                 p, _, decode = item.partition("/")
                 cfg1, cfg2 = sweep(p, layers, x, bounds, max(reps // 2, 1), device, decode or "bytes")
                 if cfg1 is not None and cfg2 is not None:
-                    layer = relaid_layer(p, cfg1, cfg2) if p in RELAID else mxfp4_layer(p, cfg1, cfg2)
+                    layer = layer_of(p, cfg1, cfg2)
                     candidates.append((f"mxfp4 {p} best: {describe(cfg1)} / {describe(cfg2)}", *layer, 4.25))
         if args.relaid:
             decode = "ptx" if device.type == "cuda" else "groups"
@@ -459,6 +504,8 @@ def run(args: argparse.Namespace) -> int:
                     )
                     for r in RELAID
                 ]
+        if args.held:
+            candidates += [(f"mxfp4 {f}", *held_layer(f), 4.25) for f in HELD]
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
             ks = (64, 128, 256) if device.type == "cuda" else (32,)
@@ -475,7 +522,8 @@ def run(args: argparse.Namespace) -> int:
                 continue
             if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
                 path = name.split()[1].split("/")[0].rstrip(":")
-                name = f"{name} ({mxfp4_gemm.kernel_for(x, 'portable' if path in RELAID else path)})"
+                portable = path in RELAID or path in HELD
+                name = f"{name} ({mxfp4_gemm.kernel_for(x, 'portable' if portable else path)})"
             h = fc1(x, layers, 0, bounds)
 
             def one(f, rows_in, b=bounds):

@@ -306,6 +306,27 @@ def test_half_height_tail_tiles_change_no_bit(tokens):
     assert y[0].abs().sum() > 0 and torch.equal(y[0], y[1])
 
 
+@pytest.mark.parametrize("tokens", [256, 512])
+def test_column_blocks_of_two_tiles_change_no_bit(tokens):
+    """Weights held "tiled_pairs" read 128 columns a program over 8 warps (two stored 64-row tiles a block,
+    `SUB_ROWS`): every output bit for bit what one tile a program gives, fc1 + SwiGLU and fc2."""
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+
+    def configs(gated: bool) -> list[mxfp4_gemm.Mxfp4Config]:
+        one = mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated, "tiled_pairs")
+        return [one, dataclasses.replace(one, block_n=128, warps=8)]
+
+    h = [fc1_swiglu_mxfp4(x, p1, q1, bias, bounds, LIMIT, ALPHA, "portable", c, byte_format="tiled_pairs")
+         for c in configs(True)]  # fmt: skip
+    assert h[0].abs().sum() > 0 and torch.equal(h[0], h[1])
+    y = [
+        grouped_linear_mxfp4(h[0], p2, q2, bounds, "portable", c, byte_format="tiled_pairs")
+        for c in configs(False)
+    ]
+    assert y[0].abs().sum() > 0 and torch.equal(y[0], y[1])
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
