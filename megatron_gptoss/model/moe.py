@@ -197,11 +197,10 @@ class Experts(nn.Module):
                     x, w1.blocks, w1.scales, fc1.bias, bounds, self.limit, self.alpha,
                     addend=fc1.update(x, bounds, gemm), byte_format=w1.byte_format,
                 )  # fmt: skip
-                y = mxfp4_gemm.grouped_linear_mxfp4(
-                    h, w2.blocks, w2.scales, bounds, addend=fc2.update(h, bounds, gemm),
+                return mxfp4_gemm.fc2_bias_mxfp4(
+                    h, w2.blocks, w2.scales, fc2.bias, bounds, addend=fc2.update(h, bounds, gemm),
                     byte_format=w2.byte_format,
                 )  # fmt: skip
-                return y if fc2.bias is None else fused_moe.expert_bias(y, fc2.bias, bounds)
             assert isinstance(w1, torch.Tensor) and isinstance(w2, torch.Tensor)
             h = moe_decode.decode_fc1(
                 x, w1, fc1.bias, bounds, self.limit, self.alpha, addend=fc1.update(x, bounds, gemm)

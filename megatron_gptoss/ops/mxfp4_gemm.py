@@ -698,22 +698,53 @@ def fc1_swiglu_mxfp4(
     [M, I] of x W[e]^T (+ addend) + bias[e] in x's dtype (module doc). Forward only: refused where autograd
     would record it (the learner composes `grouped_linear_mxfp4` and `fused_moe.swiglu_bias`). `byte_format`:
     `grouped_linear_mxfp4`'s."""
-    _check(x, blocks, scales, bounds, bias, addend, byte_format)
     if blocks.shape[1] % 2:
         raise ValueError(f"fc1 blocks {tuple(blocks.shape)}: the output width must be even ([gate; up])")
+    return _forward_only(
+        "fc1_swiglu_mxfp4", "fused_moe.swiglu_bias", x, blocks, scales, bias, bounds, (limit, alpha), path,
+        config, addend, byte_format,
+    )  # fmt: skip
+
+
+def fc2_bias_mxfp4(
+    x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor, path: str | None = None,
+    config: Mxfp4Config | None = None, addend: Tensor | None = None, byte_format: str = "checkpoint",
+) -> Tensor:  # fmt: skip
+    """x [M, in] sorted by expert, blocks [E, out, in / 32, 16] / scales [E, out, in / 32], bias [E, out] or
+    None, addend [M, out] in x's dtype or None -> x W[e]^T (+ addend) + bias[e] [M, out] in x's dtype:
+    `grouped_linear_mxfp4` then `fused_moe.expert_bias`, the bias added in the kernel's epilogue (fp32 on the
+    rounded product, one rounding: the same bits). Forward only, as `fc1_swiglu_mxfp4`."""
+    return _forward_only(
+        "fc2_bias_mxfp4", "fused_moe.expert_bias", x, blocks, scales, bias, bounds, None, path, config,
+        addend, byte_format,
+    )  # fmt: skip
+
+
+def _forward_only(
+    name: str, composed: str, x: Tensor, blocks: Tensor, scales: Tensor, bias: Tensor | None, bounds: Tensor,
+    swiglu: tuple[float, float] | None, path: str | None, config: Mxfp4Config | None, addend: Tensor | None,
+    byte_format: str,
+) -> Tensor:  # fmt: skip
+    """`fc1_swiglu_mxfp4` (`swiglu` = (limit, alpha)) or `fc2_bias_mxfp4` (None) on the path `kernel_for`
+    picks; refused where autograd would record it (the learner composes `grouped_linear_mxfp4` and
+    `composed`)."""
+    _check(x, blocks, scales, bounds, bias, addend, byte_format)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, bias, addend)):
         raise RuntimeError(
-            "fc1_swiglu_mxfp4 is forward only and autograd would record it (x, bias or addend requires "
-            "grad): compose grouped_linear_mxfp4 and fused_moe.swiglu_bias, or call it under torch.no_grad()"
+            f"{name} is forward only and autograd would record it (x, bias or addend requires grad): "
+            f"compose grouped_linear_mxfp4 and {composed}, or call it under torch.no_grad()"
         )
     kernel = kernel_for(x, path, byte_format)
     with torch.no_grad():
         if kernel == "reference":
-            swiglu = (float(limit), float(alpha))
-            return reference_dequantized(x, blocks, scales, bounds, bias, swiglu, addend, byte_format)
+            swiglu_f = None if swiglu is None else (float(swiglu[0]), float(swiglu[1]))
+            return reference_dequantized(x, blocks, scales, bounds, bias, swiglu_f, addend, byte_format)
         if kernel == "dequantized":
             y = _dequantized_product(_contiguous_rows(x), blocks, scales, bounds, False, byte_format)
             y = y if addend is None else y + addend
-            return fused_moe.swiglu_bias(y, bias, bounds, limit, alpha)
-        args = (x, blocks, scales, bias, addend, bounds, True, limit, alpha, kernel, config, byte_format)
-        return _forward_any(*args)
+            if swiglu is not None:
+                return fused_moe.swiglu_bias(y, bias, bounds, *swiglu)
+            return y if bias is None else fused_moe.expert_bias(y, bias, bounds)
+        limit, alpha = (0.0, 0.0) if swiglu is None else swiglu
+        args = (x, blocks, scales, bias, addend, bounds, swiglu is not None, limit, alpha, kernel, config)
+        return _forward_any(*args, byte_format)

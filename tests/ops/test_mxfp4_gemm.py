@@ -198,6 +198,34 @@ def test_fc1_swiglu_forward(bias):
 
 
 @interpreted
+@pytest.mark.parametrize("with_addend", [False, True])
+def test_fc2_bias_is_the_product_then_the_expert_bias(with_addend):
+    """`fc2_bias_mxfp4` (the engine's fc2: the bias in the kernel's epilogue) gives exactly what
+    `grouped_linear_mxfp4` then `fused_moe.expert_bias` give, on the portable kernel (16- and 32-row tiles,
+    the latter with half-height tails) and the reference path, with and without an addend; within 1e-6 of
+    the reference; no bias: the product alone; forward only."""
+    counts, n, k = [6, 0, 19], 40, 96
+    blocks, scales = weights(len(counts), n, k, seed=16)
+    x, bounds = rows(counts, k, seed=16)
+    g = torch.Generator().manual_seed(17)
+    b = torch.randn(len(counts), n, generator=g)
+    addend = torch.randn(x.shape[0], n, generator=g) if with_addend else None
+    ref = reference_dequantized(x, blocks, scales, bounds, b, None, addend)
+    tall = dataclasses.replace(TILES, block_m=32, half_tail=True)
+    for path, cfg in [("portable", TILES), ("portable", tall), ("reference", None)]:
+        composed = fused_moe.expert_bias(
+            grouped_linear_mxfp4(x, blocks, scales, bounds, path, cfg, addend), b, bounds
+        )
+        ours = mxfp4_gemm.fc2_bias_mxfp4(x, blocks, scales, b, bounds, path, cfg, addend)
+        assert torch.equal(ours, composed), (path, cfg)
+        assert rel_err(ours, ref) <= 1e-6, path
+        plain = mxfp4_gemm.fc2_bias_mxfp4(x, blocks, scales, None, bounds, path, cfg, addend)
+        assert torch.equal(plain, grouped_linear_mxfp4(x, blocks, scales, bounds, path, cfg, addend))
+    with pytest.raises(RuntimeError, match="fc2_bias_mxfp4 is forward only"):
+        mxfp4_gemm.fc2_bias_mxfp4(x, blocks, scales, b.requires_grad_(), bounds)
+
+
+@interpreted
 @pytest.mark.parametrize("gated", [False, True])
 def test_addend(gated):
     """fp32 with an addend [M, out] (an adapter's update; fc1's in [gate; up] columns), the portable kernel

@@ -327,6 +327,21 @@ def test_column_blocks_of_two_tiles_change_no_bit(tokens):
     assert y[0].abs().sum() > 0 and torch.equal(y[0], y[1])
 
 
+@pytest.mark.parametrize("held", ["checkpoint", "tiled_pairs"])
+@pytest.mark.parametrize("tokens", [64, 256, 512])
+def test_fc2_bias_in_the_epilogue_changes_no_bit(tokens, held):
+    """The engine's fc2 (`fc2_bias_mxfp4`: the bias added in the kernel's epilogue) gives in bf16 exactly
+    what `grouped_linear_mxfp4` then `fused_moe.expert_bias` give, with an adapter's addend and without."""
+    x, _, _, (b2, s2), bounds = inputs(tokens)
+    if held == "tiled_pairs":
+        b2, s2 = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(b2)), mxfp4_bytes.tile_experts(s2)
+    bias = torch.randn(EXPERTS, WIDTH, device="cuda").bfloat16()
+    for addend in (None, 0.1 * torch.randn(x.shape[0], WIDTH, device="cuda").bfloat16()):
+        y = grouped_linear_mxfp4(x, b2, s2, bounds, "portable", addend=addend, byte_format=held)
+        ours = mxfp4_gemm.fc2_bias_mxfp4(x, b2, s2, bias, bounds, "portable", addend=addend, byte_format=held)
+        assert ours.abs().sum() > 0 and torch.equal(ours, fused_moe.expert_bias(y, bias, bounds))
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
