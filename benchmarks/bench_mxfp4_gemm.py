@@ -24,7 +24,8 @@ biases. One expert layer = fc1 + bias + clamped SwiGLU, then fc2 + bias:
                    `mxfp4_relaid.kernel_weights`, run by `forward_kernel_weights`; fc2's bias added in its
                    epilogue)
     mxfp4 <held>   the portable kernel over the weights as a model holds them in HELD's byte formats
-                   (`--held`; `model.mxfp4_byte_format`): `mxfp4 <path>` with `byte_format`
+                   (`--held`; `model.mxfp4_byte_format`): `fc1_swiglu_mxfp4`, then `fc2_bias_mxfp4` (the
+                   engine's calls; `--pdl`: also launched with programmatic dependent launch)
     bf16 library   the same weights dequantized to bf16: `torch._grouped_mm` + `fused_moe.swiglu_bias`, then
                    `torch._grouped_mm` + `fused_moe.expert_bias` (the learner's path)
     bf16 decode    `moe_decode.decode_fc1` / `decode_fc2` on the dequantized weights (the engine's bf16 path;
@@ -145,10 +146,19 @@ def mxfp4_layer(
     return fc1, fc2
 
 
-def held_layer(byte_format: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None):
+def held_layer(
+    byte_format: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Config | None = None, pdl: bool = False
+):  # fmt: skip
     """(fc1, fc2) of the portable kernel over each layer's weights held in `byte_format` (HELD; encoded once
-    per benchmark), at cfg1 / cfg2's tiles, else `default_config`'s for that format."""
+    per benchmark): `fc1_swiglu_mxfp4` and `fc2_bias_mxfp4`, the engine's calls, at cfg1 / cfg2's tiles,
+    else `default_config`'s for that format (`pdl`: launched with programmatic dependent launch,
+    `Mxfp4Config.pdl`)."""
     cache: dict[tuple[int, bool], tuple] = {}
+
+    def tiles(cfg: Mxfp4Config | None, rows, layers: Layers, gated: bool) -> Mxfp4Config | None:
+        if cfg is None and pdl:
+            cfg = mxfp4_gemm.default_config(rows.shape[0], layers.experts, rows.device, gated, byte_format)
+        return cfg if cfg is None else dataclasses.replace(cfg, pdl=pdl or cfg.pdl)
 
     def held(blocks, scales, i: int, gated: bool):
         if (i, gated) not in cache:
@@ -161,14 +171,13 @@ def held_layer(byte_format: str, cfg1: Mxfp4Config | None = None, cfg2: Mxfp4Con
     def fc1(x, layers: Layers, i: int, bounds):
         blocks, scales = held(*layers.fc1[i], i, True)
         return mxfp4_gemm.fc1_swiglu_mxfp4(x, blocks, scales, layers.b1[i], bounds, LIMIT, ALPHA, "portable",
-                                           cfg1, byte_format=byte_format)  # fmt: skip
+                                           tiles(cfg1, x, layers, True), byte_format=byte_format)  # fmt: skip
 
     def fc2(h, layers: Layers, i: int, bounds):
         blocks, scales = held(*layers.fc2[i], i, False)
-        y = mxfp4_gemm.grouped_linear_mxfp4(
-            h, blocks, scales, bounds, "portable", cfg2, byte_format=byte_format
-        )
-        return fused_moe.expert_bias(y, layers.b2[i], bounds)
+        cfg = tiles(cfg2, h, layers, False)
+        return mxfp4_gemm.fc2_bias_mxfp4(h, blocks, scales, layers.b2[i], bounds, "portable", cfg,
+                                         byte_format=byte_format)  # fmt: skip
 
     return fc1, fc2
 
@@ -438,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also time the portable kernel over the weights as a model holds them (HELD)",
     )
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="with --held: also time them launched with programmatic dependent launch",
+    )
     parser.add_argument("--full-tiles", action="store_true",
                         help="with --relaid: also time every program at its full row tile (no half-height "
                         "tail tiles, `Mxfp4Config.half_tail`)")  # fmt: skip
@@ -506,6 +520,8 @@ def run(args: argparse.Namespace) -> int:
                 ]
         if args.held:
             candidates += [(f"mxfp4 {f}", *held_layer(f), 4.25) for f in HELD]
+            if args.pdl:
+                candidates += [(f"mxfp4 {f} pdl", *held_layer(f, pdl=True), 4.25) for f in HELD]
         if args.floor:
             candidates += [(f"{FLOOR} k{k}", *floor_layer(k), 4.25) for k in (64, 128, 256)]
             ks = (64, 128, 256) if device.type == "cuda" else (32,)

@@ -112,6 +112,7 @@ def compile_forward(
         "BYTE_FORMAT": mxfp4_gemm.BYTE_FORMATS.index(byte_format), "PREFETCH_SCALES": prefetch,
         "HALF_TAIL": mxfp4_gemm.half_tail(cfg, "portable"),
         "SUB_ROWS": mxfp4_bytes.TILE_ROWS if tiled else 0,
+        "PDL": cfg.pdl,
     }  # fmt: skip
     integers = _arguments(gated, tiled, cfg)
     names = list(inspect.signature(mxfp4_kernels.mxfp4_fwd_kernel.fn).parameters)

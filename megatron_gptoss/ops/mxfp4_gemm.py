@@ -248,6 +248,9 @@ class Mxfp4Config:
     # a tile of half the height, the matrix unit's products over padding rows halved (the same values either
     # way; `default_config` sets it for fc1)
     half_tail: bool = False
+    # CUDA, sm_90 and later: the forward launched with programmatic dependent launch (the kernel's PDL), so
+    # that it starts while the kernel before it finishes (the same values)
+    pdl: bool = False
     bwd_block_m: int = 64
     bwd_block_r: int = 64
     bwd_block_k: int = 64
@@ -564,6 +567,7 @@ def _launch_forward(
     bias_arg = x if bias is None else bias
     add_arg = x if addend is None else addend
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
+    pdl = cfg.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
     _kernels().mxfp4_fwd_kernel[grid](
         x, wb, ws, bias_arg, add_arg, out, bounds, n, k, x.stride(0), wb.stride(0), *layout[:4], ws.stride(0),
         *layout[4:], bias_arg.stride(0) if has_bias else 0, add_arg.stride(0) if has_add else 0,
@@ -572,8 +576,8 @@ def _launch_forward(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, DOT_PRECISION="ieee" if x.dtype == torch.float32 else None,
         X_FORMAT=_X_FORMATS[x.dtype], DECODE=decode, SUB_K=sub_k, BYTE_FORMAT=byte_format,
-        PREFETCH_SCALES=prefetch_scales(), HALF_TAIL=half_tail(cfg, kernel), SUB_ROWS=sub_rows,
-        num_warps=cfg.warps, num_stages=cfg.stages, **_registers(cfg),
+        PREFETCH_SCALES=prefetch_scales(), HALF_TAIL=half_tail(cfg, kernel), SUB_ROWS=sub_rows, PDL=pdl,
+        num_warps=cfg.warps, num_stages=cfg.stages, **_registers(cfg), **({"launch_pdl": pdl} if pdl else {}),
     )  # fmt: skip
     return out
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megatron_gptoss.ops.moe_decode_kernels import _round_add
 from megatron_gptoss.ops.moe_kernels import _swiglu_parts
@@ -501,7 +502,7 @@ def mxfp4_fwd_kernel(
     SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, X_FORMAT: tl.constexpr, DECODE: tl.constexpr, SUB_K: tl.constexpr,
     BYTE_FORMAT: tl.constexpr, PREFETCH_SCALES: tl.constexpr, HALF_TAIL: tl.constexpr,
-    SUB_ROWS: tl.constexpr,
+    SUB_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Out[r, c] for the rows r of expert e and the program's columns c < N; X [M, K] with unit stride
     along K. GATED: W [E, 2N, K] as [gate; up], Bias [E, 2N], Add [M, 2N]; Out = (up + 1) * gate *
@@ -514,7 +515,15 @@ def mxfp4_fwd_kernel(
 
     HALF_TAIL: a program whose rows fill at most half a row tile (at decode sizes, an expert's only tile)
     runs a tile of BLOCK_M / 2 rows, its own compiled loop: the matrix unit's products over padding rows
-    halve, the weight is decoded as often. Each output is the same sum in the same order at either height."""
+    halve, the weight is decoded as often. Each output is the same sum in the same order at either height.
+
+    PDL (launched with programmatic dependent launch, sm_90): every program first lets the next launch begin
+    (its programs then start on the SMs this grid's last ones leave free, waiting there), then waits until
+    the grid before it has finished and its writes are visible, before reading anything (bounds, x, the
+    addend)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     e = tl.program_id(1)
     start = tl.load(bounds + e)
     end = tl.load(bounds + e + 1)

@@ -666,18 +666,20 @@ def test_scales_loaded_a_step_ahead_give_the_same_products(monkeypatch, block_k)
 @interpreted
 def test_a_register_cap_reaches_the_launch(monkeypatch):
     """`Mxfp4Config.maxnreg` goes to the forward's launch as Triton's `maxnreg` (none at 0) with the same
-    products; a negative cap is refused by name. Eight warps only for the checkpoint bytes' gated 128-row
-    tiles (the pairs' fc1 at 2,048 rows took twice as long with eight on an H200)."""
+    products; a negative cap is refused by name; `Mxfp4Config.pdl` launches nothing differently on the CPU.
+    Eight warps only for the checkpoint bytes' gated 128-row tiles (the pairs' fc1 at 2,048 rows took twice as
+    long with eight on an H200)."""
     counts, n, k = [6, 0, 19], 40, 96
     blocks, scales = weights(len(counts), 2 * n, k, seed=43)
     x, bounds = rows(counts, k, seed=43)
     kernels = mxfp4_gemm._kernels()
-    launches = []
+    launches, flags = [], []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
                 launches.append(kwargs.get("maxnreg"))
+                flags.append((kwargs["PDL"], "launch_pdl" in kwargs))
                 return kernels.mxfp4_fwd_kernel[grid](*args, **kwargs)
 
             return launch
@@ -690,6 +692,10 @@ def test_a_register_cap_reaches_the_launch(monkeypatch):
         for cap in (0, 96)
     }
     assert launches == [None, 96] and torch.equal(out[0], out[96]) and out[0].abs().sum() > 0
+    launches.clear()
+    pdl = fc1_swiglu_mxfp4(x, blocks, scales, None, bounds, LIMIT, ALPHA, "portable",
+                           dataclasses.replace(TILES, pdl=True))  # fmt: skip
+    assert flags[-1] == (False, False) and torch.equal(pdl, out[0])  # off on the CPU: no PDL launch or GDC
     with pytest.raises(ValueError, match="maxnreg"):
         fc1_swiglu_mxfp4(x, blocks, scales, None, bounds, LIMIT, ALPHA, "portable",
                          dataclasses.replace(TILES, maxnreg=-1))  # fmt: skip

@@ -342,6 +342,40 @@ def test_fc2_bias_in_the_epilogue_changes_no_bit(tokens, held):
         assert ours.abs().sum() > 0 and torch.equal(ours, fused_moe.expert_bias(y, bias, bounds))
 
 
+@pytest.mark.parametrize("tokens", [64, 512])
+def test_programmatic_dependent_launch_changes_no_bit(tokens):
+    """fc1 then fc2 launched with programmatic dependent launch (`Mxfp4Config.pdl`; fc2 starts while fc1
+    ends and waits for its writes), replayed from a CUDA graph as the engine runs them, over the pairs held
+    tile by tile: every output bit for bit as launched one after the other."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
+    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+    bias2 = torch.randn(EXPERTS, WIDTH, device="cuda").bfloat16()
+
+    def layer(pdl: bool) -> torch.Tensor:
+        c1, c2 = (
+            dataclasses.replace(
+                mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated, "tiled_pairs"), pdl=pdl
+            )
+            for gated in (True, False)
+        )
+        h = fc1_swiglu_mxfp4(x, p1, q1, bias, bounds, LIMIT, ALPHA, "portable", c1, byte_format="tiled_pairs")
+        return mxfp4_gemm.fc2_bias_mxfp4(h, p2, q2, bias2, bounds, "portable", c2, byte_format="tiled_pairs")
+
+    outs = []
+    for pdl in (False, True):
+        layer(pdl)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer(pdl)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        outs.append(out.clone())
+    assert outs[0].abs().sum() > 0 and torch.equal(outs[0], outs[1])
+
+
 def test_portable_path_with_pre_hopper_matrix_instructions():
     """The portable kernels compiled with DISABLE_MMA_V3=1 (Triton's mma.sync, the instructions of Ampere
     and Ada: no wgmma, no tensor descriptors) in a child process with its own kernel cache: same checks,
