@@ -123,6 +123,44 @@ def _round_add(acc, add_ptrs, mask, DTYPE: tl.constexpr, HAS_ADD: tl.constexpr):
 
 
 @triton.jit
+def _bias_rows(Bias, e, stride_be, cols, col_ok, N, GATED: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """(lo, hi) fp32: expert e's bias at the program's columns cols (hi: the up half's, N columns on); zeros
+    without a bias (or, not GATED, for hi)."""
+    b_lo = tl.zeros(cols.shape, dtype=tl.float32)
+    b_hi = b_lo
+    if HAS_BIAS:
+        b_lo = tl.load(Bias + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if GATED:
+            b_hi = tl.load(Bias + e * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return b_lo, b_hi
+
+
+@triton.jit
+def _store_rows(
+    lo, hi, b_lo, b_hi, Add, Out, rows, row_ok, cols, col_ok, N, stride_add, stride_out, limit, alpha,
+    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
+):  # fmt: skip
+    """The grouped kernels' epilogue: Out[rows, cols] of the fp32 products lo (and, GATED, hi: the up half, N
+    columns on). Each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum
+    rounded again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
+    lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
+    if HAS_BIAS:
+        lo += b_lo[None, :]
+    if GATED:
+        hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
+        if HAS_BIAS:
+            hi += b_hi[None, :]
+        gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
+        res = (up + 1.0) * (gate * s)
+    else:
+        res = lo
+    out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def decode_grouped_kernel(
     X, W, Bias, Add, Out, bounds, x_desc, w_desc, N, K, W_ROWS, stride_x, stride_we, stride_wn, stride_be,
     stride_add, stride_out, limit, alpha, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ADD: tl.constexpr,
@@ -146,10 +184,7 @@ def decode_grouped_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     w_base = W + e.to(tl.int64) * stride_we
-    if HAS_BIAS:
-        b_lo = tl.load(Bias + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            b_hi = tl.load(Bias + e * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b_lo, b_hi = _bias_rows(Bias, e, stride_be, cols, col_ok, N, GATED, HAS_BIAS)
     for r0 in range(start, end, BLOCK_M):
         rows = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < end
@@ -163,20 +198,7 @@ def decode_grouped_kernel(
                 X, w_base, rows, row_ok, cols, col_ok, N, K, stride_x, stride_wn,
                 GATED, SWAP, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION,
             )  # fmt: skip
-        # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded
-        # again, as a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
-        mask = row_ok[:, None] & col_ok[None, :]
-        add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
-        lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
-        if HAS_BIAS:
-            lo += b_lo[None, :]
-        if GATED:
-            hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
-            if HAS_BIAS:
-                hi += b_hi[None, :]
-            gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
-            res = (up + 1.0) * (gate * s)
-        else:
-            res = lo
-        out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
-        tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
+        _store_rows(
+            lo, hi, b_lo, b_hi, Add, Out, rows, row_ok, cols, col_ok, N, stride_add, stride_out, limit, alpha,
+            GATED, HAS_BIAS, HAS_ADD,
+        )  # fmt: skip

@@ -55,8 +55,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from megatron_gptoss.ops.moe_decode_kernels import _round_add
-from megatron_gptoss.ops.moe_kernels import _swiglu_parts
+from megatron_gptoss.ops.moe_decode_kernels import _bias_rows, _store_rows
 
 
 @triton.jit
@@ -475,23 +474,10 @@ def _row_tile(
             wb_row, ws_half, ws_col, ws_step, ws_row, GATED, BLOCK_M, BLOCK_N, BLOCK_K, DOT_PRECISION, DECODE,
             SUB_K, BYTE_FORMAT, PREFETCH_SCALES, SUB_ROWS,
         )  # fmt: skip
-    # each product rounded to Out's dtype, as the library's GEMM writes it, the addend's sum rounded again, as
-    # a tensor addition writes it; bias and SwiGLU in fp32 on the rounded values
-    mask = row_ok[:, None] & col_ok[None, :]
-    add_ptrs = Add + rows[:, None] * stride_add + cols[None, :]
-    lo = _round_add(lo, add_ptrs, mask, Out.dtype.element_ty, HAS_ADD)
-    if HAS_BIAS:
-        lo += b_lo[None, :]
-    if GATED:
-        hi = _round_add(hi, add_ptrs + N, mask, Out.dtype.element_ty, HAS_ADD)
-        if HAS_BIAS:
-            hi += b_hi[None, :]
-        gate, up, s = _swiglu_parts(lo, hi, limit, alpha)
-        res = (up + 1.0) * (gate * s)
-    else:
-        res = lo
-    out_ptrs = Out + rows[:, None] * stride_out + cols[None, :]
-    tl.store(out_ptrs, res.to(Out.dtype.element_ty), mask=mask)
+    _store_rows(
+        lo, hi, b_lo, b_hi, Add, Out, rows, row_ok, cols, col_ok, N, stride_add, stride_out, limit, alpha,
+        GATED, HAS_BIAS, HAS_ADD,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -534,12 +520,7 @@ def mxfp4_fwd_kernel(
     col_ok = cols < N
     wb_base = Wb + e.to(tl.int64) * stride_wbe
     ws_base = Ws + e.to(tl.int64) * stride_wse
-    b_lo = tl.zeros([BLOCK_N], dtype=tl.float32)
-    b_hi = b_lo
-    if HAS_BIAS:
-        b_lo = tl.load(Bias + e * stride_be + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if GATED:
-            b_hi = tl.load(Bias + e * stride_be + N + cols, mask=col_ok, other=0.0).to(tl.float32)
+    b_lo, b_hi = _bias_rows(Bias, e, stride_be, cols, col_ok, N, GATED, HAS_BIAS)
     if HALF_TAIL and end - first <= BLOCK_M // 2:
         _row_tile(
             X, wb_base, ws_base, Add, Out, first, end, cols, col_ok, b_lo, b_hi, N, K, stride_x, wb_half,
