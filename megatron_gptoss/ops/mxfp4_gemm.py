@@ -583,7 +583,7 @@ def _launch_forward(
 
 
 def half_tail(cfg: Mxfp4Config, kernel: str) -> bool:
-    """Whether the forward kernel runs an expert's last row tile at half height where it is at most half full
+    """Whether the forward kernel runs a program whose rows fill at most half its row tile at half height
     (`Mxfp4Config.half_tail`; the portable kernel at row tiles of 32 or more: the matrix unit's tiles are 16
     rows at least)."""
     return cfg.half_tail and kernel != "scaled" and cfg.block_m >= 32
