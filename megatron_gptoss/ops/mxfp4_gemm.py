@@ -567,7 +567,7 @@ def _launch_forward(
     bias_arg = x if bias is None else bias
     add_arg = x if addend is None else addend
     grid = (_cdiv(n, cfg.block_n), e, _split(m, e, cfg.block_m))
-    pdl = cfg.pdl and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    pdl = cfg.pdl and x.is_cuda and _kernels().GDC and torch.cuda.get_device_capability(x.device) >= (9, 0)
     _kernels().mxfp4_fwd_kernel[grid](
         x, wb, ws, bias_arg, add_arg, out, bounds, n, k, x.stride(0), wb.stride(0), *layout[:4], ws.stride(0),
         *layout[4:], bias_arg.stride(0) if has_bias else 0, add_arg.stride(0) if has_add else 0,

@@ -53,9 +53,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from megatron_gptoss.ops.moe_decode_kernels import _bias_rows, _store_rows
+
+try:  # grid dependency control (programmatic dependent launch): not in every Triton the project accepts
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    GDC = True
+except ImportError:  # the forward's PDL is then never set (`mxfp4_gemm._launch_forward`)
+    GDC = False
 
 
 @triton.jit
