@@ -162,10 +162,10 @@ def held_layer(
 
     def held(blocks, scales, i: int, gated: bool):
         if (i, gated) not in cache:
-            words = mxfp4_bytes.pair_words(blocks)
-            if mxfp4_bytes.is_tiled(byte_format):
-                words, scales = mxfp4_bytes.tile_experts(words), mxfp4_bytes.tile_experts(scales)
-            cache[i, gated] = words, scales
+            cache[i, gated] = (
+                mxfp4_bytes.held_blocks(blocks, byte_format),
+                mxfp4_bytes.held_scales(scales, byte_format),
+            )
         return cache[i, gated]
 
     def fc1(x, layers: Layers, i: int, bounds):

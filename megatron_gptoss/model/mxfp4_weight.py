@@ -32,9 +32,9 @@ from megatron_gptoss.ops.mxfp4_bytes import (
     check_held_format,
     check_pairs_scales,
     check_tileable,
+    held_blocks,
+    held_scales,
     is_tiled,
-    pair_words,
-    tile_experts,
 )
 from megatron_gptoss.ops.mxfp4_gemm import dequantize
 
@@ -110,16 +110,14 @@ class MXFP4Weight(nn.Module):
         scales [n, out, in / 32] (None: left as they are), blocks re-encoded into `byte_format`. The "pairs"
         format refuses scales outside 2..128 (weights beyond 12 in magnitude) with an error naming the
         range."""
-        pairs, tiled = byte_format_of(self.byte_format) == "pairs", is_tiled(self.byte_format)
         if scales is not None:
-            if pairs:
+            if byte_format_of(self.byte_format) == "pairs":
                 remedy = ": use model.mxfp4_byte_format=checkpoint"
                 check_pairs_scales(scales, "these experts' scales", remedy)
-            scales = tile_experts(scales) if tiled else scales
+            scales = held_scales(scales, self.byte_format)
             self.scales[first : first + scales.shape[0]].copy_(scales)
         if blocks is not None:
-            blocks = pair_words(blocks) if pairs else blocks
-            blocks = tile_experts(blocks) if tiled else blocks
+            blocks = held_blocks(blocks, self.byte_format)
             self.blocks[first : first + blocks.shape[0]].copy_(blocks)
 
 

@@ -139,3 +139,17 @@ def unpair_words(blocks: Tensor) -> Tensor:
             code = sum(((word >> (pos + half)) & 1) << bit for bit, pos in zip((3, 2, 1, 0), at))
             natural[..., i, :] |= code << (4 if half else 0)
     return natural.reshape(blocks.shape).to(torch.uint8).contiguous()  # byte 4 i + a
+
+
+def held_blocks(blocks: Tensor, held: str) -> Tensor:
+    """The released blocks [E, out, in / 32, 16] as a model holds them in `held` (HELD_FORMATS): re-encoded
+    into its byte format, stored tile by tile where it is tiled (the checkpoint's: as they are)."""
+    blocks = pair_words(blocks) if byte_format_of(held) == "pairs" else blocks
+    return tile_experts(blocks) if is_tiled(held) else blocks
+
+
+def held_scales(scales: Tensor, held: str) -> Tensor:
+    """The released scales [E, out, in / 32] as a model holds them in `held`: tile by tile where it is
+    tiled, else as they are."""
+    check_held_format(held)
+    return tile_experts(scales) if is_tiled(held) else scales

@@ -473,6 +473,30 @@ def test_every_relaid_byte_format_has_held_tiles():
         mxfp4_bytes.check_held_format("shuffled")
 
 
+def test_released_bytes_as_each_held_format_holds_them():
+    """`mxfp4_bytes.held_blocks` / `held_scales`: the released bytes re-encoded per held format (checkpoint:
+    as they are; pairs: `pair_words`; tiled_pairs: those tile by tile, the scales too), and read back by
+    `dequantize` to the released values; an unknown format is refused by name."""
+    blocks, scales = weights(2, 64, 128, seed=49)
+    scales = scales.clamp(max=128)
+    expected = {
+        "checkpoint": (blocks, scales),
+        "pairs": (mxfp4_bytes.pair_words(blocks), scales),
+        "tiled_pairs": (
+            mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(blocks)),
+            mxfp4_bytes.tile_experts(scales),
+        ),
+    }
+    values = mxfp4_gemm.dequantize(blocks, scales, torch.float32)
+    for held, (b, s) in expected.items():
+        ours = mxfp4_bytes.held_blocks(blocks, held), mxfp4_bytes.held_scales(scales, held)
+        assert torch.equal(ours[0], b) and torch.equal(ours[1], s), held
+        assert torch.equal(mxfp4_gemm.dequantize(*ours, torch.float32, held), values), held
+    for held_fn, t in ((mxfp4_bytes.held_blocks, blocks), (mxfp4_bytes.held_scales, scales)):
+        with pytest.raises(ValueError, match="shuffled"):
+            held_fn(t, "shuffled")
+
+
 def test_pair_words_decode_to_the_weights():
     """Byte format "pairs" (`pair_words`) read back by the kernels' rule (word a of a block: pair i from slot
     i's bits, as a bf16 of 2 ** -126 times the FP4 value) gives every code of every byte at K 2 (a + 4 i) + t,

@@ -251,6 +251,11 @@ def test_relaid_weights_equal_the_row_major_kernel(tokens):
                 assert ours.abs().sum() > 0 and torch.equal(ours, ref), (gated, cfg.sub_k, tiled, byte_format)
 
 
+def held_tiled(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checkpoint blocks and scales as a model holds them "tiled_pairs"."""
+    return mxfp4_bytes.held_blocks(blocks, "tiled_pairs"), mxfp4_bytes.held_scales(scales, "tiled_pairs")
+
+
 @pytest.mark.parametrize("held", ["pairs", "tiled_pairs"])
 @pytest.mark.parametrize("tokens", [64, 256, 2048])
 def test_pairs_byte_format_equals_the_checkpoint_bytes(tokens, held):
@@ -283,7 +288,7 @@ def test_half_height_tail_tiles_change_no_bit(tokens):
     as the full-height tiles do, fc1 + SwiGLU (with and without an addend) and fc2, over the pairs held
     tile by tile."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
-    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+    (p1, q1), (p2, q2) = held_tiled(b1, s1), held_tiled(b2, s2)
     counts = (bounds[1:] - bounds[:-1]).tolist()
 
     def configs(gated: bool) -> list[mxfp4_gemm.Mxfp4Config]:
@@ -311,7 +316,7 @@ def test_column_blocks_of_two_tiles_change_no_bit(tokens):
     """Weights held "tiled_pairs" read 128 columns a program over 8 warps (two stored 64-row tiles a block,
     `SUB_ROWS`): every output bit for bit what one tile a program gives, fc1 + SwiGLU and fc2."""
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
-    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+    (p1, q1), (p2, q2) = held_tiled(b1, s1), held_tiled(b2, s2)
 
     def configs(gated: bool) -> list[mxfp4_gemm.Mxfp4Config]:
         one = mxfp4_gemm.default_config(x.shape[0], EXPERTS, x.device, gated, "tiled_pairs")
@@ -334,7 +339,7 @@ def test_fc2_bias_in_the_epilogue_changes_no_bit(tokens, held):
     what `grouped_linear_mxfp4` then `fused_moe.expert_bias` give, with an adapter's addend and without."""
     x, _, _, (b2, s2), bounds = inputs(tokens)
     if held == "tiled_pairs":
-        b2, s2 = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(b2)), mxfp4_bytes.tile_experts(s2)
+        b2, s2 = held_tiled(b2, s2)
     bias = torch.randn(EXPERTS, WIDTH, device="cuda").bfloat16()
     for addend in (None, 0.1 * torch.randn(x.shape[0], WIDTH, device="cuda").bfloat16()):
         y = grouped_linear_mxfp4(x, b2, s2, bounds, "portable", addend=addend, byte_format=held)
@@ -350,7 +355,7 @@ def test_programmatic_dependent_launch_changes_no_bit(tokens):
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     x, (b1, s1), bias, (b2, s2), bounds = inputs(tokens)
-    p1, p2, q1, q2 = (mxfp4_bytes.tile_experts(t) for t in (*map(mxfp4_bytes.pair_words, (b1, b2)), s1, s2))
+    (p1, q1), (p2, q2) = held_tiled(b1, s1), held_tiled(b2, s2)
     bias2 = torch.randn(EXPERTS, WIDTH, device="cuda").bfloat16()
 
     def layer(pdl: bool) -> torch.Tensor:
