@@ -119,11 +119,24 @@ def check(layers: Layers, x, bounds, cfg1=None, cfg2=None, verbose=True) -> bool
     return ok
 
 
-def time_per_layer(fn: Callable[[int], object], layers: int, reps: int, device) -> float:
-    """Median ms per call of fn(layer) over all layers: a CUDA graph of the calls replayed (eager on the
-    CPU)."""
+def time_per_layer(
+    fn: Callable[[int], object], layers: int, reps: int, device, graph: bool = True
+) -> float:  # fmt: skip
+    """Median ms per call of fn(layer) over all layers: a CUDA graph of the calls replayed, or with `graph`
+    False (and on the CPU) the calls run eagerly, between two events on a CUDA device."""
     for layer in range(layers):  # compile and warm up outside the capture
         fn(layer)
+    if device.type == "cuda" and not graph:
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for layer in range(layers):
+                fn(layer)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / layers)
+        return statistics.median(times)
     if device.type != "cuda":
         times = []
         for _ in range(reps):

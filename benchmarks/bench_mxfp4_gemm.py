@@ -36,10 +36,12 @@ Check (layer 0): each path's fc1 and fc2 against the dequantize-then-compute ref
 
 Timing: `--layers` layers of weights, a different layer per call (a layer's bf16 experts take 1.6 GB, its
 MXFP4 ones 0.42 GB: both far beyond the 50 MB L2), one CUDA graph replaying the calls over all layers,
-median of `--reps` replays / layers. Roofline = bytes / peak bandwidth: the weights (4.25 bits a value in
-MXFP4, 16 in bf16) and biases of the experts hit (an expert without rows is not read), plus the
-activations (x read, h written and read, y written, bf16). Peak: H100 SXM 3.35 TB/s, H200 4.8 TB/s by the
-device name, else the measured copy rate (2 x bytes / time of a 1 GiB device-to-device copy).
+median of `--reps` replays / layers; a path that runs "dequantized" (the auto path above `PORTABLE_MAX_ROWS`
+rows) is timed eagerly, as it runs: under a graph's capture the auto path runs the portable kernel.
+Roofline = bytes / peak bandwidth: the weights (4.25 bits a value in MXFP4, 16 in bf16) and biases of the
+experts hit (an expert without rows is not read), plus the activations (x read, h written and read, y
+written, bf16). Peak: H100 SXM 3.35 TB/s, H200 4.8 TB/s by the device name, else the measured copy rate
+(2 x bytes / time of a 1 GiB device-to-device copy).
 """
 
 from __future__ import annotations
@@ -536,10 +538,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {rows:6d} rows {name}: {type(exc).__name__}: {str(exc)[:300]}  FAILED")
                 ok = False
                 continue
+            graph = True
             if name.startswith("mxfp4"):  # the kernel that ran (the auto path may have fallen back)
                 path = name.split()[1].split("/")[0].rstrip(":")
                 portable = path in RELAID or path in HELD
-                name = f"{name} ({mxfp4_gemm.kernel_for(x, 'portable' if portable else path)})"
+                kernel = mxfp4_gemm.kernel_for(x, "portable" if portable else path)
+                # the dequantized path runs eagerly (under a graph's capture "auto" runs the portable kernel)
+                graph = kernel != "dequantized"
+                name = f"{name} ({kernel}{'' if graph else ', eager'})"
             h = fc1(x, layers, 0, bounds)
 
             def one(f, rows_in, b=bounds):
@@ -548,9 +554,9 @@ def run(args: argparse.Namespace) -> int:
             def both(f1, f2, rows_in=x, b=bounds):
                 return lambda i: f2(f1(rows_in, layers, i, b), layers, i, b)
 
-            ms1 = time_per_layer(one(fc1, x), count, reps, device)
-            ms2 = time_per_layer(one(fc2, h), count, reps, device)
-            ms = time_per_layer(both(fc1, fc2), count, reps, device)
+            ms1 = time_per_layer(one(fc1, x), count, reps, device, graph)
+            ms2 = time_per_layer(one(fc2, h), count, reps, device, graph)
+            ms = time_per_layer(both(fc1, fc2), count, reps, device, graph)
             table.append((tokens, rows, name, ms1, ms2, ms, roofline_bytes(layers, bounds, rows, bits)))
             print(f"  {rows:6d} rows {name}: fc1 {ms1 * 1e3:.0f} us, fc2 {ms2 * 1e3:.0f} us, layer "
                   f"{ms * 1e3:.0f} us", flush=True)  # fmt: skip

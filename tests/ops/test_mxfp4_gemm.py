@@ -591,6 +591,16 @@ def test_tiles_put_each_k_step_of_a_row_block_in_one_run():
         mxfp4_bytes.tile_experts(scales[:, :, :5])
 
 
+def tiled_case(counts: list[int], out: int, k: int, seed: int):
+    """(blocks, scales) of the checkpoint's bytes (scales up to 128), the same held "tiled_pairs", and
+    rows x sorted by expert with their bounds."""
+    blocks, scales = weights(len(counts), out, k, seed=seed)
+    scales = scales.clamp(max=128)
+    held = mxfp4_bytes.held_blocks(blocks, "tiled_pairs")
+    x, bounds = rows(counts, k, seed=seed)
+    return blocks, scales, held, mxfp4_bytes.held_scales(scales, "tiled_pairs"), x, bounds
+
+
 @interpreted
 @pytest.mark.parametrize("gated", [False, True])
 def test_tiled_pairs_through_every_path(gated):
@@ -598,12 +608,8 @@ def test_tiled_pairs_through_every_path(gated):
     kernel at the held 64 x 64 tiles, over 2 K steps and experts over several row tiles), the input gradient
     (the backward kernel addressing the tiles), the reference path and the whole-weight decoding give exactly
     what the checkpoint's bytes give, addend included; tiles other than the held ones are refused."""
-    counts, out, k = [7, 0, 21], 64, 128
-    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=43)
-    scales = scales.clamp(max=128)
-    held = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(blocks))
-    held_scales = mxfp4_bytes.tile_experts(scales)
-    x, bounds = rows(counts, k, seed=43)
+    counts = [7, 0, 21]
+    blocks, scales, held, held_scales, x, bounds = tiled_case(counts, 2 * 64 if gated else 64, 128, seed=43)
     addend = torch.randn(x.shape[0], blocks.shape[1], generator=torch.Generator().manual_seed(44))
     fmt = "tiled_pairs"
     assert mxfp4_gemm.default_config(28, 3, x.device, gated, fmt).block_n == 64
@@ -636,12 +642,8 @@ def test_tiled_pairs_in_blocks_of_two_tiles(gated):
     stored 64-row tiles (`_tiled_layout`'s row blocks; `SUB_ROWS`), at 192 columns a half, so the second
     block's second tile lies past the weight and is masked; exactly the products of one tile a program and
     of the checkpoint's bytes."""
-    counts, out, k = [7, 0, 21], 192, 128
-    blocks, scales = weights(len(counts), 2 * out if gated else out, k, seed=45)
-    scales = scales.clamp(max=128)
-    held = mxfp4_bytes.tile_experts(mxfp4_bytes.pair_words(blocks))
-    held_scales = mxfp4_bytes.tile_experts(scales)
-    x, bounds = rows(counts, k, seed=45)
+    counts = [7, 0, 21]
+    blocks, scales, held, held_scales, x, bounds = tiled_case(counts, 2 * 192 if gated else 192, 128, seed=45)
     fmt = "tiled_pairs"
     one = mxfp4_gemm.default_config(x.shape[0], len(counts), x.device, gated, fmt)
     two = dataclasses.replace(one, block_n=2 * MXFP4_TILE)
