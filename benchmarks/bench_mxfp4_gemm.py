@@ -426,14 +426,20 @@ def roofline_bytes(layers: Layers, bounds, rows: int, bits: float) -> tuple[floa
     return fc1, fc2
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tokens", default="64,256,4096", help="tokens per call, comma-separated")
-    parser.add_argument("--paths", default="auto,portable", help="MXFP4 paths timed, comma-separated")
+def size_arguments(doc: str | None, tokens: str, reps: int, reps_help: str) -> argparse.ArgumentParser:
+    """A parser with the arguments `sizes` reads: --tokens, --layers, --reps, --experts and --tiny."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default=tokens, help="tokens per call, comma-separated")
     parser.add_argument("--layers", type=int, default=4, help="layers of weights cycled through")
-    parser.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    parser.add_argument("--reps", type=int, default=reps, help=reps_help)
+    parser.add_argument("--experts", type=int, default=32, help="experts a layer (gpt-oss-120b: 128)")
+    parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = size_arguments(__doc__, "64,256,4096", 20, "graph replays timed")
+    parser.add_argument("--paths", default="auto,portable", help="MXFP4 paths timed, comma-separated")
     decodes = ",".join(mxfp4_gemm.DECODES)
     parser.add_argument("--decodes", default="bytes", help=f"portable decodings timed ({decodes})")
     parser.add_argument("--sweep", nargs="?", const="", default=None,
@@ -457,25 +463,57 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--full-tiles", action="store_true",
                         help="with --relaid: also time every program at its full row tile (no half-height "
                         "tail tiles, `Mxfp4Config.half_tail`)")  # fmt: skip
-    parser.add_argument("--experts", type=int, default=32, help="experts a layer (gpt-oss-120b: 128)")
-    parser.add_argument("--tiny", action="store_true", help="toy widths (4 experts, 64 wide, 1 layer)")
     args = parser.parse_args(argv)
     with torch.no_grad():
         return run(args)
 
 
+@dataclasses.dataclass
+class Sizes:
+    """What a run times: the device, the rows' dtype, experts and width of a layer, layers cycled, timed
+    repetitions and the token counts."""
+
+    device: torch.device
+    dtype: torch.dtype
+    experts: int
+    width: int
+    count: int
+    reps: int
+    tokens: list[int]
+
+
+def sizes(args: argparse.Namespace) -> Sizes | None:
+    """The run's `Sizes` from `--tiny` (toy widths, fp32 on the CPU: the interpreter's bf16 products are
+    not modelled) or `--experts`, `--layers`, `--reps` and `--tokens` at gpt-oss-20b width on a GPU; None
+    (said why) without a GPU or `--tiny`."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.tiny:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        return Sizes(device, dtype, 4, 64, 1, 1, [3, 16])
+    if device.type != "cuda":
+        print("no CUDA device: run with --tiny (TRITON_INTERPRET=1) on the CPU")
+        return None
+    tokens = [int(t) for t in args.tokens.split(",")]
+    return Sizes(device, torch.bfloat16, args.experts, 2880, args.layers, args.reps, tokens)
+
+
+def routed_rows(tokens: int, sz: Sizes, columns: int = 1) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(bounds, [x, ...]): `tokens` tokens routed top-4 at random (seeded by the count), then `columns`
+    random tensors of their rows [tokens x 4, width] sorted by expert."""
+    g = torch.Generator().manual_seed(tokens)
+    indices = torch.rand(tokens, sz.experts, generator=g).topk(TOPK, dim=-1).indices.to(sz.device)
+    bounds = fused_moe.sort_by_expert(indices, sz.experts)[1]
+    made = [torch.randn(tokens * TOPK, sz.width, generator=g).to(sz.device, sz.dtype) for _ in range(columns)]
+    return bounds, made
+
+
 def run(args: argparse.Namespace) -> int:
     began = time.perf_counter()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if args.tiny:  # fp32 on the CPU (the interpreter's bf16 products are not modelled)
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        experts, width, count, reps, tokens_list = 4, 64, 1, 1, [3, 16]
-    else:
-        if device.type != "cuda":
-            print("no CUDA device: run with --tiny (TRITON_INTERPRET=1) on the CPU")
-            return 2
-        experts, width, count, reps, dtype = args.experts, 2880, args.layers, args.reps, torch.bfloat16
-        tokens_list = [int(t) for t in args.tokens.split(",")]
+    sz = sizes(args)
+    if sz is None:
+        return 2
+    device, dtype, experts, width, count, reps = sz.device, sz.dtype, sz.experts, sz.width, sz.count, sz.reps
+    tokens_list = sz.tokens
     if device.type == "cuda":
         import triton
 
@@ -492,10 +530,7 @@ def run(args: argparse.Namespace) -> int:
     table, ok = [], True
     print(f"check (layer 0, tolerance {TOLERANCE}):")
     for tokens in tokens_list:
-        g = torch.Generator().manual_seed(tokens)
-        indices = torch.rand(tokens, experts, generator=g).topk(TOPK, dim=-1).indices.to(device)
-        bounds = fused_moe.sort_by_expert(indices, experts)[1]
-        x = torch.randn(tokens * TOPK, width, generator=g).to(device, dtype)
+        bounds, (x,) = routed_rows(tokens, sz)
         rows = x.shape[0]
         candidates = [(f"mxfp4 {p}", *mxfp4_layer(p), 4.25) for p in paths]
         candidates += [
