@@ -123,44 +123,38 @@ def time_per_layer(
     fn: Callable[[int], object], layers: int, reps: int, device, graph: bool = True
 ) -> float:  # fmt: skip
     """Median ms per call of fn(layer) over all layers: a CUDA graph of the calls replayed, or with `graph`
-    False (and on the CPU) the calls run eagerly, between two events on a CUDA device."""
-    for layer in range(layers):  # compile and warm up outside the capture
-        fn(layer)
-    if device.type == "cuda" and not graph:
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for layer in range(layers):
-                fn(layer)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / layers)
-        return statistics.median(times)
-    if device.type != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            for layer in range(layers):
-                fn(layer)
-            times.append((time.perf_counter() - start) * 1e3 / layers)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    False (and on the CPU) the calls run eagerly (`elapsed_ms`)."""
+
+    def calls() -> None:
         for layer in range(layers):
             fn(layer)
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / layers)
-    del graph
+
+    calls()  # compile and warm up outside the capture
+    run, captured = calls, None
+    if device.type == "cuda" and graph:
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            calls()
+        captured.replay()
+        run = captured.replay
+    times = [elapsed_ms(run, device) / layers for _ in range(reps)]
+    del captured
     return statistics.median(times)
+
+
+def elapsed_ms(run: Callable[[], object], device) -> float:
+    """Milliseconds of one run(): between two events on a CUDA device, by the host's clock elsewhere."""
+    if device.type != "cuda":
+        began = time.perf_counter()
+        run()
+        return (time.perf_counter() - began) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def copy_rate(device) -> float | None:

@@ -239,18 +239,23 @@ def describe(cfg: Mxfp4Config) -> str:
     return f"{tiles} w{cfg.warps} s{cfg.stages}{regs}{swap}{decode}"
 
 
+def library_gemm(x, layers: Layers, i: int, bounds, second: bool):
+    """Layer i's fc1 (fc2 with `second`) product on its bf16 weights: the library's grouped GEMM on CUDA,
+    the dequantize-then-compute reference elsewhere."""
+    if x.is_cuda:
+        weight = layers.w2[i] if second else layers.w1[i]
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=bounds[1:])
+    blocks, scales = layers.fc2[i] if second else layers.fc1[i]
+    return mxfp4_gemm.reference_dequantized(x, blocks, scales, bounds)
+
+
 def library_fc1(x, layers: Layers, i: int, bounds):
-    gemm = torch._grouped_mm(x, layers.w1[i].transpose(1, 2), offs=bounds[1:]) if x.is_cuda else None
-    if gemm is None:
-        gemm = mxfp4_gemm.reference_dequantized(x, layers.fc1[i][0], layers.fc1[i][1], bounds)
+    gemm = library_gemm(x, layers, i, bounds, False)
     return fused_moe.swiglu_bias(gemm, layers.b1[i], bounds, LIMIT, ALPHA)
 
 
 def library_fc2(h, layers: Layers, i: int, bounds):
-    gemm = torch._grouped_mm(h, layers.w2[i].transpose(1, 2), offs=bounds[1:]) if h.is_cuda else None
-    if gemm is None:
-        gemm = mxfp4_gemm.reference_dequantized(h, layers.fc2[i][0], layers.fc2[i][1], bounds)
-    return fused_moe.expert_bias(gemm, layers.b2[i], bounds)
+    return fused_moe.expert_bias(library_gemm(h, layers, i, bounds, True), layers.b2[i], bounds)
 
 
 def decode_fc1(x, layers: Layers, i: int, bounds):

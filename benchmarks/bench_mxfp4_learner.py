@@ -55,11 +55,7 @@ def learner_layer(path: str, layers: Layers, held: list[tuple[tuple, tuple]], by
 
     def gemm(x, i: int, bounds, second: bool):
         if path == "bf16":
-            if x.is_cuda:
-                weight = layers.w2[i] if second else layers.w1[i]
-                return torch._grouped_mm(x, weight.transpose(1, 2), offs=bounds[1:])
-            blocks, scales = layers.fc2[i] if second else layers.fc1[i]
-            return mxfp4_gemm.reference_dequantized(x, blocks, scales, bounds)
+            return gemm_bench.library_gemm(x, layers, i, bounds, second)
         blocks, scales = held[i][1 if second else 0]
         return mxfp4_gemm.grouped_linear_mxfp4(x, blocks, scales, bounds, path, byte_format=byte_format)
 
