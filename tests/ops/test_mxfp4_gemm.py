@@ -689,6 +689,22 @@ def test_scales_loaded_a_step_ahead_give_the_same_products(monkeypatch, block_k)
     mxfp4_gemm.prefetch_scales.cache_clear()
 
 
+def spy_forward_launches(monkeypatch, record) -> None:
+    """`mxfp4_gemm`'s forward kernel launched as before, record(kwargs) called with each launch's keywords
+    first."""
+    kernels = mxfp4_gemm._kernels()
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                record(kwargs)
+                return kernels.mxfp4_fwd_kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(mxfp4_gemm, "_kernels", lambda: type("K", (), {"mxfp4_fwd_kernel": Spy()}))
+
+
 @interpreted
 def test_a_register_cap_reaches_the_launch(monkeypatch):
     """`Mxfp4Config.maxnreg` goes to the forward's launch as Triton's `maxnreg` (none at 0) with the same
@@ -698,19 +714,13 @@ def test_a_register_cap_reaches_the_launch(monkeypatch):
     counts, n, k = [6, 0, 19], 40, 96
     blocks, scales = weights(len(counts), 2 * n, k, seed=43)
     x, bounds = rows(counts, k, seed=43)
-    kernels = mxfp4_gemm._kernels()
     launches, flags = [], []
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs.get("maxnreg"))
-                flags.append((kwargs["PDL"], "launch_pdl" in kwargs))
-                return kernels.mxfp4_fwd_kernel[grid](*args, **kwargs)
+    def record(kwargs):
+        launches.append(kwargs.get("maxnreg"))
+        flags.append((kwargs["PDL"], "launch_pdl" in kwargs))
 
-            return launch
-
-    monkeypatch.setattr(mxfp4_gemm, "_kernels", lambda: type("K", (), {"mxfp4_fwd_kernel": Spy()}))
+    spy_forward_launches(monkeypatch, record)
     out = {
         cap: fc1_swiglu_mxfp4(
             x, blocks, scales, None, bounds, LIMIT, ALPHA, "portable", dataclasses.replace(TILES, maxnreg=cap)
@@ -743,18 +753,8 @@ def test_half_height_tail_tiles(monkeypatch, gated):
     x, bounds = rows(counts, k, seed=47)
     bias = torch.randn(len(counts), (2 if gated else 1) * n, generator=torch.Generator().manual_seed(48))
     ref = reference_dequantized(x, blocks, scales, bounds, bias, (LIMIT, ALPHA) if gated else None, None)
-    kernels = mxfp4_gemm._kernels()
     launches = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs["HALF_TAIL"])
-                return kernels.mxfp4_fwd_kernel[grid](*args, **kwargs)
-
-            return launch
-
-    monkeypatch.setattr(mxfp4_gemm, "_kernels", lambda: type("K", (), {"mxfp4_fwd_kernel": Spy()}))
+    spy_forward_launches(monkeypatch, lambda kwargs: launches.append(kwargs["HALF_TAIL"]))
     out = {}
     for half in (True, False):
         tiles = dataclasses.replace(TILES, block_m=32, half_tail=half)
